@@ -1,0 +1,162 @@
+r"""The intra-operator ILP (Alpa, OSDI'22, section 4.2), solved with PuLP.
+
+Given a cost graph with variables ``v`` (each a node, or a group of merged nodes) holding
+``k_v`` candidate strategies and edges ``(u, v)`` with resharding cost matrices ``R_uv``:
+
+    variables   s_v in {0,1}^{k_v},  1^T s_v = 1                    (one strategy per variable)
+                e_uv in [0,1]^{k_u x k_v}
+    linearize   sum_q e_uv[p, q] = s_u[p],   sum_p e_uv[p, q] = s_v[q]
+                (with s one-hot these force e_uv = s_u s_v^T, so e may stay continuous)
+    memory      sum_v m_v^T s_v <= M                                 (bytes per device)
+    minimize    sum_v c_v^T s_v + sum_uv <e_uv, R_uv>                (seconds per step)
+
+This module knows nothing about torch: the planner builds the ``CostGraph``. Memory has no
+edge terms, so the least memory any solution needs is ``sum_v min_p m_v[p]``; a budget below
+it is reported with that figure instead of trusting a solver's "infeasible".
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import pulp
+
+
+class MemoryBudgetError(ValueError):
+    """No sharding plan fits the memory budget; ``minimum_bytes`` is the least any plan needs."""
+
+    def __init__(self, budget: float, minimum: float):
+        self.budget, self.minimum_bytes = budget, minimum
+        super().__init__(f"no plan fits the memory budget of {budget / 2**30:.3f} GiB per device; "
+                         f"the least any plan needs is {minimum / 2**30:.3f} GiB ({minimum:.0f} bytes)")
+
+
+class SolverError(RuntimeError):
+    """The ILP solver returned no optimal solution (time limit with no incumbent, or failure)."""
+
+
+@dataclass
+class CostGraph:
+    """Variables with per-strategy costs and memory, and edges with cost matrices.
+
+    Attributes:
+        costs: per variable, seconds for each strategy.
+        memory: per variable, bytes per device for each strategy.
+        edges: ``(u, v) -> matrix`` with ``matrix[p][q]`` seconds when u picks p and v picks q.
+        names: per variable, a readable name (for LP files and debugging).
+    """
+
+    costs: list[list[float]]
+    memory: list[list[float]]
+    edges: dict[tuple[int, int], list[list[float]]] = field(default_factory=dict)
+    names: list[str] = field(default_factory=list)
+
+    def add_edge(self, u: int, v: int, matrix: list[list[float]]) -> None:
+        """Add (or accumulate into) the edge ``u -> v``; a self edge adds its diagonal to ``u``."""
+        if u == v:
+            for p in range(len(self.costs[u])):
+                self.costs[u][p] += matrix[p][p]
+            return
+        if (v, u) in self.edges:
+            u, v, matrix = v, u, [list(col) for col in zip(*matrix)]
+        if (u, v) in self.edges:
+            old = self.edges[(u, v)]
+            matrix = [[a + b for a, b in zip(r1, r2)] for r1, r2 in zip(old, matrix)]
+        self.edges[(u, v)] = matrix
+
+    def objective(self, choice: list[int]) -> float:
+        """Seconds of a full assignment (one strategy index per variable)."""
+        return sum(c[p] for c, p in zip(self.costs, choice)) + sum(
+            m[choice[u]][choice[v]] for (u, v), m in self.edges.items())
+
+    def memory_of(self, choice: list[int]) -> float:
+        return sum(m[p] for m, p in zip(self.memory, choice))
+
+    def min_memory(self) -> float:
+        return sum(min(m) for m in self.memory)
+
+
+@dataclass
+class Solution:
+    choice: list[int]
+    objective: float
+    memory: float
+    status: str
+
+
+def _solver(time_limit: float, name: str):
+    if name == "highs" or (name == "auto" and "HiGHS" in pulp.listSolvers(onlyAvailable=True)):
+        return pulp.HiGHS(msg=False, timeLimit=time_limit, threads=1, random_seed=0)
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, threads=1, options=["randomSeed 1", "randomCbcSeed 1"])
+
+
+def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float = 60.0,
+          solver: str = "cbc") -> Solution:
+    """Solve the ILP exactly (up to ``time_limit`` seconds of solver time).
+
+    Args:
+        graph: the cost graph.
+        memory_budget: bytes per device.
+        time_limit: seconds given to the MILP solver; the best incumbent is used when reached.
+        solver: ``"cbc"`` (bundled with PuLP), ``"highs"`` (needs highspy) or ``"auto"``.
+
+    Raises:
+        MemoryBudgetError: the budget is below the least memory any plan needs.
+        SolverError: the solver found no feasible assignment.
+    """
+    if graph.min_memory() > memory_budget:
+        raise MemoryBudgetError(memory_budget, graph.min_memory())
+    prob = pulp.LpProblem("alpa_intra_op", pulp.LpMinimize)
+    s = []
+    for v, costs in enumerate(graph.costs):
+        if len(costs) == 1:
+            s.append([1])
+            continue
+        xs = [pulp.LpVariable(f"s_{v}_{p}", cat=pulp.LpBinary) for p in range(len(costs))]
+        prob += pulp.lpSum(xs) == 1, f"one_{v}"
+        s.append(xs)
+    objective = [c * x for costs, xs in zip(graph.costs, s) for c, x in zip(costs, xs) if c]
+    for (u, v), matrix in sorted(graph.edges.items()):
+        if len(s[u]) == 1 or len(s[v]) == 1:  # the edge is linear in the other variable
+            for p, q in itertools.product(range(len(s[u])), range(len(s[v]))):
+                x = s[v][q] if len(s[u]) == 1 else s[u][p]
+                if matrix[p][q] and not (len(s[u]) == 1 and len(s[v]) == 1):
+                    objective.append(matrix[p][q] * x)
+                elif matrix[p][q]:
+                    objective.append(matrix[p][q])
+            continue
+        if not any(any(row) for row in matrix):
+            continue
+        e = [[pulp.LpVariable(f"e_{u}_{v}_{p}_{q}", lowBound=0, upBound=1) for q in range(len(s[v]))]
+             for p in range(len(s[u]))]
+        for p in range(len(s[u])):
+            prob += pulp.lpSum(e[p]) == s[u][p], f"row_{u}_{v}_{p}"
+        for q in range(len(s[v])):
+            prob += pulp.lpSum(e[p][q] for p in range(len(s[u]))) == s[v][q], f"col_{u}_{v}_{q}"
+        objective += [matrix[p][q] * e[p][q] for p in range(len(s[u])) for q in range(len(s[v])) if matrix[p][q]]
+    prob += pulp.lpSum(objective)
+    if math.isfinite(memory_budget):
+        prob += pulp.lpSum(m * x for mem, xs in zip(graph.memory, s) for m, x in zip(mem, xs)
+                           if m and not isinstance(x, int)) <= memory_budget - sum(
+            mem[0] for mem, xs in zip(graph.memory, s) if len(xs) == 1), "memory"
+    status = prob.solve(_solver(time_limit, solver))
+    if pulp.LpStatus[status] not in ("Optimal",) and prob.sol_status not in (pulp.LpSolutionIntegerFeasible,):
+        raise SolverError(f"ILP solver status {pulp.LpStatus[status]} ({len(graph.costs)} variables, "
+                          f"{len(graph.edges)} edges); try a longer time_limit")
+    choice = [0 if len(xs) == 1 else max(range(len(xs)), key=lambda p: xs[p].value() or 0.0) for xs in s]
+    return Solution(choice, graph.objective(choice), graph.memory_of(choice), pulp.LpStatus[status])
+
+
+def brute_force(graph: CostGraph, memory_budget: float = math.inf) -> Solution:
+    """Exhaustive enumeration of every assignment (for tests on small graphs)."""
+    best = None
+    for choice in itertools.product(*(range(len(c)) for c in graph.costs)):
+        if graph.memory_of(choice) > memory_budget:
+            continue
+        obj = graph.objective(list(choice))
+        if best is None or obj < best.objective - 1e-12:
+            best = Solution(list(choice), obj, graph.memory_of(choice), "Optimal")
+    if best is None:
+        raise MemoryBudgetError(memory_budget, graph.min_memory())
+    return best

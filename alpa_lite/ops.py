@@ -1,0 +1,501 @@
+"""Operator signatures: which dims of an op's operands and results move together.
+
+Every supported op is described einsum-style (as Alpa's and DTensor's einsum strategies do):
+each tensor dim of each operand and result gets a *label*; dims with the same label are cut
+together. A label that appears in no result is a *contraction* (matmul's ``k``, a reduced dim):
+splitting it leaves partial sums, reduced by an all-reduce inside the op. A *fixed* label may
+not be split at all (a softmax dim, a convolution's spatial dims, a broadcast size-1 dim).
+The strategy generator (``strategies.py``) enumerates mesh-axis assignments over the labels,
+so one routine covers matmul, elementwise, reductions, views, attention, embedding, losses,
+convolution and pooling.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+aten = torch.ops.aten
+Labels = tuple[str, ...]
+
+
+@dataclass
+class OpSignature:
+    """Labels for one node.
+
+    Attributes:
+        inputs: labels per tensor input, in ``node.all_input_nodes`` order.
+        outputs: labels per result (one entry for single-tensor ops).
+        fixed: labels that must stay replicated.
+        reduce: semantics of partial sums over contraction labels: ``"sum"`` or ``"mean"``
+            (a mean over a split dim is a local mean scaled by 1/shards, then summed).
+        post_reduce: input positions added after the reduction (a matmul's bias).
+        output_index: for ``getitem`` of a multi-result op, which result it selects.
+    """
+
+    inputs: list[Labels]
+    outputs: list[Labels]
+    fixed: set[str] = field(default_factory=set)
+    reduce: str = "sum"
+    post_reduce: set[int] = field(default_factory=set)
+
+    @property
+    def contraction(self) -> set[str]:
+        out = {lab for labs in self.outputs for lab in labs}
+        return {lab for labs in self.inputs for lab in labs} - out
+
+    @property
+    def labels(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for labs in itertools.chain(self.inputs, self.outputs):
+            for lab in labs:
+                seen.setdefault(lab)
+        return list(seen)
+
+
+def _val(n):
+    return n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+
+
+def _shape(n) -> tuple[int, ...]:
+    return tuple(int(s) for s in _val(n).shape)
+
+
+class _Fresh:
+    """Source of unique labels that can never be split (broadcast and fixed dims)."""
+
+    def __init__(self):
+        self.count = itertools.count()
+
+    def __call__(self) -> str:
+        return f"#{next(self.count)}"
+
+
+def _dims(prefix: str, n: int) -> Labels:
+    return tuple(f"{prefix}{i}" for i in range(n))
+
+
+def _broadcast(inp_shape, out_labels: Labels, out_shape, fresh) -> Labels:
+    """Labels of an operand broadcast (numpy rules) to a result labelled ``out_labels``."""
+    r, q = len(out_shape), len(inp_shape)
+    labs = []
+    for i in range(q):
+        o = r - q + i
+        labs.append(out_labels[o] if inp_shape[i] == out_shape[o] else fresh())
+    return tuple(labs)
+
+
+def _fixed_in(labs: Labels, dims) -> set[str]:
+    return {labs[d % len(labs)] for d in dims} if labs else set()
+
+
+def _tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    return [n for n in node.all_input_nodes if isinstance(_val(n), torch.Tensor)]
+
+
+# ----------------------------------------------------------------------------- op families
+
+def _pointwise(node, fresh) -> OpSignature:
+    out_shape = _shape(node)
+    out = _dims("d", len(out_shape))
+    ins = [_broadcast(_shape(n), out, out_shape, fresh) for n in _tensor_inputs(node)]
+    return OpSignature(ins, [out])
+
+
+def _broadcast_tensors(node, fresh) -> OpSignature:
+    out_shape = tuple(_val(node)[0].shape)
+    out = _dims("d", len(out_shape))
+    ins = [_broadcast(_shape(n), out, out_shape, fresh) for n in _tensor_inputs(node)]
+    return OpSignature(ins, [out] * len(_val(node)))
+
+
+def _same_labels(node, fresh) -> OpSignature:
+    """Single input, same shape result (contiguous, clone, dropout ...)."""
+    out = _dims("d", len(_shape(node)))
+    return OpSignature([out for _ in _tensor_inputs(node)], [out])
+
+
+def _normalize(node, fresh, dims) -> OpSignature:
+    sig = _same_labels(node, fresh)
+    sig.fixed |= _fixed_in(sig.outputs[0], dims)
+    return sig
+
+
+def _softmax(node, fresh):
+    return _normalize(node, fresh, [node.args[1]])
+
+
+def _layer_norm(node, fresh):
+    x, shape = node.args[0], node.args[1]
+    r = len(_shape(x))
+    out = _dims("d", r)
+    norm = out[r - len(shape):]
+    ins = [out] + [norm for n in _tensor_inputs(node)[1:]]
+    return OpSignature(ins, [out], fixed=set(norm))
+
+
+def _mm(node, fresh):
+    return OpSignature([("m", "k"), ("k", "n")], [("m", "n")])
+
+
+def _bmm(node, fresh):
+    return OpSignature([("b", "m", "k"), ("b", "k", "n")], [("b", "m", "n")])
+
+
+def _addmm_like(core):
+    def sig(node, fresh):
+        s = core(node, fresh)
+        bias = _broadcast(_shape(node.args[0]), s.outputs[0], _shape(node), fresh)
+        return OpSignature([bias] + s.inputs, s.outputs, post_reduce={0})
+    return sig
+
+
+def _linear(node, fresh):
+    x = _shape(node.args[0])
+    batch = _dims("d", len(x) - 1)
+    ins = [batch + ("k",), ("n", "k")]
+    post = set()
+    if len(node.args) > 2 and node.args[2] is not None:
+        ins.append(("n",))
+        post = {2}
+    return OpSignature(ins, [batch + ("n",)], post_reduce=post)
+
+
+def _matmul(node, fresh):
+    a, b = _shape(node.args[0]), _shape(node.args[1])
+    out_shape = _shape(node)
+    if len(a) < 2 or len(b) < 2:
+        return None  # vector products: replicated only
+    out = _dims("d", len(out_shape) - 2) + ("m", "n")
+    la = _broadcast(a[:-2], out[:-2], out_shape[:-2], fresh) + ("m", "k")
+    lb = _broadcast(b[:-2], out[:-2], out_shape[:-2], fresh) + ("k", "n")
+    return OpSignature([la, lb], [out])
+
+
+def _einsum(node, fresh):
+    eq = node.args[0].replace(" ", "")
+    lhs, rhs = eq.split("->") if "->" in eq else (eq, None)
+    terms = lhs.split(",")
+    if "." in eq or rhs is None or len(terms) != len(node.args[1]):
+        return None
+    if len(set(map(id, node.args[1]))) != len(node.args[1]):
+        return None
+    ins = [tuple(t) for t in terms]
+    for term, t in zip(ins, node.args[1]):
+        if len(term) != len(set(term)):  # diagonals: not supported
+            return None
+    return OpSignature(ins, [tuple(rhs)])
+
+
+def _reduction(reduce):
+    def sig(node, fresh):
+        x = _shape(node.args[0])
+        inp = _dims("d", len(x))
+        dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else list(range(len(x)))
+        if isinstance(dims, int):
+            dims = [dims]
+        dims = {d % len(x) for d in dims} if x else set()
+        keep = len(node.args) > 2 and bool(node.args[2]) or bool(node.kwargs.get("keepdim", False))
+        out = tuple(fresh() if i in dims else lab for i, lab in enumerate(inp)) if keep else \
+            tuple(lab for i, lab in enumerate(inp) if i not in dims)
+        return OpSignature([inp], [out], reduce=reduce)
+    return sig
+
+
+def _full_reduction(reduce):
+    def sig(node, fresh):
+        return OpSignature([_dims("d", len(_shape(node.args[0])))], [()], reduce=reduce)
+    return sig
+
+
+def _fixed_reduction(node, fresh):
+    """amax / max.dim / argmax: the reduced dims may not be split."""
+    x = _shape(node.args[0])
+    inp = _dims("d", len(x))
+    dims = node.args[1] if len(node.args) > 1 else list(range(len(x)))
+    dims = [dims] if isinstance(dims, int) else list(dims) or list(range(len(x)))
+    keep = len(node.args) > 2 and bool(node.args[2])
+    out = tuple(lab if (i not in [d % len(x) for d in dims] or keep) else None for i, lab in enumerate(inp))
+    out = tuple(lab for lab in out if lab is not None)
+    n_out = len(_val(node)) if isinstance(_val(node), (tuple, list)) else 1
+    return OpSignature([inp], [out] * n_out, fixed=_fixed_in(inp, dims))
+
+
+def _transpose(node, fresh):
+    r = len(_shape(node.args[0]))
+    inp = _dims("d", r)
+    out = list(inp)
+    if r >= 2:
+        d0, d1 = (node.args[1] % r, node.args[2] % r) if node.target != aten.t.default else (0, 1)
+        out[d0], out[d1] = out[d1], out[d0]
+    return OpSignature([inp], [tuple(out)])
+
+
+def _permute(node, fresh):
+    inp = _dims("d", len(_shape(node.args[0])))
+    return OpSignature([inp], [tuple(inp[d % len(inp)] for d in node.args[1])])
+
+
+def _unsqueeze(node, fresh):
+    inp = _dims("d", len(_shape(node.args[0])))
+    d = node.args[1] % (len(inp) + 1)
+    return OpSignature([inp], [inp[:d] + (fresh(),) + inp[d:]])
+
+
+def _squeeze(node, fresh):
+    x = _shape(node.args[0])
+    inp = tuple(lab if size != 1 else fresh() for lab, size in zip(_dims("d", len(x)), x))
+    out_shape = _shape(node)
+    out = tuple(lab for lab, size in zip(inp, x) if size != 1)
+    if len(out) != len(out_shape):  # squeeze of a dim that is not size 1 in some positions
+        return None
+    return OpSignature([inp], [out])
+
+
+def _view(node, fresh):
+    """Reshape: dims map in groups of equal product; a group's major dims share a label."""
+    src, dst = _shape(node.args[0]), _shape(node)
+    inp, out = [None] * len(src), [None] * len(dst)
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        if i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
+            inp[i] = fresh(); i += 1; continue
+        if j < len(dst) and dst[j] == 1 and (i >= len(src) or src[i] != 1):
+            out[j] = fresh(); j += 1; continue
+        gi, gj = [i], [j]
+        pi, pj = src[i], dst[j]
+        while pi != pj:
+            if pi < pj:
+                i += 1; gi.append(i); pi *= src[i]
+            else:
+                j += 1; gj.append(j); pj *= dst[j]
+        shared = f"g{gi[0]}"
+        for k, d in enumerate(gi):
+            inp[d] = shared if k == 0 else fresh()
+        for k, d in enumerate(gj):
+            out[d] = shared if k == 0 else fresh()
+        i, j = gi[-1] + 1, gj[-1] + 1
+    return OpSignature([tuple(inp)], [tuple(out)])
+
+
+def _expand(node, fresh):
+    out = _dims("d", len(_shape(node)))
+    return OpSignature([_broadcast(_shape(node.args[0]), out, _shape(node), fresh)], [out])
+
+
+def _split(node, fresh):
+    r = len(_shape(node.args[0]))
+    dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % r
+    inp = _dims("d", r)
+    return OpSignature([inp], [inp] * len(_val(node)), fixed={inp[dim]})
+
+
+def _unbind(node, fresh):
+    r = len(_shape(node.args[0]))
+    dim = (node.args[1] if len(node.args) > 1 else 0) % r
+    inp = _dims("d", r)
+    out = inp[:dim] + inp[dim + 1:]
+    return OpSignature([inp], [out] * len(_val(node)), fixed={inp[dim]})
+
+
+def _cat(node, fresh):
+    out_shape = _shape(node)
+    r = len(out_shape)
+    dim = (node.args[1] if len(node.args) > 1 else 0) % r
+    out = _dims("d", r)
+    ins = [out for n in _tensor_inputs(node)]
+    if len(ins) != len([t for t in node.args[0] if _val(t) is not None]):
+        return None  # the same tensor twice: replicated only
+    return OpSignature(ins, [out], fixed={out[dim]})
+
+
+def _slice(node, fresh):
+    x = _shape(node.args[0])
+    r = len(x)
+    dim = (node.args[1] if len(node.args) > 1 else 0) % r
+    inp = _dims("d", r)
+    if _shape(node)[dim] == x[dim]:
+        return OpSignature([inp], [inp])
+    return OpSignature([inp], [inp], fixed={inp[dim]})
+
+
+def _select(node, fresh):
+    r = len(_shape(node.args[0]))
+    dim = node.args[1] % r
+    inp = _dims("d", r)
+    return OpSignature([inp], [inp[:dim] + inp[dim + 1:]], fixed={inp[dim]})
+
+
+def _sdpa(node, fresh):
+    q, k, v = (_shape(a) for a in node.args[:3])
+    if len(q) != 4 or q[1] != k[1]:
+        return None  # grouped-query attention with fewer kv heads: replicated only
+    ins = [("b", "h", "s", "d"), ("b", "h", "t", "d"), ("b", "h", "t", "e")]
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if isinstance(mask, torch.fx.Node):
+        ins.append(_broadcast(_shape(mask), ("b", "h", "s", "t"), (q[0], q[1], q[2], k[2]), fresh))
+    return OpSignature(ins, [("b", "h", "s", "e")], fixed={"s", "t", "d", "e"})
+
+
+def _embedding(node, fresh):
+    idx = _dims("d", len(_shape(node.args[1])))
+    # the vocab label "v" is a contraction: vocab-parallel embedding (Megatron) leaves partial sums
+    return OpSignature([("v", "h"), idx], [idx + ("h",)])
+
+
+def _cross_entropy(node, fresh):
+    logits = _shape(node.args[0])
+    reduction = node.args[4] if len(node.args) > 4 else node.kwargs.get("reduction", 1)
+    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+    if isinstance(weight, torch.fx.Node) or (len(node.args) > 6 and node.args[6]):
+        return None  # class weights / label smoothing: replicated only
+    x = ("n", "c") + _dims("d", len(logits) - 2)
+    t = ("n",) + x[2:]
+    if reduction == 0:
+        return OpSignature([x, t], [t], fixed={"c"})
+    return OpSignature([x, t], [()], fixed={"c"}, reduce="mean" if reduction == 1 else "sum")
+
+
+def _mse(node, fresh):
+    reduction = node.args[2] if len(node.args) > 2 else node.kwargs.get("reduction", 1)
+    sig = _pointwise(node, fresh) if reduction == 0 else None
+    if sig is not None:
+        return sig
+    a, b = _shape(node.args[0]), _shape(node.args[1])
+    if a != b:
+        return None
+    x = _dims("d", len(a))
+    return OpSignature([x, x], [()], reduce="mean" if reduction == 1 else "sum")
+
+
+def _conv(node, fresh):
+    x, w = _shape(node.args[0]), _shape(node.args[1])
+    nd = len(x) - 2
+    groups = node.args[6] if len(node.args) > 6 else 1
+    sp_in = tuple(fresh() for _ in range(nd))
+    sp_out = tuple(fresh() for _ in range(nd))
+    kern = tuple(fresh() for _ in range(nd))
+    c, o = ("c", "o") if groups == 1 else (fresh(), fresh())
+    ins = [("n", c) + sp_in, (o, c) + kern]
+    post = set()
+    if len(node.args) > 2 and isinstance(node.args[2], torch.fx.Node):
+        ins.append((o,))
+        post = {2}
+    return OpSignature(ins, [("n", o) + sp_out], post_reduce=post)
+
+
+def _batch_norm(node, fresh):
+    """Training batch norm: statistics over the batch, so the batch dim stays whole (no sync-BN)."""
+    x = _shape(node.args[0])
+    spatial = tuple(fresh() for _ in range(len(x) - 2))
+    n = fresh()
+    ins = [(n, "c") + spatial] + [("c",) for _ in _tensor_inputs(node)[1:]]
+    val = _val(node)
+    outs = [(n, "c") + spatial] + ([("c",)] * (len(val) - 1) if isinstance(val, (tuple, list)) else [])
+    return OpSignature(ins, outs)
+
+
+def _pool(node, fresh):
+    x = _shape(node.args[0])
+    nd = len(x) - 2
+    inp = ("n", "c") + tuple(fresh() for _ in range(nd))
+    val = _val(node)
+    outs = [("n", "c") + tuple(fresh() for _ in range(nd))]
+    if isinstance(val, (tuple, list)):
+        outs = outs * len(val)
+    return OpSignature([inp], outs)
+
+
+def _getitem(node, fresh):
+    return None  # handled by the strategy generator: follows the selected result
+
+
+# Views and layout ops: cheap, merged into their operand's ILP variable (Alpa's "follower" ops).
+FOLLOWER_TARGETS = {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int, aten.t.default,
+    aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+    aten.contiguous.default, aten.clone.default, aten.alias.default, aten.detach.default,
+    aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_as.default, aten.expand.default,
+    aten.flatten.using_ints, operator.getitem,
+}
+
+_TABLE = {
+    aten.mm.default: _mm, aten.bmm.default: _bmm, aten.addmm.default: _addmm_like(_mm),
+    aten.baddbmm.default: _addmm_like(_bmm), aten.linear.default: _linear, aten.matmul.default: _matmul,
+    aten.einsum.default: _einsum,
+    aten.sum.dim_IntList: _reduction("sum"), aten.mean.dim: _reduction("mean"),
+    aten.sum.default: _full_reduction("sum"), aten.mean.default: _full_reduction("mean"),
+    aten.amax.default: _fixed_reduction, aten.max.dim: _fixed_reduction, aten.argmax.default: _fixed_reduction,
+    aten.softmax.int: _softmax, aten._softmax.default: _softmax, aten.log_softmax.int: _softmax,
+    aten._log_softmax.default: _softmax,
+    aten.layer_norm.default: _layer_norm, aten.rms_norm.default: _layer_norm,
+    aten.transpose.int: _transpose, aten.t.default: _transpose, aten.permute.default: _permute,
+    aten.unsqueeze.default: _unsqueeze, aten.squeeze.dim: _squeeze, aten.squeeze.dims: _squeeze,
+    aten.squeeze.default: _squeeze,
+    aten.view.default: _view, aten.reshape.default: _view, aten._unsafe_view.default: _view,
+    aten.flatten.using_ints: _view, aten.expand.default: _expand,
+    aten.contiguous.default: _same_labels, aten.clone.default: _same_labels, aten.alias.default: _same_labels,
+    aten.detach.default: _same_labels, aten._to_copy.default: _same_labels, aten.to.dtype: _same_labels,
+    aten.to.dtype_layout: _same_labels, aten.dropout.default: _same_labels, aten.type_as.default: _pointwise,
+    aten.split.Tensor: _split, aten.split_with_sizes.default: _split, aten.chunk.default: _split,
+    aten.unbind.int: _unbind, aten.cat.default: _cat, aten.slice.Tensor: _slice, aten.select.int: _select,
+    aten.scaled_dot_product_attention.default: _sdpa, aten.embedding.default: _embedding,
+    aten.broadcast_tensors.default: _broadcast_tensors, aten.cross_entropy_loss.default: _cross_entropy, aten.mse_loss.default: _mse,
+    aten.conv2d.default: _conv, aten.conv1d.default: _conv, aten.convolution.default: _conv,
+    aten.batch_norm.default: _batch_norm, aten._native_batch_norm_legit_functional.default: _batch_norm,
+    aten.max_pool2d.default: _pool, aten.max_pool2d_with_indices.default: _pool,
+    aten.avg_pool2d.default: _pool, aten.adaptive_avg_pool2d.default: _pool,
+    aten.triu.default: lambda n, f: _normalize(n, f, [-1, -2]), aten.tril.default: lambda n, f: _normalize(n, f, [-1, -2]),
+}
+
+
+def signature(node: torch.fx.Node) -> OpSignature | None:
+    """The label signature of ``node``, or None when alpa-lite has no generator for its op
+    (the node then runs replicated)."""
+    fresh = _Fresh()
+    rule = _TABLE.get(node.target)
+    if rule is None and isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags:
+        rule = _pointwise
+    if rule is None or not isinstance(_val(node), (torch.Tensor, tuple, list)):
+        return None
+    if not all(isinstance(_val(n), torch.Tensor) for n in _tensor_inputs(node)):
+        return None
+    sig = rule(node, fresh)
+    if sig is None or len(sig.inputs) != len(_tensor_inputs(node)):
+        return None
+    return sig
+
+
+def is_supported(node: torch.fx.Node) -> bool:
+    return node.target in _TABLE or (
+        isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags)
+
+
+def flops(node: torch.fx.Node, sig: OpSignature | None) -> float:
+    """Forward FLOPs of ``node``: 2 x product of all label sizes for contractions (matmul,
+    einsum, conv), else one per result element."""
+    sizes: dict[str, int] = {}
+    ins = _tensor_inputs(node)
+    if sig is not None:
+        for labs, n in zip(sig.inputs, ins):
+            for lab, s in zip(labs, _shape(n)):
+                sizes[lab] = max(sizes.get(lab, 1), s)
+        if node.target in (aten.conv2d.default, aten.conv1d.default, aten.convolution.default):
+            w = _shape(node.args[1])
+            out = _val(node)
+            return 2.0 * out.numel() * math.prod(w[1:])
+        if node.target is aten.scaled_dot_product_attention.default:
+            b, h, s, d = _shape(node.args[0])
+            t = _shape(node.args[1])[2]
+            return 4.0 * b * h * s * t * d
+        if sig.contraction and node.target in _TABLE and _TABLE[node.target] in (_mm, _bmm, _linear, _matmul, _einsum) \
+                or node.target in (aten.addmm.default, aten.baddbmm.default):
+            return 2.0 * math.prod(sizes.values())
+    val = _val(node)
+    if isinstance(val, torch.Tensor):
+        return float(max(val.numel(), max((_val(n).numel() for n in ins), default=0)))
+    return 0.0

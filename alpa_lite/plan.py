@@ -1,0 +1,158 @@
+"""The ``Plan``: everything the runtime needs, and everything a user asks about a plan.
+
+One validated, serializable object (JSON round trip): per-parameter storage specs by FQN, the
+strategy chosen for every node, the collectives a training step issues, and the predicted step
+time (compute / communication) and memory per device.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .mesh import LogicalMesh
+from .spec import ShardingSpec
+
+PLAN_VERSION = 1
+
+
+class PlanError(ValueError):
+    """A plan file is corrupt or does not belong to the model / mesh it is used with."""
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """The strategy chosen for one graph node (specs as Alpa strings, e.g. ``"S0R"``)."""
+
+    strategy: str
+    in_specs: tuple[str, ...]
+    out_specs: tuple[str, ...]
+    partial_axes: tuple[int, ...] = ()
+    reduce: str = "sum"
+    grad_partial: tuple[tuple[int, ...] | None, ...] = ()
+    inputs: tuple[str, ...] = ()
+    input_results: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective a training step issues.
+
+    Attributes:
+        kind: ``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"`` or ``"all-to-all"``.
+        mesh_axis: the mesh axis it runs along.
+        nbytes: the per-device bytes of the cost formula (mesh.py).
+        phase: ``"forward"`` or ``"backward"``.
+        node: the consuming node (resharding) or the node reducing its partial result.
+        tensor: the tensor moved (producer node name).
+        seconds: predicted time.
+    """
+
+    kind: str
+    mesh_axis: int
+    nbytes: float
+    phase: str
+    node: str
+    tensor: str
+    seconds: float
+
+
+@dataclass
+class Plan:
+    """An intra-operator sharding plan for one model on one logical mesh.
+
+    Attributes:
+        mesh: the logical mesh (shape and cost figures) planned for.
+        param_specs: parameter FQN -> storage spec string (``"S1R"``); tied names share one.
+        input_specs: user-input placeholder name -> spec string.
+        nodes: node name -> ``NodePlan``.
+        collectives: every collective of one training step, in execution order per phase.
+        compute_seconds / comm_seconds: predicted step time split, seconds.
+        memory_bytes: predicted peak memory per device, bytes.
+        fingerprint: hash of the captured graph (``CapturedGraph.fingerprint``).
+        stats: planning statistics (capture / strategy / ILP seconds, ILP size).
+    """
+
+    mesh: LogicalMesh
+    param_specs: dict[str, str]
+    input_specs: dict[str, str]
+    nodes: dict[str, NodePlan]
+    collectives: list[Collective]
+    compute_seconds: float
+    comm_seconds: float
+    memory_bytes: float
+    fingerprint: str
+    options: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def step_seconds(self) -> float:
+        """Predicted time of one training step, seconds."""
+        return self.compute_seconds + self.comm_seconds
+
+    def collective_counts(self) -> dict[tuple[str, str], int]:
+        """``(kind, phase) -> count`` over one training step."""
+        counts: dict[tuple[str, str], int] = {}
+        for c in self.collectives:
+            counts[(c.kind, c.phase)] = counts.get((c.kind, c.phase), 0) + 1
+        return counts
+
+    def to_dict(self, stats: bool = False) -> dict:
+        d = {
+            "version": PLAN_VERSION,
+            "fingerprint": self.fingerprint,
+            "mesh": self.mesh.to_dict(),
+            "options": self.options,
+            "param_specs": dict(sorted(self.param_specs.items())),
+            "input_specs": dict(sorted(self.input_specs.items())),
+            "nodes": {k: asdict(v) for k, v in self.nodes.items()},
+            "collectives": [asdict(c) for c in self.collectives],
+            "compute_seconds": self.compute_seconds,
+            "comm_seconds": self.comm_seconds,
+            "memory_bytes": self.memory_bytes,
+        }
+        if stats:
+            d["stats"] = self.stats
+        return d
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        """The plan as JSON (byte-identical for the same inputs); written to ``path`` if given.
+        Timing statistics are left out so the text depends only on the inputs."""
+        text = json.dumps(self.to_dict(), indent=1, sort_keys=False)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> "Plan":
+        """Read a plan from JSON text or a file.
+
+        Raises:
+            PlanError: unreadable JSON, a missing field or a malformed spec.
+        """
+        source = "plan JSON"
+        text = str(text_or_path)
+        if not text.lstrip().startswith("{"):
+            source = f"plan file {text}"
+            try:
+                text = Path(text).read_text()
+            except OSError as e:
+                raise PlanError(f"cannot read {source}: {e}") from None
+        try:
+            d = json.loads(text)
+            if d.get("version") != PLAN_VERSION:
+                raise PlanError(f"{source}: unsupported plan version {d.get('version')!r}")
+            nodes = {k: NodePlan(v["strategy"], tuple(v["in_specs"]), tuple(v["out_specs"]),
+                                 tuple(v["partial_axes"]), v["reduce"], tuple(None if g is None else tuple(g) for g in v["grad_partial"]),
+                                 tuple(v["inputs"]), tuple(v["input_results"])) for k, v in d["nodes"].items()}
+            for spec in [*d["param_specs"].values(), *d["input_specs"].values(),
+                         *(s for n in nodes.values() for s in n.in_specs + n.out_specs)]:
+                ShardingSpec.parse(spec)
+            return cls(LogicalMesh.from_dict(d["mesh"]), dict(d["param_specs"]), dict(d["input_specs"]), nodes,
+                       [Collective(**c) for c in d["collectives"]], float(d["compute_seconds"]),
+                       float(d["comm_seconds"]), float(d["memory_bytes"]), str(d["fingerprint"]),
+                       dict(d.get("options", {})), dict(d.get("stats", {})))
+        except PlanError:
+            raise
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+            raise PlanError(f"{source} is corrupt: {type(e).__name__}: {e}") from None

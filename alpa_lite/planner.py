@@ -1,0 +1,276 @@
+"""``plan()``: capture -> strategies -> cost graph -> ILP -> ``Plan``.
+
+Building the cost graph shrinks the ILP two ways (DESIGN.md, "Shrink it"):
+- a *follower* (view, transpose, unary elementwise, getitem) joins its operand's variable when
+  every operand strategy has a matching follower strategy (Alpa's merged nodes);
+- nodes at the same place in identical repeated blocks (``h.0.attn`` ... ``h.31.attn``, same
+  shapes and strategies, at least ``MIN_SHARED_LAYER_NODES`` nodes per block) share one
+  variable, so every block gets the same solution.
+Both restrict the search space, never the accounting: each node's costs and each edge's
+resharding matrix still enter the objective and the memory sum once per node.
+"""
+from __future__ import annotations
+
+import math
+import re
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .capture import CapturedGraph, capture
+from .ilp import CostGraph, solve
+from .mesh import LogicalMesh
+from .plan import Collective, NodePlan, Plan
+from .resharding import ReshardCosts, backward_steps, forward_steps, step_cost
+from .spec import ShardingSpec
+from .strategies import NodeStrategies, Strategy, build_strategies
+
+
+@dataclass
+class _Var:
+    """Where a node's strategy comes from: ILP variable ``var``, and per variable strategy
+    index the node's own strategy index."""
+
+    var: int
+    index: list[int]
+
+
+_LAYER = re.compile(r"^(.*?)\.(\d+)(\..*)?$")
+MIN_SHARED_LAYER_NODES = 8  # a repeated "layer" smaller than this (one Linear) is not a block
+
+
+def _layer_of(node: torch.fx.Node):
+    stack = node.meta.get("nn_module_stack")
+    m = _LAYER.match(list(stack.values())[-1][0]) if stack else None
+    return (m.group(1), m.group(2), m.group(3) or "") if m else None
+
+
+def _layer_key(node: torch.fx.Node, counters: dict, sizes: dict) -> tuple | None:
+    layer = _layer_of(node)
+    if layer is None or sizes[layer[:2]] < MIN_SHARED_LAYER_NODES:
+        return None
+    prefix, index, rest = layer
+    slot = (prefix, index, rest, str(node.target))
+    counters[slot] = counters.get(slot, -1) + 1
+    return prefix, rest, str(node.target), counters[slot]
+
+
+def _strategy_signature(ns: NodeStrategies) -> tuple:
+    return tuple((s.name, s.in_specs, s.out_specs, s.grad_partial, round(s.cost, 15), round(s.memory, 3))
+                 for s in ns.strategies)
+
+
+def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: LogicalMesh,
+                     share_layers: bool = True, merge_followers: bool = True) -> tuple[CostGraph, dict[str, _Var]]:
+    """The ILP's cost graph and, per node, its variable and strategy mapping."""
+    graph = CostGraph(costs=[], memory=[])
+    where: dict[str, _Var] = {}
+    shared: dict[tuple, tuple[int, tuple]] = {}
+    counters: dict = {}
+    sizes: dict = {}
+    for node in cg.graph.nodes:
+        layer = _layer_of(node) if node.name in table else None
+        if layer is not None:
+            sizes[layer[:2]] = sizes.get(layer[:2], 0) + 1
+    reshard = ReshardCosts(mesh)
+
+    def new_var(name, ns):
+        graph.costs.append([0.0] * len(ns.strategies))
+        graph.memory.append([0.0] * len(ns.strategies))
+        graph.names.append(name)
+        return _Var(len(graph.costs) - 1, list(range(len(ns.strategies))))
+
+    for node in cg.graph.nodes:
+        ns = table.get(node.name)
+        if ns is None:
+            continue
+        placed = None
+        if merge_followers and ns.follower and len(ns.inputs) == 1:
+            src = where[ns.inputs[0]]
+            src_ns = table[ns.inputs[0]]
+            r = ns.input_results[0]
+            index = []
+            for p in src.index:
+                spec = src_ns.strategies[p].out_specs[r]
+                match = [q for q, s in enumerate(ns.strategies) if s.in_specs[0] == spec]
+                if not match:
+                    break
+                index.append(min(match, key=lambda q: ns.strategies[q].cost))
+            else:
+                placed = _Var(src.var, index)
+        if placed is None and share_layers:
+            key = _layer_key(node, counters, sizes)
+            if key is not None:
+                sig = _strategy_signature(ns)
+                if key in shared and shared[key][1] == sig:
+                    placed = _Var(shared[key][0], list(range(len(ns.strategies))))
+                elif key not in shared:
+                    placed = new_var(node.name, ns)
+                    shared[key] = (placed.var, sig)
+        if placed is None:
+            placed = new_var(node.name, ns)
+        where[node.name] = placed
+        for p, q in enumerate(placed.index):
+            graph.costs[placed.var][p] += ns.strategies[q].cost
+            graph.memory[placed.var][p] += ns.strategies[q].memory
+        matrices: dict[tuple, list[list[float]]] = {}
+        for i, (src_name, r) in enumerate(zip(ns.inputs, ns.input_results)):
+            src, src_ns = where[src_name], table[src_name]
+            val = cg.node(src_name).meta["val"]
+            val = val[r] if isinstance(val, (tuple, list)) else val
+            shape, itemsize = tuple(val.shape), val.element_size()
+            outs = tuple(src_ns.strategies[p].out_specs[r] for p in src.index)
+            ins = tuple((ns.strategies[q].in_specs[i], ns.strategies[q].grad_partial[i]) for q in placed.index)
+            key = (outs, ins, shape, itemsize)
+            if key not in matrices:
+                matrices[key] = [[reshard(o, spec, gp, shape, itemsize) for spec, gp in ins] for o in outs]
+            graph.add_edge(src.var, placed.var, matrices[key])
+    return graph, where
+
+
+def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: LogicalMesh) -> list[Collective]:
+    """Every collective of one training step for the chosen strategies: partial-sum all-reduces
+    inside ops, and the resharding of every edge, forward then backward."""
+    forward, backward = [], []
+    for name, np_ in nodes.items():
+        node = cg.node(name)
+        for i, (src_name, r) in enumerate(zip(np_.inputs, np_.input_results)):
+            val = cg.node(src_name).meta["val"]
+            val = val[r] if isinstance(val, (tuple, list)) else val
+            src = ShardingSpec.parse(nodes[src_name].out_specs[r])
+            dst = ShardingSpec.parse(np_.in_specs[i])
+            args = (tuple(val.shape), val.element_size(), mesh.shape)
+            gp = np_.grad_partial[i]
+            for phase, steps, out in (("forward", forward_steps(src, dst, *args), forward),
+                                      ("backward", [] if gp is None else backward_steps(src, dst, gp, *args), backward)):
+                out.extend(Collective(s.kind, s.axis, s.nbytes, phase, name, src_name, step_cost(s, mesh))
+                           for s in steps if s.is_collective)
+        if np_.partial_axes:
+            vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else [node.meta["val"]]
+            for spec, val in zip(np_.out_specs, vals):
+                local = val.element_size() * math.prod(ShardingSpec.parse(spec).local_shape(tuple(val.shape), mesh.shape))
+                for axis in np_.partial_axes:
+                    forward.append(Collective("all-reduce", axis, float(local), "forward", name, name,
+                                              mesh.all_reduce_cost(local, (axis,))))
+    return forward + backward[::-1]
+
+
+def _restrict(ns: NodeStrategies, keep) -> None:
+    kept = [s for s in ns.strategies if keep(s)]
+    ns.strategies[:] = kept
+
+
+def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None, *, targets: tuple = (),
+         memory_budget: float | None = None, force_data_parallel: bool = False, batch_axis: int | None = None,
+         param_specs: dict[str, str] | None = None, input_specs: dict[str, str] | None = None,
+         share_layers: bool = True, time_limit: float = 60.0, solver: str = "cbc", progress=None) -> Plan:
+    """Find the intra-operator sharding plan that minimizes the predicted training-step time.
+
+    Args:
+        model: the module (parameters may be on the meta device).
+        example_inputs: tuple of model inputs with GLOBAL shapes.
+        mesh: the logical mesh (``LogicalMesh``), real or only described.
+        loss_fn: ``loss_fn(output, *targets) -> scalar``; None when the model returns its loss.
+        targets: tensors passed to ``loss_fn`` after the output.
+        memory_budget: bytes per device (default: ``mesh.memory_bytes``).
+        force_data_parallel: every parameter replicated, inputs split by batch over the mesh.
+        batch_axis: force the inputs' batch dim (dim 0) to be split along this mesh axis.
+        param_specs: FQN -> spec string to force (e.g. Megatron's ``{"fc1.weight": "S1R"}``).
+        input_specs: user-input placeholder name (or position ``"0"``, ``"1"``...) -> spec string.
+        share_layers: identical repeated layers share one solution (smaller ILP).
+        time_limit: ILP solver seconds.
+        progress: callable ``progress(stage: str)`` called as planning advances.
+
+    Returns:
+        the ``Plan``.
+
+    Raises:
+        CaptureError: the model could not be captured.
+        ValueError: a forced spec does not divide its tensor, or names no parameter.
+        MemoryBudgetError: nothing fits the budget (the message gives the minimum needed).
+    """
+    say = progress or (lambda stage: None)
+    stats = {}
+    t0 = time.perf_counter()
+    say("capture")
+    cg = capture(model, example_inputs, loss_fn, targets)
+    stats["capture_s"] = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    say("strategies")
+    table = build_strategies(cg, mesh, warn=lambda msg: warnings.warn(msg, stacklevel=3))
+    _apply_constraints(cg, table, mesh, force_data_parallel, batch_axis, param_specs or {}, input_specs or {})
+    graph, where = build_cost_graph(cg, table, mesh, share_layers=share_layers)
+    stats["strategy_s"] = time.perf_counter() - t1
+    stats["nodes"] = len(table)
+    stats["ilp_variables"] = len(graph.costs)
+    stats["ilp_edges"] = len(graph.edges)
+    stats["ilp_strategy_vars"] = sum(len(c) for c in graph.costs if len(c) > 1)
+    stats["ilp_edge_vars"] = sum(len(m) * len(m[0]) for m in graph.edges.values())
+    t2 = time.perf_counter()
+    say("ilp")
+    budget = mesh.memory_bytes if memory_budget is None else memory_budget
+    sol = solve(graph, budget, time_limit=time_limit, solver=solver)
+    stats["ilp_s"] = time.perf_counter() - t2
+    chosen = {name: table[name].strategies[w.index[sol.choice[w.var]]] for name, w in where.items()}
+    nodes = {name: _node_plan(s, table[name]) for name, s in chosen.items()}
+    compute = sum(s.compute for s in chosen.values())
+    options = {"memory_budget": budget if math.isfinite(budget) else None, "force_data_parallel": force_data_parallel,
+               "batch_axis": batch_axis, "share_layers": share_layers}
+    specs = {}
+    for ph, fqn in cg.param_fqns.items():
+        specs[fqn] = nodes[ph].out_specs[0]
+        for alias in cg.tied.get(fqn, []):
+            specs[alias] = specs[fqn]
+    result = Plan(mesh=mesh, param_specs=specs, input_specs={n: nodes[n].out_specs[0] for n in cg.input_names},
+                  nodes=nodes, collectives=plan_collectives(cg, nodes, mesh), compute_seconds=compute,
+                  comm_seconds=max(sol.objective - compute, 0.0), memory_bytes=sol.memory,
+                  fingerprint=cg.fingerprint(), options=options, stats=stats)
+    stats["total_s"] = time.perf_counter() - t0
+    result.captured = cg  # for the runtime and for explanations; not serialized
+    return result
+
+
+def _node_plan(s: Strategy, ns: NodeStrategies) -> NodePlan:
+    return NodePlan(s.name, tuple(map(str, s.in_specs)), tuple(map(str, s.out_specs)), s.partial_axes, s.reduce,
+                    s.grad_partial, tuple(ns.inputs), tuple(ns.input_results))
+
+
+def _apply_constraints(cg, table, mesh, force_dp, batch_axis, param_specs, input_specs) -> None:
+    by_fqn = {fqn: ph for ph, fqn in cg.param_fqns.items()}
+    for ph, fqn in cg.param_fqns.items():
+        for alias in cg.tied.get(fqn, []):
+            by_fqn[alias] = ph
+    for fqn, text in param_specs.items():
+        if fqn not in by_fqn:
+            raise ValueError(f"param_specs names {fqn!r}, which is not a parameter of the model")
+        _force(table[by_fqn[fqn]], ShardingSpec.parse(text), f"parameter {fqn}", cg, mesh)
+    for key, text in input_specs.items():
+        name = cg.input_names[int(key)] if key.isdigit() else key
+        if name not in table:
+            raise ValueError(f"input_specs names {key!r}, which is not an input of the model")
+        _force(table[name], ShardingSpec.parse(text), f"input {name}", cg, mesh)
+    if force_dp:
+        for ph in cg.param_fqns:
+            _restrict(table[ph], lambda s: not s.out_spec.axes())
+    if force_dp or batch_axis is not None:
+        want = {a for a in (0, 1) if mesh.shape[a] > 1} if force_dp else {batch_axis}
+        for name in cg.input_names:
+            ns = table[name]
+            if ns.strategies[0].out_spec.ndim == 0:
+                continue
+            ok = [s for s in ns.strategies if want <= set(s.out_spec.dims[0]) and
+                  (not force_dp or s.out_spec.axes() == set(s.out_spec.dims[0]))]
+            if not ok:
+                shape = tuple(cg.node(name).meta["val"].shape)
+                raise ValueError(f"batch dim of input {name} (shape {shape}) does not divide over mesh axes "
+                                 f"{sorted(want)} of mesh {mesh.shape}")
+            ns.strategies[:] = ok
+
+
+def _force(ns: NodeStrategies, spec: ShardingSpec, what: str, cg, mesh) -> None:
+    shape = tuple(cg.node(ns.node).meta["val"].shape)
+    if spec.ndim != len(shape) or not spec.divides(shape, mesh.shape):
+        raise ValueError(f"spec {spec} for {what} does not divide its shape {shape} on mesh {mesh.shape}")
+    _restrict(ns, lambda s: s.out_spec == spec)

@@ -1,0 +1,119 @@
+"""Resharding between two sharding specs, and the collectives it takes (forward and backward).
+
+One routine plans the steps; the cost model prices them and the runtime executes them, so the
+plan's collective list is exactly what a training step issues.
+
+Forward, ``src -> dst`` (the DTensor ``redistribute`` idea, restated for Alpa specs):
+1. for each dim whose mesh axes differ, drop axes from its minor end until what is left is a
+   prefix of the target entry: an axis the target puts on another dim (where it can be appended)
+   moves there by one **all-to-all**, any other is **all-gathered**;
+2. then split every dim further to its target entry by a local **slice** (no communication).
+
+Backward, the gradient arrives in ``dst`` and is a partial sum along the axes ``grad_partial``
+(operand replicated there while the consuming op's result is split). Each such axis is reduced
+first: by a **reduce-scatter** when ``src`` splits a dim along it (the ZeRO pattern: all-gather
+forward, reduce-scatter backward), else by an **all-reduce** (data-parallel gradient sync).
+What remains is the forward routine from the gradient's spec back to ``src``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .mesh import LogicalMesh
+from .spec import ShardingSpec
+
+
+@dataclass(frozen=True)
+class Step:
+    """One resharding step on one mesh axis.
+
+    ``kind`` is ``all-gather`` (along ``dim``), ``all-to-all`` (gather ``dim``, split ``dim2``),
+    ``reduce-scatter`` (scatter ``dim``), ``all-reduce``, or ``slice`` (local, split ``dim``).
+    ``nbytes`` is the per-device size the cost formula of ``kind`` takes (mesh.py).
+    """
+
+    kind: str
+    axis: int
+    dim: int | None
+    dim2: int | None
+    nbytes: float
+    before: ShardingSpec
+    after: ShardingSpec
+
+    @property
+    def is_collective(self) -> bool:
+        return self.kind != "slice"
+
+
+def _local_bytes(shape, itemsize, spec, mesh_shape) -> float:
+    return float(itemsize * math.prod(spec.local_shape(shape, mesh_shape)))
+
+
+def forward_steps(src: ShardingSpec, dst: ShardingSpec, shape, itemsize: int, mesh_shape) -> list[Step]:
+    """Steps that turn a tensor of global ``shape`` held in ``src`` into ``dst``."""
+    steps: list[Step] = []
+    cur = src
+    for d in range(src.ndim):
+        while cur.dims[d] != dst.dims[d][: len(cur.dims[d])]:
+            axis = cur.dims[d][-1]
+            dropped = cur.with_dim(d, cur.dims[d][:-1])
+            d2 = dst.dim_of_axis(axis)
+            if d2 is not None and d2 != d and dst.dims[d2][: len(cur.dims[d2]) + 1] == cur.dims[d2] + (axis,):
+                after = dropped.with_dim(d2, cur.dims[d2] + (axis,))
+                if after.divides(shape, mesh_shape):
+                    steps.append(Step("all-to-all", axis, d, d2, _local_bytes(shape, itemsize, cur, mesh_shape), cur, after))
+                    cur = after
+                    continue
+            steps.append(Step("all-gather", axis, d, None, _local_bytes(shape, itemsize, dropped, mesh_shape), cur, dropped))
+            cur = dropped
+    for d in range(src.ndim):
+        for axis in dst.dims[d][len(cur.dims[d]):]:
+            after = cur.with_dim(d, cur.dims[d] + (axis,))
+            steps.append(Step("slice", axis, d, None, 0.0, cur, after))
+            cur = after
+    assert cur == dst, (src, dst, cur)
+    return steps
+
+
+def backward_steps(src: ShardingSpec, dst: ShardingSpec, grad_partial, shape, itemsize, mesh_shape) -> list[Step]:
+    """Steps that turn the gradient (in ``dst``, partial along ``grad_partial``) into ``src``."""
+    steps: list[Step] = []
+    cur = dst
+    for axis in sorted(grad_partial):
+        d = src.dim_of_axis(axis)
+        nbytes = _local_bytes(shape, itemsize, cur, mesh_shape)
+        if d is not None and cur.dim_of_axis(axis) is None and \
+                src.dims[d][: len(cur.dims[d]) + 1] == cur.dims[d] + (axis,):
+            after = cur.with_dim(d, cur.dims[d] + (axis,))
+            steps.append(Step("reduce-scatter", axis, d, None, nbytes, cur, after))
+            cur = after
+        else:
+            steps.append(Step("all-reduce", axis, None, None, nbytes, cur, cur))
+    return steps + forward_steps(cur, src, shape, itemsize, mesh_shape)
+
+
+def step_cost(step: Step, mesh: LogicalMesh) -> float:
+    """Seconds of one step under the alpha-beta model (a slice is free)."""
+    if step.kind == "slice":
+        return 0.0
+    return mesh.collective_cost(step.kind, step.nbytes, (step.axis,))
+
+
+class ReshardCosts:
+    """Memoized cost (seconds, forward + backward) of moving a tensor between specs."""
+
+    def __init__(self, mesh: LogicalMesh):
+        self.mesh = mesh
+        self._cache: dict[tuple, float] = {}
+
+    def __call__(self, src: ShardingSpec, dst: ShardingSpec, grad_partial, shape, itemsize) -> float:
+        """``grad_partial`` None: the tensor needs no gradient, so there is no backward."""
+        key = (src, dst, grad_partial, tuple(shape), itemsize)
+        cost = self._cache.get(key)
+        if cost is None:
+            steps = forward_steps(src, dst, shape, itemsize, self.mesh.shape)
+            if grad_partial is not None:
+                steps += backward_steps(src, dst, grad_partial, shape, itemsize, self.mesh.shape)
+            cost = self._cache[key] = sum(step_cost(s, self.mesh) for s in steps)
+        return cost

@@ -1,0 +1,101 @@
+"""Sharding specs in Alpa notation (Zheng et al., OSDI'22, section 4.1).
+
+A spec holds one entry per tensor dim: the mesh axes that split the dim, in major-to-minor
+order. ``()`` is ``R`` (replicated), ``(0,)`` is ``S0``, ``(1,)`` is ``S1`` and ``(0, 1)`` is
+``S01`` (split over both axes, axis 0 major: device ``(i, j)`` holds chunk ``i * n1 + j``).
+Written together a ``[B, H]`` activation split by batch on axis 0 is ``S0R``.
+
+DTensor equivalence: ``S0R`` on a 2D mesh is ``(Shard(0), Replicate())`` and ``S01R`` is
+``(Shard(0), Shard(0))``.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+_ENTRY = re.compile(r"R|S01|S10|S0|S1")
+_NAMES = {(): "R", (0,): "S0", (1,): "S1", (0, 1): "S01"}
+
+
+@dataclass(frozen=True, order=True)
+class ShardingSpec:
+    """Per-dim mesh axes of one tensor; ``str(spec)`` gives the Alpa notation (``"S0R"``)."""
+
+    dims: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self):
+        used = [a for entry in self.dims for a in entry]
+        if len(used) != len(set(used)):
+            raise ValueError(f"a mesh axis may split only one tensor dim: {self.dims}")
+        for entry in self.dims:
+            if entry not in _NAMES:
+                raise ValueError(f"unsupported dim entry {entry}; use R, S0, S1 or S01")
+
+    @classmethod
+    def replicated(cls, ndim: int) -> "ShardingSpec":
+        return cls(((),) * ndim)
+
+    @classmethod
+    def parse(cls, text: str) -> "ShardingSpec":
+        """Parse ``"S0R"``, ``"RS01"`` ... ; ``""`` is the spec of a scalar.
+
+        Raises:
+            ValueError: on text that is not a sequence of R / S0 / S1 / S01.
+        """
+        entries = _ENTRY.findall(text)
+        if "".join(entries) != text:
+            raise ValueError(f"not a sharding spec: {text!r} (expected e.g. 'S0R', 'RS01')")
+        table = {v: k for k, v in _NAMES.items()}
+        if "S10" in entries:
+            raise ValueError(f"S10 is not supported (use S01, axis 0 major): {text!r}")
+        return cls(tuple(table[e] for e in entries))
+
+    def __str__(self) -> str:
+        return "".join(_NAMES[e] for e in self.dims)
+
+    def __repr__(self) -> str:
+        return f"ShardingSpec({str(self)!r})"
+
+    @property
+    def ndim(self) -> int:
+        return len(self.dims)
+
+    def axes(self) -> set[int]:
+        """Mesh axes that split some dim."""
+        return {a for entry in self.dims for a in entry}
+
+    def dim_of_axis(self, axis: int) -> int | None:
+        """The tensor dim split along mesh ``axis``, or None when replicated along it."""
+        for d, entry in enumerate(self.dims):
+            if axis in entry:
+                return d
+        return None
+
+    def shards(self, dim: int, mesh_shape: tuple[int, ...]) -> int:
+        """Number of pieces dim ``dim`` is cut into on a mesh of ``mesh_shape``."""
+        return math.prod(mesh_shape[a] for a in self.dims[dim])
+
+    def num_shards(self, mesh_shape: tuple[int, ...]) -> int:
+        """Number of distinct pieces the whole tensor is cut into."""
+        return math.prod(mesh_shape[a] for a in self.axes())
+
+    def divides(self, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> bool:
+        """True when every split dim divides evenly (the only specs alpa-lite uses)."""
+        return len(shape) == self.ndim and all(
+            size % self.shards(d, mesh_shape) == 0 for d, size in enumerate(shape))
+
+    def local_shape(self, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Shape of one device's shard of a tensor of global ``shape``.
+
+        Raises:
+            ValueError: when a split dim does not divide evenly.
+        """
+        if not self.divides(shape, mesh_shape):
+            raise ValueError(f"spec {self} does not divide shape {tuple(shape)} on mesh {mesh_shape}")
+        return tuple(size // self.shards(d, mesh_shape) for d, size in enumerate(shape))
+
+    def with_dim(self, dim: int, entry: tuple[int, ...]) -> "ShardingSpec":
+        dims = list(self.dims)
+        dims[dim] = entry
+        return ShardingSpec(tuple(dims))

@@ -1,0 +1,232 @@
+"""Sharding strategies of every node, with their cost tables (Alpa, OSDI'22, section 4.2).
+
+A strategy of a node assigns mesh axes to the labels of its signature (``ops.py``): each mesh
+axis of size > 1 splits at most one label, a label split by both axes is ``S01``. That fixes the
+spec every operand must arrive in, the spec of every result, and the mesh axes along which the
+result is a partial sum (split contraction labels), reduced by an all-reduce inside the op.
+For ``linear`` on a 2D mesh this yields Alpa's dot strategies: ``SS = SR x RS``, ``SR = SS x SR``
+with an all-reduce, ``RS = RS x SS`` with an all-reduce, batch splits, and their 2D mixes.
+
+Cost per strategy (seconds and bytes, for one training step):
+- compute: roofline of the local kernel, forward plus backward (2x forward FLOPs);
+- communication: forward all-reduce of a partial result; its backward dual is the identity;
+- memory: the local result kept for backward (parameters count their weights, gradients and
+  Adam states: 4x the local bytes).
+The gradient an operand receives is itself a partial sum along every mesh axis on which the
+operand is replicated but the op's result is split: that all-reduce (or reduce-scatter) is
+charged on the edge, by ``resharding.py``, together with the edge's resharding.
+"""
+from __future__ import annotations
+
+import itertools
+import operator
+from dataclasses import dataclass, replace
+
+import torch
+import torch.fx
+
+from .capture import CapturedGraph, nbytes_of, shape_of
+from .mesh import LogicalMesh
+from .ops import FOLLOWER_TARGETS, OpSignature, flops, signature
+from .spec import ShardingSpec
+
+BACKWARD_FLOPS_FACTOR = 2.0
+ADAM_BYTES_FACTOR = 4.0  # parameter + gradient + Adam's two moments, same dtype
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run a node.
+
+    Attributes:
+        name: readable label -> axis assignment, e.g. ``"k:S1"`` or ``"R"``.
+        in_specs: spec each tensor operand must arrive in (``node.all_input_nodes`` order).
+        out_specs: spec of each result.
+        partial_axes: mesh axes along which the raw local result is a partial sum.
+        reduce: ``"sum"`` or ``"mean"``: how the partial result is formed.
+        grad_partial: per operand, the mesh axes along which its gradient is a partial sum
+            (None for an operand that needs no gradient: data, or values computed from data only).
+        compute: seconds, forward + backward; comm: seconds of the forward all-reduce;
+        memory: bytes per device.
+    """
+
+    name: str
+    in_specs: tuple[ShardingSpec, ...]
+    out_specs: tuple[ShardingSpec, ...]
+    partial_axes: tuple[int, ...] = ()
+    reduce: str = "sum"
+    grad_partial: tuple[tuple[int, ...] | None, ...] = ()
+    compute: float = 0.0
+    comm: float = 0.0
+    memory: float = 0.0
+
+    @property
+    def out_spec(self) -> ShardingSpec:
+        return self.out_specs[0]
+
+    @property
+    def cost(self) -> float:
+        return self.compute + self.comm
+
+
+def _tensor_vals(val) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    return [v for v in val if isinstance(v, torch.Tensor)] if isinstance(val, (tuple, list)) else []
+
+
+def _nbytes_local(shape, itemsize, spec: ShardingSpec, mesh_shape) -> float:
+    n = itemsize
+    for s in spec.local_shape(shape, mesh_shape):
+        n *= s
+    return float(n)
+
+
+def _label_assignments(labels: list[str], mesh_shape: tuple[int, int]):
+    """Every map label -> mesh axes tuple with each axis (of size > 1) used at most once."""
+    axes = [a for a in (0, 1) if mesh_shape[a] > 1]
+    options = [None] + labels
+    for choice in itertools.product(options, repeat=len(axes)):
+        assign: dict[str, tuple[int, ...]] = {}
+        for axis, lab in zip(axes, choice):
+            if lab is not None:
+                assign[lab] = assign.get(lab, ()) + (axis,)
+        yield assign
+
+
+def _spec(labels, assign) -> ShardingSpec:
+    return ShardingSpec(tuple(assign.get(lab, ()) for lab in labels))
+
+
+def _describe(assign: dict[str, tuple[int, ...]]) -> str:
+    if not assign:
+        return "R"
+    return ",".join(f"{lab}:S{''.join(map(str, ax))}" for lab, ax in sorted(assign.items()))
+
+
+def enumerate_strategies(node: torch.fx.Node, sig: OpSignature, mesh: LogicalMesh) -> list[Strategy]:
+    """All strategies of ``node`` under ``sig`` whose split dims divide evenly, with costs."""
+    ins = [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    in_vals = [n.meta["val"] for n in ins]
+    out_vals = _tensor_vals(node.meta["val"])
+    fl = flops(node, sig)
+    contraction = sig.contraction
+    shardable = [lab for lab in sig.labels if lab not in sig.fixed and not lab.startswith("#")]
+    result: dict[tuple, Strategy] = {}
+    for assign in _label_assignments(shardable, mesh.shape):
+        in_specs = tuple(_spec(labs, assign) for labs in sig.inputs)
+        out_specs = tuple(_spec(labs, assign) for labs in sig.outputs)
+        if not all(s.divides(tuple(v.shape), mesh.shape) for s, v in zip(in_specs + out_specs, in_vals + out_vals)):
+            continue
+        partial = tuple(sorted(a for lab in contraction for a in assign.get(lab, ())))
+        varying = set(partial) | {a for s in out_specs for a in s.axes()}
+        grad_partial = tuple(
+            tuple(sorted(varying - s.axes() - (set(partial) if i in sig.post_reduce else set())))
+            for i, s in enumerate(in_specs))
+        shards = 1
+        for ax in assign.values():
+            for a in ax:
+                shards *= mesh.shape[a]
+        local_bytes = sum(_nbytes_local(tuple(v.shape), v.element_size(), s, mesh.shape)
+                          for s, v in zip(in_specs + out_specs, in_vals + out_vals))
+        compute = (1 + BACKWARD_FLOPS_FACTOR) * mesh.compute_cost(fl / shards, local_bytes)
+        out_local = sum(_nbytes_local(tuple(v.shape), v.element_size(), s, mesh.shape)
+                        for s, v in zip(out_specs, out_vals))
+        comm = mesh.all_reduce_cost(out_local, partial) if partial else 0.0
+        memory = 0.0 if node.target in FOLLOWER_TARGETS else out_local
+        key = (in_specs, out_specs, partial)
+        if key not in result:
+            result[key] = Strategy(_describe(assign), in_specs, out_specs, partial, sig.reduce, grad_partial,
+                                   compute, comm, memory)
+    return list(result.values())
+
+
+def replicated_strategy(node: torch.fx.Node, mesh: LogicalMesh) -> Strategy:
+    """The fallback: every operand and result replicated, the op computed on every device."""
+    ins = [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    outs = _tensor_vals(node.meta.get("val"))
+    in_specs = tuple(ShardingSpec.replicated(v.meta["val"].dim()) for v in ins)
+    out_specs = tuple(ShardingSpec.replicated(v.dim()) for v in outs)
+    nbytes = sum(nbytes_of(v.meta["val"]) for v in ins) + nbytes_of(node.meta.get("val"))
+    compute = (1 + BACKWARD_FLOPS_FACTOR) * mesh.compute_cost(flops(node, None), nbytes)
+    return Strategy("R", in_specs, out_specs, (), "sum", tuple(() for _ in ins), compute, 0.0,
+                    float(nbytes_of(node.meta.get("val"))))
+
+
+def placeholder_strategies(node: torch.fx.Node, mesh: LogicalMesh, is_param: bool) -> list[Strategy]:
+    """Storage specs of a parameter (ZeRO-3 when split along the batch axis) or of an input."""
+    val = node.meta["val"]
+    shape = tuple(val.shape)
+    labels = tuple(f"d{i}" for i in range(len(shape)))
+    out = []
+    seen = set()
+    for assign in _label_assignments(list(labels), mesh.shape):
+        spec = _spec(labels, assign)
+        if spec in seen or not spec.divides(shape, mesh.shape):
+            continue
+        seen.add(spec)
+        local = _nbytes_local(shape, val.element_size(), spec, mesh.shape)
+        out.append(Strategy(str(spec), (), (spec,), memory=local * (ADAM_BYTES_FACTOR if is_param else 1.0)))
+    return out
+
+
+@dataclass
+class NodeStrategies:
+    """The strategies of one node and what the generator knew about it."""
+
+    node: str
+    strategies: list[Strategy]
+    inputs: list[str]          # producer node names, one per operand
+    input_results: list[int]   # which result of the producer each operand reads (getitem)
+    follower: bool             # cheap op, may be merged into its operand's variable
+    supported: bool = True
+    requires_grad: bool = False  # the result depends on a parameter
+
+
+def build_strategies(cg: CapturedGraph, mesh: LogicalMesh, *, warn=None) -> dict[str, NodeStrategies]:
+    """Strategies for every tensor node of the captured graph, keyed by node name.
+
+    ``getitem`` nodes select one result of a multi-result op and follow it. Ops without a
+    generator get the replicated strategy; ``warn(message)`` is called once per such op.
+    """
+    table: dict[str, NodeStrategies] = {}
+    warned = set()
+    for node in cg.graph.nodes:
+        if node.op == "placeholder":
+            is_param = node.name in cg.param_fqns
+            table[node.name] = NodeStrategies(node.name, placeholder_strategies(node, mesh, is_param), [], [], False,
+                                              requires_grad=is_param)
+            continue
+        if node.op != "call_function" or not _tensor_vals(node.meta.get("val")):
+            continue
+        if node.target is operator.getitem:
+            src, idx = node.args
+            parent = table[src.name]
+            gp = (() if parent.requires_grad else None,)
+            strategies = [Strategy(s.name, (s.out_specs[idx],), (s.out_specs[idx],), grad_partial=gp)
+                          for s in parent.strategies]
+            strategies = list({s.in_specs: s for s in strategies}.values())
+            table[node.name] = NodeStrategies(node.name, strategies, [src.name], [idx], True,
+                                              requires_grad=parent.requires_grad)
+            continue
+        ins = [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+        sig = signature(node)
+        strategies = enumerate_strategies(node, sig, mesh) if sig is not None else []
+        supported = sig is not None
+        if not strategies:
+            strategies = [replicated_strategy(node, mesh)]
+            if not supported and warn is not None and str(node.target) not in warned:
+                warned.add(str(node.target))
+                warn(f"no sharding strategy for {node.target}: it runs replicated")
+        needs = [table[n.name].requires_grad for n in ins]
+        strategies = [replace(s, grad_partial=tuple(g if need else None for g, need in zip(s.grad_partial, needs)))
+                      for s in strategies]
+        table[node.name] = NodeStrategies(node.name, strategies, [n.name for n in ins], [0] * len(ins),
+                                          node.target in FOLLOWER_TARGETS or _unary_pointwise(node), supported,
+                                          requires_grad=any(needs))
+    return table
+
+
+def _unary_pointwise(node) -> bool:
+    return (isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags
+            and len([n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]) == 1)

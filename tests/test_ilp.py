@@ -1,0 +1,59 @@
+"""The ILP optimum equals exhaustive enumeration on small random cost graphs."""
+import math
+import random
+
+import pytest
+
+from alpa_lite.ilp import CostGraph, MemoryBudgetError, brute_force, solve
+
+
+def random_graph(seed: int) -> CostGraph:
+    rng = random.Random(seed)
+    n = rng.randint(4, 6)
+    ks = [rng.randint(1, 4) for _ in range(n)]
+    g = CostGraph(costs=[[rng.uniform(0, 10) for _ in range(k)] for k in ks],
+                  memory=[[rng.uniform(1, 5) for _ in range(k)] for k in ks])
+    for v in range(1, n):  # a connected DAG plus some extra edges
+        for u in {rng.randrange(v)} | {u for u in range(v) if rng.random() < 0.3}:
+            g.add_edge(u, v, [[rng.choice([0.0, rng.uniform(0, 8)]) for _ in range(ks[v])] for _ in range(ks[u])])
+    return g
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_ilp_matches_brute_force(seed):
+    g = random_graph(seed)
+    exact = brute_force(g)
+    sol = solve(g)
+    assert sol.objective == pytest.approx(exact.objective, rel=1e-6, abs=1e-6)
+    assert g.objective(sol.choice) == pytest.approx(sol.objective)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_ilp_matches_brute_force_under_memory_budget(seed):
+    g = random_graph(100 + seed)
+    lo, hi = g.min_memory(), sum(max(m) for m in g.memory)
+    budget = lo + 0.3 * (hi - lo)
+    exact = brute_force(g, budget)
+    sol = solve(g, budget)
+    assert sol.memory <= budget + 1e-9
+    assert sol.objective == pytest.approx(exact.objective, rel=1e-6, abs=1e-6)
+
+
+def test_budget_below_minimum_names_the_minimum():
+    g = random_graph(7)
+    with pytest.raises(MemoryBudgetError) as err:
+        solve(g, memory_budget=g.min_memory() * 0.5)
+    assert err.value.minimum_bytes == pytest.approx(g.min_memory())
+    assert "least any plan needs" in str(err.value)
+
+
+def test_self_edge_adds_diagonal():
+    g = CostGraph(costs=[[1.0, 2.0]], memory=[[0.0, 0.0]])
+    g.add_edge(0, 0, [[5.0, 0.0], [0.0, 0.0]])
+    assert solve(g).choice == [1]
+    assert solve(g).objective == pytest.approx(2.0)
+
+
+def test_deterministic():
+    g = random_graph(3)
+    assert solve(g).choice == solve(g).choice
