@@ -29,6 +29,8 @@ class CapturedGraph:
         input_names: placeholder names of the user inputs then targets, in call order.
         loss_name: the node holding the scalar loss.
         tied: parameter FQN -> other FQNs of the same tensor (weight tying).
+        buffer_mutations: output node name -> FQN of the buffer it updates (batch-norm statistics).
+        requires_grad: names of the nodes whose value autograd tracks (depends on a parameter).
     """
 
     graph_module: torch.fx.GraphModule
@@ -37,6 +39,8 @@ class CapturedGraph:
     input_names: list[str]
     loss_name: str
     tied: dict[str, list[str]] = field(default_factory=dict)
+    buffer_mutations: dict[str, str] = field(default_factory=dict)
+    requires_grad: set[str] = field(default_factory=set)
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -144,7 +148,35 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets
             tied.setdefault(seen[id(p)], []).append(fqn)
         else:
             seen[id(p)] = fqn
-    return CapturedGraph(gm, param_fqns, buffer_fqns, input_names, loss.name, tied)
+    mutations = {k: strip(v) for k, v in sig.buffers_to_mutate.items()}
+    return CapturedGraph(gm, param_fqns, buffer_fqns, input_names, loss.name, tied, mutations,
+                         _tracked_by_autograd(gm, set(param_fqns)))
+
+
+def _tracked_by_autograd(gm: torch.fx.GraphModule, params: set[str]) -> set[str]:
+    """Nodes whose result requires grad when only the parameters do, found by running the graph
+    on fake tensors (exact autograd semantics: a view of data stays untracked, for example)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    tracked: set[str] = set()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    class Tracker(torch.fx.Interpreter):
+        def run_node(self, n):
+            if n.op == "placeholder":
+                val = n.meta["val"]
+                out = mode.from_tensor(val) if isinstance(val, torch.Tensor) else val
+                out = out.detach().requires_grad_(True) if n.name in params else out
+            else:
+                out = super().run_node(n)
+            vals = out if isinstance(out, (tuple, list)) else [out]
+            if any(isinstance(v, torch.Tensor) and v.requires_grad for v in vals):
+                tracked.add(n.name)
+            return out
+
+    with mode:
+        Tracker(gm).run(*[None for n in gm.graph.nodes if n.op == "placeholder"])
+    return tracked
 
 
 def _is_op(target) -> bool:

@@ -159,6 +159,8 @@ def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Logica
 
 def _restrict(ns: NodeStrategies, keep) -> None:
     kept = [s for s in ns.strategies if keep(s)]
+    if not kept:
+        raise ValueError(f"the forced specs leave no strategy for {ns.node}")
     ns.strategies[:] = kept
 
 
@@ -251,22 +253,25 @@ def _apply_constraints(cg, table, mesh, force_dp, batch_axis, param_specs, input
         if name not in table:
             raise ValueError(f"input_specs names {key!r}, which is not an input of the model")
         _force(table[name], ShardingSpec.parse(text), f"input {name}", cg, mesh)
-    if force_dp:
+    if force_dp:  # parameters replicated, except those given a storage spec (ZeRO-style data parallel)
+        forced = {by_fqn[fqn] for fqn in param_specs}
         for ph in cg.param_fqns:
-            _restrict(table[ph], lambda s: not s.out_spec.axes())
+            if ph not in forced:
+                _restrict(table[ph], lambda s: not s.out_spec.axes())
     if force_dp or batch_axis is not None:
-        want = {a for a in (0, 1) if mesh.shape[a] > 1} if force_dp else {batch_axis}
-        for name in cg.input_names:
-            ns = table[name]
-            if ns.strategies[0].out_spec.ndim == 0:
+        want = tuple(a for a in (0, 1) if mesh.shape[a] > 1) if force_dp else (batch_axis,)
+        keep = (lambda entry: entry == want) if force_dp else (lambda entry: batch_axis in entry)
+        for name, ns in table.items():
+            d = ns.batch_dims[0]
+            if d is None or name in cg.param_fqns:
                 continue
-            ok = [s for s in ns.strategies if want <= set(s.out_spec.dims[0]) and
-                  (not force_dp or s.out_spec.axes() == set(s.out_spec.dims[0]))]
-            if not ok:
+            ok = [s for s in ns.strategies if keep(s.out_spec.dims[d])]
+            if ok:
+                ns.strategies[:] = ok
+            elif name in cg.input_names:
                 shape = tuple(cg.node(name).meta["val"].shape)
                 raise ValueError(f"batch dim of input {name} (shape {shape}) does not divide over mesh axes "
-                                 f"{sorted(want)} of mesh {mesh.shape}")
-            ns.strategies[:] = ok
+                                 f"{list(want)} of mesh {mesh.shape}")
 
 
 def _force(ns: NodeStrategies, spec: ShardingSpec, what: str, cg, mesh) -> None:

@@ -181,6 +181,7 @@ class NodeStrategies:
     follower: bool             # cheap op, may be merged into its operand's variable
     supported: bool = True
     requires_grad: bool = False  # the result depends on a parameter
+    batch_dims: tuple[int | None, ...] = (None,)  # per result: the dim that carries the inputs' batch
 
 
 def build_strategies(cg: CapturedGraph, mesh: LogicalMesh, *, warn=None) -> dict[str, NodeStrategies]:
@@ -194,20 +195,22 @@ def build_strategies(cg: CapturedGraph, mesh: LogicalMesh, *, warn=None) -> dict
     for node in cg.graph.nodes:
         if node.op == "placeholder":
             is_param = node.name in cg.param_fqns
+            batch = 0 if node.name in cg.input_names and node.meta["val"].dim() > 0 else None
             table[node.name] = NodeStrategies(node.name, placeholder_strategies(node, mesh, is_param), [], [], False,
-                                              requires_grad=is_param)
+                                              requires_grad=node.name in cg.requires_grad, batch_dims=(batch,))
             continue
         if node.op != "call_function" or not _tensor_vals(node.meta.get("val")):
             continue
         if node.target is operator.getitem:
             src, idx = node.args
             parent = table[src.name]
-            gp = (() if parent.requires_grad else None,)
+            gp = (() if node.name in cg.requires_grad else None,)
             strategies = [Strategy(s.name, (s.out_specs[idx],), (s.out_specs[idx],), grad_partial=gp)
                           for s in parent.strategies]
             strategies = list({s.in_specs: s for s in strategies}.values())
             table[node.name] = NodeStrategies(node.name, strategies, [src.name], [idx], True,
-                                              requires_grad=parent.requires_grad)
+                                              requires_grad=node.name in cg.requires_grad,
+                                              batch_dims=(parent.batch_dims[idx],))
             continue
         ins = [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
         sig = signature(node)
@@ -223,8 +226,21 @@ def build_strategies(cg: CapturedGraph, mesh: LogicalMesh, *, warn=None) -> dict
                       for s in strategies]
         table[node.name] = NodeStrategies(node.name, strategies, [n.name for n in ins], [0] * len(ins),
                                           node.target in FOLLOWER_TARGETS or _unary_pointwise(node), supported,
-                                          requires_grad=any(needs))
+                                          requires_grad=node.name in cg.requires_grad,
+                                          batch_dims=_batch_dims(sig, [table[n.name] for n in ins], len(strategies[0].out_specs)))
     return table
+
+
+def _batch_dims(sig: OpSignature | None, producers: list[NodeStrategies], n_out: int) -> tuple[int | None, ...]:
+    """Follow the inputs' batch dim through the op's labels (Alpa's batch-dim tracking)."""
+    if sig is None:
+        return (None,) * n_out
+    for labels, producer in zip(sig.inputs, producers):
+        b = producer.batch_dims[0] if len(producer.batch_dims) == 1 else None
+        if b is not None and b < len(labels):
+            label = labels[b]
+            return tuple(out.index(label) if label in out else None for out in sig.outputs)
+    return (None,) * n_out
 
 
 def _unary_pointwise(node) -> bool:

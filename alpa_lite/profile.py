@@ -1,0 +1,563 @@
+"""``alpa-lite profile``: measure a cluster and write a cluster JSON for the planner.
+
+The parent process (:func:`run`) starts ``nproc`` ranks with :func:`alpa_lite.launch.torchrun`;
+each rank runs this module with ``--worker``. For the logical mesh ``(n0, n1)`` over the ranks
+(rank ``r`` sits at ``(r // n1, r % n1)``: axis-1 groups are the rows ``i*n1 .. i*n1+n1-1``,
+axis-0 groups the columns) the workers measure:
+
+- every collective (all-reduce, all-gather, reduce-scatter, all-to-all) on each mesh axis of
+  size > 1, and on the whole world (``"01"``) when both axes are > 1, over a sweep of sizes
+  ``B``. ``B`` means what the cost methods of :class:`~alpa_lite.mesh.LogicalMesh` mean: the
+  all-reduced tensor, the all-gather result, the reduce-scatter input, the per-device
+  all-to-all buffer. All groups of an axis run at once, as they would in an SPMD step.
+  Each point: warm-up calls, then ``repeats`` timings, each after a world barrier, of one call
+  (or of a batch of up to 10 back-to-back calls, divided by their count, for messages below a
+  quarter of the largest size, as nccl-tests does); a rank's figure is its median, the point is
+  the maximum over ranks;
+- send/recv between rank 0 and the last rank (ping-pong, half the round trip);
+- one device's matmul FLOP/s (``2 n^3`` FLOPs per ``n x n`` matmul) and memory bandwidth
+  (a large tensor copy moves ``2 x`` its bytes: read + write), measured on every rank at once
+  (the contention an SPMD step sees; the slowest rank is kept).
+
+Each curve is fitted by :func:`fit_alpha_beta` to the alpha-beta model of
+:mod:`alpa_lite.mesh` (Thakur et al., IJHPCA 2005; Alpa, OSDI'22, section 4.2). Rank 0 writes a
+:class:`~alpa_lite.mesh.ClusterSpec` whose ``mesh_links["n0xn1"]`` holds the per-axis all-reduce
+fits, and a ``measurements`` section with every fit and raw curve; ``--use-curves`` makes the
+planner interpolate those curves instead of the fits (``"use_curves": true``).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from alpa_lite.mesh import COLLECTIVES, ClusterSpec, Link, bytes_factor, parse_mesh_shape
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+CPU_SIZES = tuple(4 * KiB * 4**i for i in range(6))      # 4 KiB .. 4 MiB, x4 steps
+CUDA_SIZES = tuple(256 * KiB * 4**i for i in range(7))   # 256 KiB .. 1 GiB, x4 steps
+P2P = "send-recv"
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """An alpha-beta fit ``t = alpha + beta * x`` of measured times.
+
+    Attributes:
+        alpha: latency, seconds (>= 0).
+        beta: inverse bandwidth, seconds per effective byte (> 0); ``1 / beta`` is the
+            "bus bandwidth" (bytes/s) in the sense of nccl-tests.
+        residual: relative RMS error of the fit, ``sqrt(mean(((fit - t) / t)^2))``
+            (0.05 = the line is typically 5 % off a measured point).
+    """
+
+    alpha: float
+    beta: float
+    residual: float
+
+    @property
+    def bandwidth(self) -> float:
+        """``1 / beta``, bytes/s."""
+        return 1.0 / self.beta
+
+    def link(self) -> Link:
+        return Link(self.alpha, self.beta)
+
+
+def effective_bytes(kind: str, n: int, nbytes: float) -> float:
+    """Bytes a device moves per unit ``beta`` in collective ``kind`` on ``n`` devices.
+
+    ``2 (n-1)/n * B`` for all-reduce, ``(n-1)/n * B`` for all-gather, reduce-scatter and
+    all-to-all (:func:`alpa_lite.mesh.bytes_factor`), ``B`` for send-recv.
+    """
+    return float(nbytes) if kind == P2P else bytes_factor(kind, n) * float(nbytes)
+
+
+def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float], *, kind: str | None = None,
+                   n: int | None = None, relative: bool = True) -> FitResult:
+    """Least-squares fit of the alpha-beta model ``t = alpha + beta * x``.
+
+    Args:
+        nbytes: message sizes, bytes. With ``kind`` and ``n`` they are the collective's ``B``
+            and ``x = effective_bytes(kind, n, B)``; without, ``x = nbytes`` as given.
+        seconds: measured times, seconds, one per size.
+        kind: ``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"``, ``"all-to-all"`` or
+            ``"send-recv"``; n: devices in the group.
+        relative: weight each point by ``1 / t`` (``numpy.linalg.lstsq`` on the scaled rows),
+            i.e. minimize relative rather than absolute error, so that a sweep over three
+            orders of magnitude fits the small-message latency as well as the bandwidth.
+
+    Returns:
+        ``FitResult(alpha [s], beta [s/effective byte], residual [relative RMS])``. When the
+        unconstrained fit has ``alpha < 0``, alpha is clipped to 0 and beta refitted through
+        the origin (the constrained least-squares optimum).
+
+    Raises:
+        ValueError: on fewer than 2 distinct sizes, non-positive or non-finite times, or a
+            fit with ``beta <= 0`` (times that do not grow with size).
+    """
+    x = np.asarray(nbytes, dtype=np.float64)
+    t = np.asarray(seconds, dtype=np.float64)
+    if kind is not None:
+        if n is None:
+            raise ValueError("fit_alpha_beta: kind needs the group size n")
+        x = np.array([effective_bytes(kind, n, b) for b in x])
+    if x.shape != t.shape or x.ndim != 1:
+        raise ValueError(f"fit_alpha_beta: need equally many sizes and times, got {x.shape} and {t.shape}")
+    if len(np.unique(x)) < 2:
+        raise ValueError(f"fit_alpha_beta: need at least 2 distinct sizes, got {x.tolist()}")
+    if not (np.all(np.isfinite(t)) and np.all(t > 0) and np.all(np.isfinite(x)) and np.all(x >= 0)):
+        raise ValueError("fit_alpha_beta: times must be finite and > 0 s and sizes finite and >= 0 bytes")
+    w = 1.0 / t if relative else np.ones_like(t)
+    (alpha, beta), *_ = np.linalg.lstsq(np.stack([w, w * x], axis=1), w * t, rcond=None)
+    if alpha < 0:
+        alpha = 0.0
+        beta = float(np.dot(w * x, w * t) / np.dot(w * x, w * x))
+    if not beta > 0:
+        raise ValueError(f"fit_alpha_beta: the fitted beta is {beta:.3g} s/byte (<= 0): the times do not grow with "
+                         "the size; widen the size sweep or raise the repeats")
+    pred = alpha + beta * x
+    residual = float(np.sqrt(np.mean(((pred - t) / t) ** 2)))
+    return FitResult(float(alpha), float(beta), residual)
+
+
+def mesh_groups(shape: tuple[int, int]) -> dict[str, list[list[int]]]:
+    """The process groups of each measured axis: ``"1"`` rows, ``"0"`` columns, ``"01"`` all.
+
+    Only axes of size > 1 appear; ``"01"`` only when both are > 1 (else it equals one axis).
+    """
+    n0, n1 = shape
+    groups = {}
+    if n0 > 1:
+        groups["0"] = [[i * n1 + j for i in range(n0)] for j in range(n1)]
+    if n1 > 1:
+        groups["1"] = [[i * n1 + j for j in range(n1)] for i in range(n0)]
+    if n0 > 1 and n1 > 1:
+        groups["01"] = [list(range(n0 * n1))]
+    return groups
+
+
+def parse_size(text: str) -> int:
+    """``"4K"``/``"4KiB"`` -> 4096, ``"1M"`` -> 1048576, ``"512"`` -> 512 (binary prefixes), bytes.
+
+    Raises:
+        ValueError: on anything else.
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)(?:i?b)?\s*", text.lower())
+    if not m:
+        raise ValueError(f"size must look like 4096, 4K, 4KiB, 1M or 1G, got {text!r}")
+    value = float(m.group(1)) * {"": 1, "k": KiB, "m": MiB, "g": GiB}[m.group(2)]
+    if value < 1:
+        raise ValueError(f"size must be at least 1 byte, got {text!r}")
+    return int(value)
+
+
+def _memory_bytes_total() -> float:
+    """Physical memory of this machine, bytes (psutil when installed, else /proc/meminfo)."""
+    try:
+        import psutil
+
+        return float(psutil.virtual_memory().total)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return float(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+# ----------------------------------------------------------------------------------- worker
+
+
+class _Progress:
+    """Rank 0 reports each finished step to a JSON file the parent polls."""
+
+    def __init__(self, path: str | None, total: int, enabled: bool):
+        self.path, self.total, self.done, self.enabled = path, total, 0, enabled and bool(path)
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if self.enabled:
+            tmp = f"{self.path}.tmp"
+            Path(tmp).write_text(json.dumps({"done": self.done, "total": self.total, "step": what}))
+            os.replace(tmp, self.path)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from alpa_lite.launch import init_distributed
+
+    init_distributed(timeout_s=args.coll_timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n0, n1 = parse_mesh_shape(args.mesh)
+    if n0 * n1 != world:
+        raise ValueError(f"mesh {n0}x{n1} needs {n0 * n1} ranks, launched {world}")
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sizes = sorted(set(args.sizes)) if args.sizes else list(CUDA_SIZES if cuda else CPU_SIZES)
+    warmup = args.warmup if args.warmup is not None else (3 if cuda else 2)
+    repeats = args.repeats if args.repeats is not None else (10 if cuda else 5)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+    # Every rank creates every group in the same order (new_group is collective over the world).
+    groups = mesh_groups((n0, n1))
+    mine: dict[str, tuple[object, int]] = {}
+    for axes, members in groups.items():
+        for ranks in members:
+            g = dist.group.WORLD if len(ranks) == world else dist.new_group(ranks)
+            if rank in ranks:
+                mine[axes] = (g, len(ranks))
+
+    progress = _Progress(args.progress, total=len(groups) * len(COLLECTIVES) + 3, enabled=rank == 0)
+    medians: list[float] = []  # this rank's median per measured point, in a fixed order
+
+    def inner_for(size: int) -> int:
+        # Small messages: batch up to 10 back-to-back calls per timing, so that the skew with which
+        # ranks leave the barrier (and scheduler wake-ups) does not dominate a fast call. The same
+        # count on every rank, as the calls are collective.
+        return min(10, max(1, math.ceil(max(sizes) / 4 / size)))
+
+    def timed(fn, inner: int = 1) -> float:
+        for _ in range(warmup):
+            fn()
+        sync()
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            sync()
+            times.append((time.perf_counter() - t0) / inner)
+        return statistics.median(times)
+
+    # --- compute: matmul FLOP/s and copy bandwidth, on every rank at once
+    mm_n = args.matmul_n or (8192 if cuda else 1024)
+    mm_dtype = torch.bfloat16 if cuda else torch.float32
+    a = torch.randn(mm_n, mm_n, device=dev, dtype=mm_dtype)
+    b = torch.randn(mm_n, mm_n, device=dev, dtype=mm_dtype)
+    medians.append(timed(lambda: torch.mm(a, b)))
+    del a, b
+    progress.step("matmul")
+    copy_bytes = args.copy_bytes or (2 * GiB if cuda else 64 * MiB)
+    src = torch.empty(copy_bytes // 4, device=dev, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    medians.append(timed(lambda: dst.copy_(src)))
+    del src, dst
+    progress.step("memory copy")
+
+    # --- collectives
+    points: list[tuple[str, str, int, int]] = []  # (axes, kind, n, actual bytes)
+    for axes, (g, n) in mine.items():
+        for kind in COLLECTIVES:
+            # fp32 elements, divisible by the group size (rounding can merge tiny sizes)
+            for numel in sorted({max(n, (size // 4) // n * n) for size in sizes}):
+                nbytes = numel * 4
+                if kind == "all-reduce":
+                    x = torch.ones(numel, device=dev)
+                    fn = lambda x=x, g=g: dist.all_reduce(x, group=g)  # noqa: E731
+                elif kind == "all-gather":
+                    out, inp = torch.empty(numel, device=dev), torch.ones(numel // n, device=dev)
+                    fn = lambda out=out, inp=inp, g=g: all_gather(out, inp, group=g)  # noqa: E731
+                elif kind == "reduce-scatter":
+                    out, inp = torch.empty(numel // n, device=dev), torch.ones(numel, device=dev)
+                    fn = lambda out=out, inp=inp, g=g: reduce_scatter(out, inp, group=g)  # noqa: E731
+                else:
+                    out, inp = torch.empty(numel, device=dev), torch.ones(numel, device=dev)
+                    fn = lambda out=out, inp=inp, g=g: dist.all_to_all_single(out, inp, group=g)  # noqa: E731
+                medians.append(timed(fn, inner_for(nbytes)))
+                points.append((axes, kind, n, nbytes))
+                fn = None
+            progress.step(f"axis {axes} {kind}")
+
+    # --- point to point: rank 0 <-> last rank ping-pong, one way = half the round trip
+    last = world - 1
+    p2p_bytes = []
+    for numel in sorted({max(1, size // 4) for size in sizes}):
+        p2p_bytes.append(numel * 4)
+        buf = torch.ones(numel, device=dev)
+        if rank == 0:
+            fn = lambda buf=buf: (dist.send(buf, last), dist.recv(buf, last))  # noqa: E731
+        elif rank == last:
+            fn = lambda buf=buf: (dist.recv(buf, 0), dist.send(buf, 0))  # noqa: E731
+        else:
+            fn = lambda: None  # noqa: E731
+        medians.append(timed(fn, inner_for(numel * 4)) / 2)
+    progress.step(f"send/recv 0<->{last}")
+
+    # --- max over ranks of the medians; rank 0 writes the cluster file
+    t = torch.tensor(medians, dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = t.cpu().tolist()
+    if rank == 0:
+        spec = _build_cluster(args, t, points, p2p_bytes, groups, (n0, n1), world, mm_n, str(mm_dtype).split(".")[-1],
+                              copy_bytes, warmup, repeats, cuda, dev)
+        Path(args.out).write_text(spec.to_json())
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _build_cluster(args, t, points, p2p_bytes, groups, shape, world, mm_n, mm_dtype, copy_bytes, warmup, repeats,
+                   cuda, dev) -> ClusterSpec:
+    import torch
+
+    n0, n1 = shape
+    key = f"{n0}x{n1}"
+    mm_s, copy_s = t[0], t[1]
+    coll_t, p2p_t = t[2:2 + len(points)], t[2 + len(points):]
+    peak_flops = 2.0 * mm_n**3 / mm_s
+    mem_bw = 2.0 * copy_bytes / copy_s  # read + write
+    if cuda:
+        memory = float(torch.cuda.get_device_properties(dev).total_memory)
+        device_name = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(dev).lower()).strip("-")
+    else:
+        memory = _memory_bytes_total() / world  # the ranks share this machine's memory
+        device_name = "cpu"
+
+    curves: dict[str, dict[str, dict]] = {}
+    for axes in groups:
+        for kind in COLLECTIVES:
+            idx = [i for i, p in enumerate(points) if p[0] == axes and p[1] == kind]
+            n = points[idx[0]][2]
+            xs, ts = [points[i][3] for i in idx], [coll_t[i] for i in idx]
+            entry: dict = {"n": n}
+            try:
+                f = fit_alpha_beta(xs, ts, kind=kind, n=n)
+                entry.update(alpha=f.alpha, beta=f.beta, residual=f.residual)
+            except ValueError as e:
+                entry["error"] = str(e)
+            entry.update(bytes=xs, seconds=ts)
+            curves.setdefault(kind, {})[axes] = entry
+    p2p: dict = {"src": 0, "dst": world - 1}
+    try:
+        f = fit_alpha_beta(p2p_bytes, p2p_t, kind=P2P, n=2)
+        p2p.update(alpha=f.alpha, beta=f.beta, residual=f.residual)
+    except ValueError as e:
+        p2p["error"] = str(e)
+    p2p.update(bytes=p2p_bytes, seconds=p2p_t)
+
+    def ar_link(axes: str) -> Link:
+        e = curves["all-reduce"][axes]
+        if "error" in e:
+            raise ValueError(f"all-reduce on mesh axis {axes}: {e['error']}")
+        return Link(e["alpha"], e["beta"])
+
+    whole = "01" if "01" in groups else ("1" if n1 > 1 else "0")  # the group spanning every rank
+    world_link = ar_link(whole)
+    links = (ar_link("0") if n0 > 1 else world_link, ar_link("1") if n1 > 1 else world_link)
+    import torch.distributed as dist
+
+    measurements = {
+        "units": {"alpha": "s", "beta": "s per effective byte (all-reduce 2(n-1)/n*B, others (n-1)/n*B, "
+                  "send-recv B)", "bytes": "B as in LogicalMesh.collective_cost", "seconds": "s, max over ranks "
+                  "of each rank's median", "residual": "relative RMS error of the fit"},
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "backend": dist.get_backend(), "device": device_name, "world_size": world,
+        "warmup": warmup, "repeats": repeats,
+        "compute": {"matmul_n": mm_n, "matmul_dtype": mm_dtype, "matmul_seconds": mm_s, "peak_flops": peak_flops,
+                    "copy_bytes": copy_bytes, "copy_seconds": copy_s, "mem_bandwidth": mem_bw,
+                    "memory_bytes": memory},
+        "meshes": {key: {"groups": groups, "collectives": curves, "p2p": p2p}},
+    }
+    return ClusterSpec(name=f"profiled-{device_name}-{key}", num_nodes=1, devices_per_node=world,
+                       peak_flops=peak_flops, mem_bandwidth=mem_bw, memory_bytes=memory,
+                       intra_node=world_link, inter_node=world_link, mesh_links={key: links},
+                       use_curves=bool(args.use_curves), measurements=measurements)
+
+
+# ----------------------------------------------------------------------------------- parent
+
+
+def _sizes_arg(values: list[str] | None) -> list[int] | None:
+    if not values:
+        return None
+    return sorted({parse_size(v) for item in values for v in item.split(",") if v.strip()})
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``alpa-lite profile``."""
+    parser.add_argument("--nproc", type=int, required=True, help="ranks (devices) to profile, >= 2")
+    parser.add_argument("--mesh", default=None, help="logical mesh shape n0xn1 over the ranks (default 1xNPROC)")
+    parser.add_argument("--out", default="cluster.json", help="cluster JSON to write (default cluster.json)")
+    parser.add_argument("--sizes", nargs="+", default=None, metavar="SIZE",
+                        help="message sizes B, e.g. 4K 64K 1M (binary prefixes; default 4K..4M on CPU, "
+                             "256K..1G on CUDA, x4 steps)")
+    parser.add_argument("--use-curves", action="store_true",
+                        help="plan with the measured curves (interpolated) instead of the alpha-beta fits")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up calls per point (default 2 CPU, 3 CUDA)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per point (default 5 CPU, 10 CUDA)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="limit for the whole run, s (default 600)")
+
+
+def _worker_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m alpa_lite.profile --worker")
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--mesh", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--sizes", type=int, nargs="*", default=None)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--progress", default=None)
+    p.add_argument("--use-curves", action="store_true")
+    p.add_argument("--coll-timeout", type=float, default=60.0)
+    p.add_argument("--matmul-n", type=int, default=None)
+    p.add_argument("--copy-bytes", type=int, default=None)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``alpa-lite profile`` with parsed ``args`` (see :func:`add_arguments`).
+
+    Returns:
+        0 on success (the cluster file is written and loads back), else non-zero after
+        printing why (with the tail of the ranks' log).
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from alpa_lite.launch import torchrun
+
+    console = Console()
+    try:
+        nproc = int(args.nproc)
+        shape = parse_mesh_shape(args.mesh) if args.mesh else (1, nproc)
+        sizes = _sizes_arg(args.sizes)
+        if nproc < 2:
+            raise ValueError("profiling needs --nproc >= 2 (collectives on one device cost nothing)")
+        if shape[0] * shape[1] != nproc:
+            raise ValueError(f"--mesh {shape[0]}x{shape[1]} has {shape[0] * shape[1]} devices, --nproc is {nproc}")
+        for opt in ("warmup", "repeats"):
+            v = getattr(args, opt, None)
+            if v is not None and v < (0 if opt == "warmup" else 1):
+                raise ValueError(f"--{opt} must be {'>= 0' if opt == 'warmup' else '>= 1'}, got {v}")
+        if sizes is not None and len(sizes) < 2:
+            raise ValueError("--sizes needs at least 2 distinct sizes to fit a line")
+    except ValueError as e:
+        console.print(f"[red]alpa-lite profile: {e}[/red]")
+        return 2
+    out = Path(args.out).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    timeout = float(getattr(args, "timeout", 600.0) or 600.0)
+
+    with tempfile.TemporaryDirectory(prefix="alpa-lite-profile-") as tmp:
+        progress_file, log_file = Path(tmp, "progress.json"), Path(tmp, "ranks.log")
+        target = ["-m", "alpa_lite.profile", "--worker", "--mesh", f"{shape[0]}x{shape[1]}", "--out", str(out),
+                  "--progress", str(progress_file), "--coll-timeout", str(max(30.0, min(timeout, 300.0)))]
+        if sizes:
+            target += ["--sizes", *map(str, sizes)]
+        for opt in ("warmup", "repeats"):
+            if getattr(args, opt, None) is not None:
+                target += [f"--{opt}", str(getattr(args, opt))]
+        if getattr(args, "use_curves", False):
+            target.append("--use-curves")
+        if out.exists():
+            out.unlink()
+        result: dict = {}
+
+        def launch():
+            with open(log_file, "w") as log:
+                try:
+                    result["rc"] = torchrun(target, nproc, timeout_s=timeout, stdout=log, stderr=log)
+                except BaseException as e:  # TimeoutError, or anything else: report it in the main thread
+                    result["error"] = e
+
+        t0 = time.monotonic()
+        thread = threading.Thread(target=launch, daemon=True)
+        with Progress(TextColumn("[bold]profile[/bold] {task.description}"), BarColumn(),
+                      TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console,
+                      transient=False) as bar:
+            task = bar.add_task(f"{nproc} ranks, mesh {shape[0]}x{shape[1]}: starting", total=None)
+            thread.start()
+            while thread.is_alive():
+                thread.join(0.2)
+                try:
+                    p = json.loads(progress_file.read_text())
+                    bar.update(task, completed=p["done"], total=p["total"], description=p["step"])
+                except (OSError, ValueError, KeyError):
+                    pass
+            if result.get("rc") == 0:
+                bar.update(task, description="done", completed=bar.tasks[0].total or 1)
+        elapsed = time.monotonic() - t0
+        if "error" in result or result.get("rc") != 0 or not out.is_file():
+            why = result.get("error") or f"ranks exited with code {result.get('rc')}"
+            log_tail = "\n".join(log_file.read_text(errors="replace").splitlines()[-30:]) if log_file.exists() else ""
+            console.print(f"[red]alpa-lite profile failed: {why}[/red]")
+            if log_tail:
+                console.print(log_tail, markup=False, highlight=False)
+            return result.get("rc") or 1
+    try:
+        spec = ClusterSpec.load(out)
+    except ValueError as e:
+        console.print(f"[red]alpa-lite profile wrote an unreadable cluster file: {e}[/red]")
+        return 1
+    print_report(spec, console)
+    console.print(f"wrote {out} in {elapsed:.1f} s" + (" (planning with the measured curves)" if spec.use_curves else ""))
+    return 0
+
+
+def print_report(spec: ClusterSpec, console=None) -> None:
+    """A rich table of the fits of a profiled cluster: axis, kind, alpha (us), 1/beta (GB/s), residual."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    m = spec.measurements
+    for key, mesh in m.get("meshes", {}).items():
+        table = Table(title=f"{spec.name}: alpha-beta fits, mesh {key} "
+                            f"({m.get('backend', '?')}, {m.get('world_size', '?')} ranks)")
+        for col, just in (("axis", "left"), ("kind", "left"), ("n", "right"), ("alpha (us)", "right"),
+                          ("1/beta (GB/s)", "right"), ("residual", "right")):
+            table.add_column(col, justify=just)
+        rows = [(axes, kind, e) for kind, per in mesh.get("collectives", {}).items() for axes, e in per.items()]
+        rows.sort(key=lambda r: (len(r[0]), r[0], COLLECTIVES.index(r[1]) if r[1] in COLLECTIVES else 9))
+        if "p2p" in mesh:
+            p = mesh["p2p"]
+            rows.append((f"{p.get('src')}<->{p.get('dst')}", P2P, {**p, "n": 2}))
+        for axes, kind, e in rows:
+            if "error" in e:
+                table.add_row(axes, kind, str(e.get("n", "")), "-", "-", f"[red]{e['error'][:60]}[/red]")
+            else:
+                table.add_row(axes, kind, str(e.get("n", "")), f"{e['alpha'] * 1e6:.1f}",
+                              f"{1 / e['beta'] / 1e9:.3f}", f"{e['residual']:.1%}")
+        console.print(table)
+    c = m.get("compute", {})
+    console.print(f"device: {spec.peak_flops / 1e9:.1f} GFLOP/s ({c.get('matmul_n', '?')}^3 {c.get('matmul_dtype', '')} "
+                  f"matmul), {spec.mem_bandwidth / 1e9:.2f} GB/s copy, {spec.memory_bytes / GiB:.2f} GiB memory")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m alpa_lite.profile [options]``: the profile command; ``--worker``: one rank."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--worker" in argv:
+        return _worker(_worker_parser().parse_args(argv))
+    parser = argparse.ArgumentParser(prog="alpa-lite profile", description="Measure the collectives, compute and "
+                                     "memory of this machine's devices; write a cluster JSON.")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

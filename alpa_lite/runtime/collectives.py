@@ -1,0 +1,127 @@
+"""Collectives as autograd functions with explicit backward duals (DESIGN.md, "Runtime").
+
+``Reshard`` runs the forward steps of ``resharding.forward_steps`` and, in backward, the steps of
+``resharding.backward_steps``: the same plan the cost model priced. ``AllReducePartial`` reduces
+an op's partial result (forward all-reduce, backward identity). Every issued collective is
+counted in ``COUNTS`` by (kind, phase), so a test can compare a step with the plan's list.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..resharding import Step, backward_steps, forward_steps
+from ..spec import ShardingSpec
+
+COUNTS: Counter = Counter()
+
+
+@dataclass(frozen=True)
+class MeshGroups:
+    """This rank's view of the 2D mesh: its coordinate and the process group of each axis
+    (group rank = coordinate along that axis)."""
+
+    shape: tuple[int, int]
+    coord: tuple[int, int]
+    groups: tuple[object, object]
+
+    def shard_index(self, entry: tuple[int, ...]) -> int:
+        """Which chunk of a dim split along ``entry`` (major axis first) this rank holds."""
+        index = 0
+        for axis in entry:
+            index = index * self.shape[axis] + self.coord[axis]
+        return index
+
+
+def local_slice(x: torch.Tensor, spec: ShardingSpec, mesh: MeshGroups) -> torch.Tensor:
+    """This rank's shard of a full tensor ``x`` under ``spec`` (no communication)."""
+    for d, entry in enumerate(spec.dims):
+        if entry:
+            n = spec.shards(d, mesh.shape)
+            x = x.chunk(n, dim=d)[mesh.shard_index(entry)]
+    return x.contiguous()
+
+
+def _chunks(x: torch.Tensor, n: int, dim: int) -> list[torch.Tensor]:
+    return [c.contiguous() for c in x.chunk(n, dim=dim)]
+
+
+def run_step(x: torch.Tensor, step: Step, mesh: MeshGroups, phase: str) -> torch.Tensor:
+    """Execute one resharding step on the local tensor ``x``."""
+    n, group = mesh.shape[step.axis], mesh.groups[step.axis]
+    if step.kind == "slice":
+        return _chunks(x, n, step.dim)[mesh.coord[step.axis]]
+    COUNTS[(step.kind, phase)] += 1
+    if step.kind == "all-reduce":
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+    if step.kind == "all-gather":
+        parts = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=step.dim)
+    if step.kind == "reduce-scatter":
+        parts = _chunks(x, n, step.dim)
+        out = torch.empty_like(parts[0])
+        dist.reduce_scatter(out, parts, group=group)
+        return out
+    if step.kind == "all-to-all":
+        send = _chunks(x, n, step.dim2)
+        recv = [torch.empty_like(send[0]) for _ in range(n)]
+        dist.all_to_all(recv, send, group=group)
+        return torch.cat(recv, dim=step.dim)
+    raise ValueError(f"unknown resharding step {step.kind}")
+
+
+class Reshard(torch.autograd.Function):
+    """Move a local shard from spec ``src`` to ``dst``; backward reduces the gradient's partial
+    sums along ``grad_partial`` and moves it back to ``src``."""
+
+    @staticmethod
+    def forward(ctx, x, src, dst, grad_partial, shape, mesh):
+        ctx.args = (src, dst, grad_partial, shape, mesh)
+        for step in forward_steps(src, dst, shape, x.element_size(), mesh.shape):
+            x = run_step(x, step, mesh, "forward")
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        src, dst, grad_partial, shape, mesh = ctx.args
+        for step in backward_steps(src, dst, grad_partial or (), shape, grad.element_size(), mesh.shape):
+            grad = run_step(grad, step, mesh, "backward")
+        return grad, None, None, None, None, None
+
+
+class AllReducePartial(torch.autograd.Function):
+    """Sum a partial result over mesh ``axes`` (forward all-reduce; backward identity)."""
+
+    @staticmethod
+    def forward(ctx, x, axes, mesh):
+        x = x.contiguous().clone()
+        for axis in axes:
+            COUNTS[("all-reduce", "forward")] += 1
+            dist.all_reduce(x, group=mesh.groups[axis])
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def reshard(x: torch.Tensor, src: ShardingSpec, dst: ShardingSpec, grad_partial, shape, mesh: MeshGroups):
+    """``x`` (local shard in ``src``) in ``dst``; a no-op when nothing moves in either direction."""
+    needs_grad = grad_partial is not None
+    if needs_grad != x.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(f"plan and autograd disagree on whether a {tuple(shape)} tensor needs a gradient "
+                           f"(plan: {needs_grad}); was the plan made for this model?")
+    if src == dst and (not needs_grad or not grad_partial):
+        return x
+    if not needs_grad:
+        with torch.no_grad():
+            for step in forward_steps(src, dst, shape, x.element_size(), mesh.shape):
+                x = run_step(x, step, mesh, "forward")
+        return x
+    return Reshard.apply(x, src, dst, tuple(grad_partial), tuple(shape), mesh)

@@ -1,0 +1,56 @@
+"""Deterministic parameter initialization, one module at a time.
+
+``init_parameters(model, seed)`` gives every module a real copy of its own parameters and
+buffers and initializes them with ``module.reset_parameters()`` (or ``init_fn(module)``), the
+RNG seeded from ``seed`` and the module's name. The value of a parameter therefore depends only
+on (seed, name), not on how many other modules were built before it: a rank that materializes
+one module at a time, keeps its shards and frees the rest gets exactly the values a
+single-process ``init_parameters`` call gives.
+"""
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+
+def module_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def init_module(name: str, module: torch.nn.Module, seed: int, device, init_fn: Callable | None) -> None:
+    """Materialize ``module``'s own (non-recursive) meta tensors on ``device`` and initialize them."""
+    if any(t.is_meta for t in module.parameters(recurse=False)) or any(t.is_meta for t in module.buffers(recurse=False)):
+        module.to_empty(device=device, recurse=False)
+    state = torch.random.get_rng_state()
+    torch.manual_seed(module_seed(seed, name))
+    try:
+        with torch.no_grad():
+            if init_fn is not None:
+                init_fn(module)
+            elif hasattr(module, "reset_parameters") and any(True for _ in module.parameters(recurse=False)):
+                module.reset_parameters()
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def iter_init(model: torch.nn.Module, seed: int = 0, device="cpu", init_fn: Callable | None = None
+              ) -> Iterator[tuple[str, torch.nn.Module]]:
+    """Yield ``(name, module)`` after initializing each module that owns parameters or buffers.
+
+    ``reset_parameters`` of a module must touch only its own tensors (true for torch.nn layers);
+    ``init_fn(module)`` likewise (the ``model.apply(fn)`` style of GPT-2 and HuggingFace).
+    """
+    for name, module in model.named_modules():
+        if next(module.parameters(recurse=False), None) is None and next(module.buffers(recurse=False), None) is None:
+            continue
+        init_module(name, module, seed, device, init_fn)
+        yield name, module
+
+
+def init_parameters(model: torch.nn.Module, seed: int = 0, device="cpu", init_fn: Callable | None = None) -> torch.nn.Module:
+    """Initialize every parameter in place (the single-process reference of the runtime's init)."""
+    for _ in iter_init(model, seed, device, init_fn):
+        pass
+    return model

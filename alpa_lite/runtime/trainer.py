@@ -1,0 +1,217 @@
+"""``parallelize``: run a ``Plan`` as SPMD training, one process per device.
+
+Each rank builds only its own parameter shards, runs the captured graph on local shards with the
+planned collectives (``executor.py``), back-propagates through them (each collective's dual is
+explicit, ``collectives.py``) and updates its shards with a standard ``torch.optim`` optimizer.
+Launch with ``torchrun`` (or ``alpa-lite run``); gloo on CPU, NCCL on CUDA, same code.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..capture import capture
+from ..launch import init_distributed
+from ..mesh import LogicalMesh
+from ..plan import Plan, PlanError
+from ..planner import plan as make_plan
+from ..resharding import forward_steps
+from ..spec import ShardingSpec
+from .collectives import COUNTS, MeshGroups, local_slice, run_step
+from .executor import LocalExecutor
+from .init import iter_init
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def device_mesh(mesh, world_size: int | None = None):
+    """A 2D ``DeviceMesh`` from a ``DeviceMesh`` or a shape such as ``(2, 2)`` (1D shapes get a
+    leading 1).
+
+    Raises:
+        ValueError: when the mesh's size differs from the world size, or it is not 1D/2D.
+    """
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    world_size = dist.get_world_size() if world_size is None else world_size
+    if isinstance(mesh, DeviceMesh):
+        shape = tuple(mesh.mesh.shape)
+        if len(shape) == 1:
+            raise ValueError("pass a 2D DeviceMesh (use shape (1, n) for a 1D mesh)")
+    else:
+        shape = tuple(int(x) for x in mesh)
+        shape = (1,) + shape if len(shape) == 1 else shape
+    if len(shape) != 2:
+        raise ValueError(f"alpa-lite meshes are 2D, got shape {shape}")
+    if math.prod(shape) != world_size:
+        raise ValueError(f"mesh {shape[0]}x{shape[1]} has {math.prod(shape)} devices but the world size is "
+                         f"{world_size}; launch {math.prod(shape)} processes or change the mesh")
+    if isinstance(mesh, DeviceMesh):
+        return mesh
+    return init_device_mesh(_device().type, shape, mesh_dim_names=("axis0", "axis1"))
+
+
+class ParallelTrainer:
+    """The parallel model: ``step(*batch)`` trains one step on every rank.
+
+    Attributes:
+        plan: the ``Plan`` executed. mesh: the torch ``DeviceMesh``.
+        params: parameter FQN -> this rank's shard (an ``nn.Parameter``).
+        optimizer: the ``torch.optim`` optimizer over the local shards.
+    """
+
+    def __init__(self, model, device_mesh, captured, plan: Plan, optimizer: Callable, seed: int, init_fn):
+        self.plan, self.mesh, self.cg = plan, device_mesh, captured
+        self.device = _device()
+        coord = tuple(device_mesh.get_coordinate())
+        groups = tuple(device_mesh.get_group(a) for a in range(2))
+        self.groups = MeshGroups(tuple(device_mesh.mesh.shape), coord, groups)
+        self.executor = LocalExecutor(captured, plan, self.groups, self.device)
+        self.params: dict[str, torch.nn.Parameter] = {}
+        self.buffers: dict[str, torch.Tensor] = {}
+        self._materialize(model, seed, init_fn)
+        self.optimizer = optimizer(list(self.params.values()))
+
+    # ---------------------------------------------------------------- parameters
+    def _spec(self, placeholder: str) -> ShardingSpec:
+        return ShardingSpec.parse(self.plan.nodes[placeholder].out_specs[0])
+
+    def _materialize(self, model, seed, init_fn):
+        by_fqn = {fqn: ph for ph, fqn in {**self.cg.param_fqns, **self.cg.buffer_fqns}.items()}
+        full = dict(model.named_parameters()) | dict(model.named_buffers())
+        meta = any(t.is_meta for t in full.values())
+        if not meta:
+            for fqn, ph in by_fqn.items():
+                self._keep(ph, fqn, full[fqn])
+            return
+        for name, module in iter_init(model, seed, "cpu", init_fn):
+            own = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
+            for short, tensor in own.items():
+                fqn = f"{name}.{short}" if name else short
+                if fqn in by_fqn:
+                    self._keep(by_fqn[fqn], fqn, tensor)
+            module.to_empty(device="meta", recurse=False)  # free the full copies
+
+    def _keep(self, placeholder, fqn, full: torch.Tensor):
+        shard = local_slice(full.detach(), self._spec(placeholder), self.groups).to(self.device).clone()
+        if placeholder in self.cg.param_fqns:
+            self.params[fqn] = torch.nn.Parameter(shard)
+        else:
+            self.buffers[fqn] = shard
+
+    def _placeholder_values(self, batch) -> dict[str, torch.Tensor]:
+        env = {ph: self.params[fqn] for ph, fqn in self.cg.param_fqns.items()}
+        env |= {ph: self.buffers[fqn] for ph, fqn in self.cg.buffer_fqns.items()}
+        if len(batch) != len(self.cg.input_names):
+            raise ValueError(f"step() takes {len(self.cg.input_names)} tensors (inputs then targets), got {len(batch)}")
+        for name, x in zip(self.cg.input_names, batch):
+            expect = tuple(self.cg.node(name).meta["val"].shape)
+            if tuple(x.shape) != expect:
+                raise ValueError(f"input {name} has shape {tuple(x.shape)}, the plan was made for {expect}")
+            env[name] = local_slice(x.to(self.device), ShardingSpec.parse(self.plan.input_specs[name]), self.groups)
+        return env
+
+    # ---------------------------------------------------------------- training
+    def loss(self, *batch) -> torch.Tensor:
+        """The (replicated) loss of a global batch, with the autograd graph for backward."""
+        values = self.executor.run(self._placeholder_values(batch))
+        for out_name, buffer_fqn in self.cg.buffer_mutations.items():
+            with torch.no_grad():
+                self.buffers[buffer_fqn].copy_(values[out_name])
+        return values[self.cg.loss_name]
+
+    def step(self, *batch) -> float:
+        """Forward, backward and optimizer update on a global batch (the same on every rank).
+
+        Returns:
+            the loss (float, equal on all ranks).
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss(*batch)
+        loss.backward()
+        self.optimizer.step()
+        return float(loss.detach())
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (gathered) parameters and buffers by FQN, tied names included; on every rank."""
+        out = {}
+        with torch.no_grad():
+            for ph, fqn in {**self.cg.param_fqns, **self.cg.buffer_fqns}.items():
+                x = self.params.get(fqn, self.buffers.get(fqn)).detach()
+                spec = self._spec(ph)
+                shape = tuple(self.cg.node(ph).meta["val"].shape)
+                for step in forward_steps(spec, ShardingSpec.replicated(spec.ndim), shape, x.element_size(),
+                                          self.groups.shape):
+                    x = run_step(x, step, self.groups, "state_dict")
+                out[fqn] = x.cpu()
+                for alias in self.cg.tied.get(fqn, []):
+                    out[alias] = out[fqn]
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load full tensors (as ``model.state_dict()`` gives); each rank keeps its shards."""
+        with torch.no_grad():
+            for ph, fqn in {**self.cg.param_fqns, **self.cg.buffer_fqns}.items():
+                if fqn not in state:
+                    raise KeyError(f"state dict has no {fqn!r}")
+                target = self.params.get(fqn, self.buffers.get(fqn))
+                target.copy_(local_slice(state[fqn], self._spec(ph), self.groups))
+
+
+def parallelize(model: torch.nn.Module, mesh, example_inputs, loss_fn=None, *, targets: tuple = (),
+                optimizer: Callable | None = None, plan: Plan | str | Path | None = None, seed: int = 0,
+                init_fn: Callable | None = None, cluster: str | None = None, timeout_s: float = 120.0,
+                **plan_options) -> ParallelTrainer:
+    """Parallelize training of ``model`` over ``mesh`` (call on every rank).
+
+    Args:
+        model: the module. On the meta device its parameters are initialized shard by shard
+            (``init_parameters`` semantics: ``reset_parameters`` or ``init_fn``, seeded by
+            ``seed`` and module name); otherwise its weights are sliced.
+        mesh: a 2D torch ``DeviceMesh``, or a shape such as ``(2, 2)`` for the current world.
+        example_inputs: model inputs with GLOBAL shapes; ``targets`` follow them in a batch.
+        loss_fn: ``loss_fn(output, *targets)``; None when the model returns its loss.
+        optimizer: ``params -> torch.optim.Optimizer``; default AdamW(lr=1e-3).
+        plan: a ``Plan``, a plan JSON path, or None to plan here (rank 0 plans and broadcasts).
+        cluster: preset or cluster file for planning (default ``cpu-gloo`` on CPU, ``a100`` on CUDA).
+        timeout_s: collective timeout, seconds (a dead peer fails the step instead of hanging).
+        plan_options: passed to ``alpa_lite.plan`` (``force_data_parallel``, ``param_specs`` ...).
+
+    Raises:
+        ValueError: the mesh does not match the world size.
+        PlanError: the plan is corrupt or was made for another model or mesh.
+    """
+    init_distributed(timeout_s)
+    dmesh = device_mesh(mesh)
+    shape = tuple(dmesh.mesh.shape)
+    if not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    captured = capture(model, tuple(example_inputs), loss_fn, targets)
+    if plan is None:
+        box = [None]
+        if dist.get_rank() == 0:
+            lmesh = LogicalMesh(shape, cluster=cluster or ("a100" if torch.cuda.is_available() else "cpu-gloo"))
+            box[0] = make_plan(model, tuple(example_inputs), lmesh, loss_fn, targets=targets, **plan_options).to_json()
+        dist.broadcast_object_list(box, src=0)
+        plan = Plan.from_json(box[0])
+    elif not isinstance(plan, Plan):
+        plan = Plan.from_json(plan)
+    if plan.fingerprint != captured.fingerprint():
+        raise PlanError("the plan was made for another model or other input shapes "
+                        f"(plan graph {plan.fingerprint}, this model {captured.fingerprint()})")
+    if tuple(plan.mesh.shape) != shape:
+        raise PlanError(f"the plan is for a {plan.mesh.shape[0]}x{plan.mesh.shape[1]} mesh, the device mesh is "
+                        f"{shape[0]}x{shape[1]}")
+    optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
+    return ParallelTrainer(model, dmesh, captured, plan, optimizer, seed, init_fn)
+
+
+def collective_counts() -> dict[tuple[str, str], int]:
+    """Collectives issued so far in this process, by (kind, phase)."""
+    return dict(COUNTS)
