@@ -140,14 +140,12 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets
     unsupported = [n for n in gm.graph.nodes if n.op == "call_function" and not _is_op(n.target)]
     if unsupported:
         raise CaptureError(f"unsupported construct in the graph: {unsupported[0].target}")
-    # weight tying: parameters that are the same tensor get one placeholder; record the aliases
-    tied: dict[str, list[str]] = {}
-    seen: dict[int, str] = {}
+    # weight tying: one placeholder for several names of the same tensor; record the other names
+    names: dict[int, list[str]] = {}
     for fqn, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            tied.setdefault(seen[id(p)], []).append(fqn)
-        else:
-            seen[id(p)] = fqn
+        names.setdefault(id(p), []).append(fqn)
+    tied = {fqn: [n for n in group if n != fqn] for group in names.values() if len(group) > 1
+            for fqn in group if fqn in param_fqns.values()}
     mutations = {k: strip(v) for k, v in sig.buffers_to_mutate.items()}
     return CapturedGraph(gm, param_fqns, buffer_fqns, input_names, loss.name, tied, mutations,
                          _tracked_by_autograd(gm, set(param_fqns)))

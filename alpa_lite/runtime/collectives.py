@@ -4,10 +4,16 @@
 ``resharding.backward_steps``: the same plan the cost model priced. ``AllReducePartial`` reduces
 an op's partial result (forward all-reduce, backward identity). Every issued collective is
 counted in ``COUNTS`` by (kind, phase), so a test can compare a step with the plan's list.
+While :func:`set_timing` is on, each one is also timed into ``SECONDS`` (seconds by (kind,
+phase)), from before its first buffer copy to the end of the call: gloo calls block; on CUDA the
+device is synchronized before and after, so the time is the collective's alone (queued compute
+excluded), waiting for the slowest peer included.
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +23,33 @@ from ..resharding import Step, backward_steps, forward_steps
 from ..spec import ShardingSpec
 
 COUNTS: Counter = Counter()
+SECONDS: Counter = Counter()
+_timing = False
+
+
+def set_timing(enabled: bool) -> None:
+    """Start (True) or stop (False) timing every issued collective into ``SECONDS``."""
+    global _timing
+    _timing = bool(enabled)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+@contextmanager
+def _issued(kind: str, phase: str):
+    """Count one collective of ``kind`` in ``phase``; time it into ``SECONDS`` while timing is on."""
+    COUNTS[(kind, phase)] += 1
+    if not _timing:
+        yield
+        return
+    _sync()
+    t0 = time.perf_counter()
+    yield
+    _sync()
+    SECONDS[(kind, phase)] += time.perf_counter() - t0
 
 
 @dataclass(frozen=True)
@@ -54,26 +87,26 @@ def run_step(x: torch.Tensor, step: Step, mesh: MeshGroups, phase: str) -> torch
     n, group = mesh.shape[step.axis], mesh.groups[step.axis]
     if step.kind == "slice":
         return _chunks(x, n, step.dim)[mesh.coord[step.axis]]
-    COUNTS[(step.kind, phase)] += 1
-    if step.kind == "all-reduce":
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
-    if step.kind == "all-gather":
-        parts = [torch.empty_like(x) for _ in range(n)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=step.dim)
-    if step.kind == "reduce-scatter":
-        parts = _chunks(x, n, step.dim)
-        out = torch.empty_like(parts[0])
-        dist.reduce_scatter(out, parts, group=group)
-        return out
-    if step.kind == "all-to-all":
+    if step.kind not in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all"):
+        raise ValueError(f"unknown resharding step {step.kind}")
+    with _issued(step.kind, phase):
+        if step.kind == "all-reduce":
+            x = x.contiguous().clone()
+            dist.all_reduce(x, group=group)
+            return x
+        if step.kind == "all-gather":
+            parts = [torch.empty_like(x) for _ in range(n)]
+            dist.all_gather(parts, x.contiguous(), group=group)
+            return torch.cat(parts, dim=step.dim)
+        if step.kind == "reduce-scatter":
+            parts = _chunks(x, n, step.dim)
+            out = torch.empty_like(parts[0])
+            dist.reduce_scatter(out, parts, group=group)
+            return out
         send = _chunks(x, n, step.dim2)
         recv = [torch.empty_like(send[0]) for _ in range(n)]
         dist.all_to_all(recv, send, group=group)
         return torch.cat(recv, dim=step.dim)
-    raise ValueError(f"unknown resharding step {step.kind}")
 
 
 class Reshard(torch.autograd.Function):
@@ -102,8 +135,8 @@ class AllReducePartial(torch.autograd.Function):
     def forward(ctx, x, axes, mesh):
         x = x.contiguous().clone()
         for axis in axes:
-            COUNTS[("all-reduce", "forward")] += 1
-            dist.all_reduce(x, group=mesh.groups[axis])
+            with _issued("all-reduce", "forward"):
+                dist.all_reduce(x, group=mesh.groups[axis])
         return x
 
     @staticmethod

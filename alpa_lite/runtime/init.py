@@ -19,10 +19,27 @@ def module_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
-def init_module(name: str, module: torch.nn.Module, seed: int, device, init_fn: Callable | None) -> None:
+def _materialize(module: torch.nn.Module, device, shared: dict[int, torch.Tensor]) -> None:
+    """Give ``module``'s own meta tensors real storage; a tensor in ``shared`` (tied weights) gets
+    one real tensor for all its owners."""
+    for table in (module._parameters, module._buffers):
+        for key, t in list(table.items()):
+            if t is None or not t.is_meta:
+                continue
+            real = shared.get(id(t))
+            if real is None:
+                real = torch.empty_like(t, device=device)
+                if isinstance(t, torch.nn.Parameter):
+                    real = torch.nn.Parameter(real, requires_grad=t.requires_grad)
+                if id(t) in shared:
+                    shared[id(t)] = real
+            table[key] = real
+
+
+def init_module(name: str, module: torch.nn.Module, seed: int, device, init_fn: Callable | None,
+                shared: dict[int, torch.Tensor] | None = None) -> None:
     """Materialize ``module``'s own (non-recursive) meta tensors on ``device`` and initialize them."""
-    if any(t.is_meta for t in module.parameters(recurse=False)) or any(t.is_meta for t in module.buffers(recurse=False)):
-        module.to_empty(device=device, recurse=False)
+    _materialize(module, device, {} if shared is None else shared)
     state = torch.random.get_rng_state()
     torch.manual_seed(module_seed(seed, name))
     try:
@@ -42,10 +59,14 @@ def iter_init(model: torch.nn.Module, seed: int = 0, device="cpu", init_fn: Call
     ``reset_parameters`` of a module must touch only its own tensors (true for torch.nn layers);
     ``init_fn(module)`` likewise (the ``model.apply(fn)`` style of GPT-2 and HuggingFace).
     """
+    owners: dict[int, int] = {}
+    for t in [*model.parameters(remove_duplicate=False), *model.buffers(remove_duplicate=False)]:
+        owners[id(t)] = owners.get(id(t), 0) + 1
+    shared = {k: None for k, n in owners.items() if n > 1}
     for name, module in model.named_modules():
         if next(module.parameters(recurse=False), None) is None and next(module.buffers(recurse=False), None) is None:
             continue
-        init_module(name, module, seed, device, init_fn)
+        init_module(name, module, seed, device, init_fn, shared)
         yield name, module
 
 

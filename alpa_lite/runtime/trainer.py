@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from ..launch import init_distributed
 from ..mesh import LogicalMesh
 from ..plan import Plan, PlanError
 from ..planner import plan as make_plan
+from ..report import StepTimer, print_report, report_requested, write_record
 from ..resharding import forward_steps
 from ..spec import ShardingSpec
 from .collectives import COUNTS, MeshGroups, local_slice, run_step
@@ -77,6 +79,7 @@ class ParallelTrainer:
         self.buffers: dict[str, torch.Tensor] = {}
         self._materialize(model, seed, init_fn)
         self.optimizer = optimizer(list(self.params.values()))
+        self.timer: StepTimer | None = None  # set by parallelize(..., report=True)
 
     # ---------------------------------------------------------------- parameters
     def _spec(self, placeholder: str) -> ShardingSpec:
@@ -84,7 +87,7 @@ class ParallelTrainer:
 
     def _materialize(self, model, seed, init_fn):
         by_fqn = {fqn: ph for ph, fqn in {**self.cg.param_fqns, **self.cg.buffer_fqns}.items()}
-        full = dict(model.named_parameters()) | dict(model.named_buffers())
+        full = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
         meta = any(t.is_meta for t in full.values())
         if not meta:
             for fqn, ph in by_fqn.items():
@@ -96,7 +99,10 @@ class ParallelTrainer:
                 fqn = f"{name}.{short}" if name else short
                 if fqn in by_fqn:
                     self._keep(by_fqn[fqn], fqn, tensor)
-            module.to_empty(device="meta", recurse=False)  # free the full copies
+            for table in (module._parameters, module._buffers):  # free the full copies
+                for key, t in table.items():
+                    if t is not None:
+                        table[key] = t.to("meta")
 
     def _keep(self, placeholder, fqn, full: torch.Tensor):
         shard = local_slice(full.detach(), self._spec(placeholder), self.groups).to(self.device).clone()
@@ -132,27 +138,59 @@ class ParallelTrainer:
         Returns:
             the loss (float, equal on all ranks).
         """
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss(*batch)
-        loss.backward()
-        self.optimizer.step()
-        return float(loss.detach())
+        with self.timer.step() if self.timer is not None else nullcontext():
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.loss(*batch)
+            loss.backward()
+            self.optimizer.step()
+            return float(loss.detach())
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full (gathered) parameters and buffers by FQN, tied names included; on every rank."""
+    def report(self, json_path: str | Path | None = None, name: str = "", console=None) -> dict:
+        """Predicted vs measured step and collective times (``alpa_lite.report``); call on every rank.
+
+        Rank 0 prints the tables (to ``console``, a rich ``Console``) and writes the record to
+        ``json_path`` when given.
+
+        Returns:
+            the record of ``alpa_lite.report.make_record`` (JSON-able), on every rank.
+
+        Raises:
+            RuntimeError: the trainer was built without ``report=True`` / ``ALPA_LITE_REPORT=1``.
+            ValueError: no step was timed yet (all taken steps were warm-up).
+        """
+        if self.timer is None:
+            raise RuntimeError("timing is off: build the trainer with parallelize(..., report=True) "
+                               "or set ALPA_LITE_REPORT=1")
+        record = self.timer.record(self.plan, name=name)
+        if dist.get_rank() == 0:
+            print_report(record, console)
+            if json_path is not None:
+                write_record(record, json_path)
+        return record
+
+    def _gather(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
         with torch.no_grad():
             for ph, fqn in {**self.cg.param_fqns, **self.cg.buffer_fqns}.items():
-                x = self.params.get(fqn, self.buffers.get(fqn)).detach()
-                spec = self._spec(ph)
+                if fqn not in local:
+                    continue
+                x, spec = local[fqn].detach(), self._spec(ph)
                 shape = tuple(self.cg.node(ph).meta["val"].shape)
                 for step in forward_steps(spec, ShardingSpec.replicated(spec.ndim), shape, x.element_size(),
                                           self.groups.shape):
-                    x = run_step(x, step, self.groups, "state_dict")
+                    x = run_step(x, step, self.groups, "gather")
                 out[fqn] = x.cpu()
                 for alias in self.cg.tied.get(fqn, []):
                     out[alias] = out[fqn]
         return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (gathered) parameters and buffers by FQN, tied names included; on every rank."""
+        return self._gather({**self.params, **self.buffers})
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """Full (gathered) gradients of the last step by parameter FQN; on every rank."""
+        return self._gather({k: p.grad for k, p in self.params.items() if p.grad is not None})
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load full tensors (as ``model.state_dict()`` gives); each rank keeps its shards."""
@@ -167,7 +205,7 @@ class ParallelTrainer:
 def parallelize(model: torch.nn.Module, mesh, example_inputs, loss_fn=None, *, targets: tuple = (),
                 optimizer: Callable | None = None, plan: Plan | str | Path | None = None, seed: int = 0,
                 init_fn: Callable | None = None, cluster: str | None = None, timeout_s: float = 120.0,
-                **plan_options) -> ParallelTrainer:
+                report: bool | None = None, report_warmup: int = 2, **plan_options) -> ParallelTrainer:
     """Parallelize training of ``model`` over ``mesh`` (call on every rank).
 
     Args:
@@ -181,6 +219,9 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs, loss_fn=None, *, t
         plan: a ``Plan``, a plan JSON path, or None to plan here (rank 0 plans and broadcasts).
         cluster: preset or cluster file for planning (default ``cpu-gloo`` on CPU, ``a100`` on CUDA).
         timeout_s: collective timeout, seconds (a dead peer fails the step instead of hanging).
+        report: time every step after ``report_warmup`` warm-up steps, and the collectives in it,
+            for ``trainer.report()`` (predicted vs measured); None: on when the environment
+            variable ``ALPA_LITE_REPORT`` is ``1``.
         plan_options: passed to ``alpa_lite.plan`` (``force_data_parallel``, ``param_specs`` ...).
 
     Raises:
@@ -209,7 +250,10 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs, loss_fn=None, *, t
         raise PlanError(f"the plan is for a {plan.mesh.shape[0]}x{plan.mesh.shape[1]} mesh, the device mesh is "
                         f"{shape[0]}x{shape[1]}")
     optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
-    return ParallelTrainer(model, dmesh, captured, plan, optimizer, seed, init_fn)
+    trainer = ParallelTrainer(model, dmesh, captured, plan, optimizer, seed, init_fn)
+    if report_requested(report):
+        trainer.timer = StepTimer(report_warmup)
+    return trainer
 
 
 def collective_counts() -> dict[tuple[str, str], int]:
