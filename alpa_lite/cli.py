@@ -1,0 +1,110 @@
+"""The ``alpa-lite`` command line: plan, train, run, profile."""
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+
+from rich.console import Console
+
+
+def _plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="built-in model name (see `alpa-lite plan --list`) or module:callable")
+    p.add_argument("--mesh", default="1x4", help="logical mesh shape, e.g. 2x4 (default 1x4)")
+    p.add_argument("--cluster", default="a100", help="preset (a100, v100, cpu-gloo, unit) or cluster JSON file")
+    p.add_argument("--batch", type=int, default=8, help="global batch size")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (language models)")
+    p.add_argument("--memory-budget", type=float, default=None, help="GiB per device (default: the device's)")
+    p.add_argument("--force-dp", action="store_true", help="pure data parallel")
+    p.add_argument("--batch-axis", type=int, choices=(0, 1), default=None, help="force the batch onto a mesh axis")
+    p.add_argument("--time-limit", type=float, default=60.0, help="ILP solver seconds")
+    p.add_argument("--json", default=None, help="write the plan JSON here")
+    p.add_argument("--all-params", action="store_true", help="list every parameter (no folding of layers)")
+
+
+def cmd_plan(args) -> int:
+    import torch  # noqa: F401  (import before rich status so the spinner is not stuck on import)
+
+    from .explain import collective_table, param_table, summary_table
+    from .mesh import LogicalMesh, get_cluster, parse_mesh_shape
+    from .models import build_model
+    from .planner import plan
+
+    console = Console()
+    shape = parse_mesh_shape(args.mesh)
+    cluster = get_cluster(args.cluster)
+    mesh = cluster.logical_mesh(shape) if shape[0] * shape[1] <= cluster.num_devices else LogicalMesh(shape, cluster=cluster.name)
+    model, example = build_model(args.model, args.batch, args.seq, device="meta")
+    budget = None if args.memory_budget is None else args.memory_budget * 2**30
+    with console.status("capturing") as status, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        result = plan(model, example, mesh, memory_budget=budget, force_data_parallel=args.force_dp,
+                      batch_axis=args.batch_axis, time_limit=args.time_limit,
+                      progress=lambda stage: status.update({"capture": "capturing the model (torch.export)",
+                                                            "strategies": "enumerating sharding strategies",
+                                                            "ilp": "solving the intra-op ILP"}[stage]))
+    for w in caught:
+        if "strateg" in str(w.message):
+            console.print(f"[yellow]warning:[/] {w.message}")
+    console.print(summary_table(result, f"{args.model} on a {shape[0]}x{shape[1]} mesh, batch {args.batch}"))
+    console.print(param_table(result, max_rows=10**6 if args.all_params else 40))
+    console.print(collective_table(result))
+    if args.json:
+        Path(args.json).write_text(result.to_json())
+        console.print(f"plan written to {args.json}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    from .launch import torchrun
+
+    if not args.target:
+        print("alpa-lite run: give a script (and its arguments) to run on every rank", file=sys.stderr)
+        return 2
+    target = args.target[1:] if args.target[0] == "--" else args.target
+    env = {"ALPA_LITE_REPORT": "1"} if args.report else {}
+    return torchrun(target, nproc=args.nproc, env=env)
+
+
+def cmd_train(args) -> int:
+    from .train import main as train_main
+
+    return train_main(args)
+
+
+def cmd_profile(args) -> int:
+    from .profile import run
+
+    return run(args)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="alpa-lite", description="Alpa-style automatic parallelization for PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="plan a model on a (possibly hypothetical) device mesh and show the plan")
+    _plan_args(p)
+    p.set_defaults(func=cmd_plan)
+    r = sub.add_parser("run", help="run a script on N processes with torchrun")
+    r.add_argument("--nproc", type=int, default=4)
+    r.add_argument("--report", action="store_true", help="print predicted vs measured times (sets ALPA_LITE_REPORT=1)")
+    r.add_argument("target", nargs=argparse.REMAINDER, help="script.py [args...]")
+    r.set_defaults(func=cmd_run)
+    from .train import add_arguments as train_args
+    t = sub.add_parser("train", help="train a GPT on tinyshakespeare with the auto plan on N CPU processes")
+    train_args(t)
+    t.set_defaults(func=cmd_train)
+    from .profile import add_arguments as profile_args
+    f = sub.add_parser("profile", help="measure collectives and compute; write a cluster JSON")
+    profile_args(f)
+    f.set_defaults(func=cmd_profile)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, RuntimeError, ImportError) as e:  # clear one-line errors for bad input
+        Console(stderr=True).print(f"[red]alpa-lite {args.command}: {type(e).__name__}: {e}[/]")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Readable views of a ``Plan``: summary, parameter specs, collectives (rich tables).
+
+Answers a user's first question about a plan, "why this?", from the data the plan holds.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+from rich.table import Table
+
+from .plan import Plan
+
+
+def _seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def _bytes(b: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def summary_table(plan: Plan, title: str = "plan") -> Table:
+    """Predicted step time (compute / communication), memory per device, planning statistics."""
+    t = Table(title=title, show_header=False)
+    t.add_column("", style="bold")
+    t.add_column("")
+    m = plan.mesh
+    t.add_row("mesh", f"{m.shape[0]}x{m.shape[1]} ({m.cluster}): alpha {m.mesh_alpha} s, "
+                      f"bandwidth {tuple(round(1 / b / 1e9, 2) for b in m.mesh_beta)} GB/s")
+    t.add_row("step time (predicted)", f"{_seconds(plan.step_seconds)} = compute {_seconds(plan.compute_seconds)}"
+                                       f" + communication {_seconds(plan.comm_seconds)}")
+    t.add_row("memory per device", f"{_bytes(plan.memory_bytes)} of {_bytes(m.memory_bytes)}")
+    t.add_row("collectives per step", str(len(plan.collectives)))
+    st = plan.stats
+    if st:
+        t.add_row("graph / ILP", f"{st.get('nodes')} nodes -> {st.get('ilp_variables')} variables, "
+                                 f"{st.get('ilp_edges')} edges ({st.get('ilp_strategy_vars')} + "
+                                 f"{st.get('ilp_edge_vars')} ILP columns)")
+        t.add_row("planning time", f"capture {st.get('capture_s', 0):.2f} s, strategies {st.get('strategy_s', 0):.2f} s, "
+                                   f"ILP {st.get('ilp_s', 0):.2f} s")
+    return t
+
+
+def param_table(plan: Plan, max_rows: int = 40) -> Table:
+    """Parameter specs; parameters of repeated layers (``blocks.3.``) with the same specs as
+    another layer are folded into one row (``blocks.*``)."""
+    t = Table(title="parameter sharding specs")
+    t.add_column("parameter")
+    t.add_column("spec")
+    groups: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for fqn, spec in plan.param_specs.items():
+        groups[(re.sub(r"\.(\d+)\.", ".*.", fqn), spec)].append(fqn)
+    rows = sorted(groups.items(), key=lambda kv: min(plan_order(plan, f) for f in kv[1]))
+    for (pattern, spec), members in rows[:max_rows]:
+        t.add_row(pattern if len(members) > 1 else members[0], spec)
+    if len(rows) > max_rows:
+        t.add_row(f"... {len(rows) - max_rows} more", "")
+    return t
+
+
+def plan_order(plan: Plan, fqn: str) -> int:
+    return list(plan.param_specs).index(fqn)
+
+
+def collective_table(plan: Plan) -> Table:
+    """Collectives of one step by kind, phase and mesh axis: count, bytes, predicted time."""
+    t = Table(title="collectives per training step")
+    for col in ("kind", "phase", "mesh axis", "count", "bytes", "predicted time"):
+        t.add_column(col, justify="right" if col in ("count", "bytes", "predicted time") else "left")
+    agg: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    for c in plan.collectives:
+        a = agg[(c.kind, c.phase, c.mesh_axis)]
+        a[0] += 1
+        a[1] += c.nbytes
+        a[2] += c.seconds
+    for (kind, phase, axis), (n, b, s) in sorted(agg.items()):
+        t.add_row(kind, phase, str(axis), str(n), _bytes(b), _seconds(s))
+    return t

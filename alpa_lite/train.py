@@ -1,0 +1,132 @@
+"""``alpa-lite train``: the main job. Plan and train a GPT on tinyshakespeare on N CPU processes.
+
+Run outside torchrun, it relaunches itself with ``torchrun`` (``alpa_lite.launch.torchrun``).
+On every rank: build the model (same seed everywhere), plan it with the auto planner (rank 0
+plans, the plan is broadcast), train with AdamW on character-level text, and on rank 0 print the
+plan, a progress bar with loss and step time, and write ``plan.json``, ``log.jsonl`` (one record
+per step) and ``summary.json`` under ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="gpt-tiny", help="gpt-tiny (built-in GPT) or gpt2-hf (HuggingFace GPT-2)")
+    p.add_argument("--nproc", type=int, default=4, help="processes (devices)")
+    p.add_argument("--mesh", default="2x2", help="logical mesh over the processes")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--cluster", default="cpu-gloo", help="cluster preset or JSON file used for planning")
+    p.add_argument("--plan", default=None, help="run this plan JSON instead of planning")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/train", help="directory for plan.json, log.jsonl, summary.json")
+
+
+def _overrides(args) -> dict:
+    if args.model == "gpt2-hf":
+        return {"n_layer": args.layers, "n_embd": args.hidden}
+    return {"num_layers": args.layers, "hidden": args.hidden}
+
+
+def _worker(args) -> int:
+    import torch
+    import torch.distributed as dist
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from .data import batches, load_tokens
+    from .explain import collective_table, param_table, summary_table
+    from .launch import init_distributed
+    from .models import build_model
+    from .runtime import parallelize
+
+    init_distributed(120)
+    rank = dist.get_rank()
+    console = Console()
+    tok, tokens = load_tokens()
+    split = int(0.9 * tokens.numel())
+    train, val = tokens[:split], tokens[split:]
+    model, _ = build_model(args.model, args.batch, args.seq, device="cpu", seed=args.seed, **_overrides(args))
+    stream = batches(train, args.batch, args.seq, seed=args.seed)
+    first = next(stream)
+    shape = tuple(int(x) for x in args.mesh.split("x"))
+    t0 = time.perf_counter()
+    trainer = parallelize(model, shape, first, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
+                          plan=args.plan, cluster=args.cluster)
+    plan_s = time.perf_counter() - t0
+    out = Path(args.out)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        trainer.plan.to_json(out / "plan.json")
+        console.print(summary_table(trainer.plan, f"{args.model} on {args.nproc} CPU processes, mesh {args.mesh}"))
+        console.print(param_table(trainer.plan))
+        console.print(collective_table(trainer.plan))
+    log = open(out / "log.jsonl", "w") if rank == 0 else None
+    losses = []
+    progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                        TimeRemainingColumn(), console=console, disable=rank != 0)
+    with progress:
+        task = progress.add_task("train", total=args.steps, info="")
+        batch = first
+        for step in range(args.steps):
+            t = time.perf_counter()
+            loss = trainer.step(*batch)
+            dt = time.perf_counter() - t
+            losses.append(loss)
+            if log:
+                log.write(json.dumps({"step": step, "loss": loss, "step_s": dt}) + "\n")
+            progress.update(task, advance=1, info=f"loss {loss:.3f}  step {dt * 1e3:.0f} ms")
+            batch = next(stream)
+    with torch.no_grad():
+        vx, vy = next(batches(val, args.batch, args.seq, seed=1234))
+        val_loss = float(trainer.loss(vx, vy))
+    if rank == 0:
+        log.close()
+        k = max(1, min(20, len(losses) // 5))
+        summary = {"model": args.model, "mesh": args.mesh, "nproc": args.nproc, "steps": args.steps,
+                   "plan_seconds": plan_s, "first_loss": losses[0], "final_loss_avg": sum(losses[-k:]) / k,
+                   "val_loss": val_loss, "param_specs": trainer.plan.param_specs}
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        console.print(f"loss {losses[0]:.3f} -> {summary['final_loss_avg']:.3f} (mean of last {k} steps), "
+                      f"validation {val_loss:.3f}; plan, log and summary in {out}/")
+    dist.destroy_process_group()
+    return 0
+
+
+def main(args) -> int:
+    """Entry of ``alpa-lite train``: relaunch under torchrun unless already a rank."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _worker(args)
+    from .launch import torchrun
+
+    n0, n1 = (int(x) for x in args.mesh.split("x"))
+    if n0 * n1 != args.nproc:
+        raise ValueError(f"mesh {args.mesh} has {n0 * n1} devices but --nproc is {args.nproc}")
+    argv = ["-m", "alpa_lite.train"] + [a for a in sys.argv[2:]] if sys.argv[1:2] == ["train"] else \
+        ["-m", "alpa_lite.train"] + _as_argv(args)
+    return torchrun(argv, nproc=args.nproc)
+
+
+def _as_argv(args) -> list[str]:
+    out = []
+    for key, value in vars(args).items():
+        if key in ("func", "command") or value is None:
+            continue
+        out += [f"--{key.replace('_', '-')}", str(value)]
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="alpa-lite train")
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))
