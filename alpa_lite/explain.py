@@ -73,14 +73,14 @@ def plan_order(plan: Plan, fqn: str) -> int:
 def collective_table(plan: Plan) -> Table:
     """Collectives of one step by kind, phase and mesh axis: count, bytes, predicted time."""
     t = Table(title="collectives per training step")
-    for col in ("kind", "phase", "mesh axis", "count", "bytes", "predicted time"):
+    for col in ("kind", "phase", "mesh axes", "count", "bytes", "predicted time"):
         t.add_column(col, justify="right" if col in ("count", "bytes", "predicted time") else "left")
     agg: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
     for c in plan.collectives:
-        a = agg[(c.kind, c.phase, c.mesh_axis)]
+        a = agg[(c.kind, c.phase, ''.join(map(str, c.mesh_axes)))]
         a[0] += 1
         a[1] += c.nbytes
         a[2] += c.seconds
     for (kind, phase, axis), (n, b, s) in sorted(agg.items()):
-        t.add_row(kind, phase, str(axis), str(n), _bytes(b), _seconds(s))
+        t.add_row(kind, phase, axis, str(n), _bytes(b), _seconds(s))
     return t

@@ -40,7 +40,7 @@ class Collective:
 
     Attributes:
         kind: ``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"`` or ``"all-to-all"``.
-        mesh_axis: the mesh axis it runs along.
+        mesh_axes: the mesh axes whose devices take part (``(0, 1)``: the flattened mesh).
         nbytes: the per-device bytes of the cost formula (mesh.py).
         phase: ``"forward"`` or ``"backward"``.
         node: the consuming node (resharding) or the node reducing its partial result.
@@ -49,7 +49,7 @@ class Collective:
     """
 
     kind: str
-    mesh_axis: int
+    mesh_axes: tuple[int, ...]
     nbytes: float
     phase: str
     node: str
@@ -71,6 +71,9 @@ class Plan:
         memory_bytes: predicted peak memory per device, bytes.
         fingerprint: hash of the captured graph (``CapturedGraph.fingerprint``).
         stats: planning statistics (capture / strategy / ILP seconds, ILP size).
+        grad_sync: parameter placeholder -> mesh axes whose gradient all-reduce is deferred to the
+            end of backward and bucketed (data-parallel gradient synchronization, as DDP does).
+        bucket_bytes: the largest gradient bucket, bytes.
     """
 
     mesh: LogicalMesh
@@ -84,6 +87,8 @@ class Plan:
     fingerprint: str
     options: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
+    grad_sync: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    bucket_bytes: float = 25 * 2**20
 
     @property
     def step_seconds(self) -> float:
@@ -110,6 +115,8 @@ class Plan:
             "compute_seconds": self.compute_seconds,
             "comm_seconds": self.comm_seconds,
             "memory_bytes": self.memory_bytes,
+            "grad_sync": {k: list(v) for k, v in self.grad_sync.items()},
+            "bucket_bytes": float(self.bucket_bytes),
         }
         if stats:
             d["stats"] = self.stats
@@ -149,9 +156,10 @@ class Plan:
                          *(s for n in nodes.values() for s in n.in_specs + n.out_specs)]:
                 ShardingSpec.parse(spec)
             return cls(LogicalMesh.from_dict(d["mesh"]), dict(d["param_specs"]), dict(d["input_specs"]), nodes,
-                       [Collective(**c) for c in d["collectives"]], float(d["compute_seconds"]),
-                       float(d["comm_seconds"]), float(d["memory_bytes"]), str(d["fingerprint"]),
-                       dict(d.get("options", {})), dict(d.get("stats", {})))
+                       [Collective(**(c | {"mesh_axes": tuple(c["mesh_axes"])})) for c in d["collectives"]],
+                       float(d["compute_seconds"]), float(d["comm_seconds"]), float(d["memory_bytes"]),
+                       str(d["fingerprint"]), dict(d.get("options", {})), dict(d.get("stats", {})),
+                       {k: tuple(v) for k, v in d["grad_sync"].items()}, float(d["bucket_bytes"]))
         except PlanError:
             raise
         except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:

@@ -15,7 +15,7 @@ import math
 import re
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,7 +23,7 @@ from .capture import CapturedGraph, capture
 from .ilp import CostGraph, solve
 from .mesh import LogicalMesh
 from .plan import Collective, NodePlan, Plan
-from .resharding import ReshardCosts, backward_steps, forward_steps, step_cost
+from .resharding import ReshardCosts, backward_steps, forward_steps, is_gradient_sync, step_cost
 from .spec import ShardingSpec
 from .strategies import NodeStrategies, Strategy, build_strategies
 
@@ -125,14 +125,65 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
             ins = tuple((ns.strategies[q].in_specs[i], ns.strategies[q].grad_partial[i]) for q in placed.index)
             key = (outs, ins, shape, itemsize)
             if key not in matrices:
-                matrices[key] = [[reshard(o, spec, gp, shape, itemsize) for spec, gp in ins] for o in outs]
+                param = src_name in cg.param_fqns
+                matrices[key] = [[reshard(o, spec, gp, shape, itemsize, param) for spec, gp in ins] for o in outs]
             graph.add_edge(src.var, placed.var, matrices[key])
     return graph, where
 
 
-def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: LogicalMesh) -> list[Collective]:
+def defer_gradient_sync(cg: CapturedGraph, nodes: dict[str, NodePlan]) -> dict[str, tuple[int, ...]]:
+    """Move data-parallel gradient all-reduces out of the graph: a parameter whose every use is a
+    gradient sync over the same axes (``is_gradient_sync``) gets its gradient reduced once, in a
+    bucket, after backward. Edits ``nodes`` (those uses no longer reduce) and returns
+    parameter placeholder -> axes."""
+    uses: dict[str, list[tuple[str, int]]] = {ph: [] for ph in cg.param_fqns}
+    for name, np_ in nodes.items():
+        for i, src in enumerate(np_.inputs):
+            if src in uses:
+                uses[src].append((name, i))
+    deferred = {}
+    for ph, edges in uses.items():
+        spec = nodes[ph].out_specs[0]
+        parts = {nodes[n].grad_partial[i] for n, i in edges}
+        if len(parts) != 1 or not all(
+                is_gradient_sync(ShardingSpec.parse(spec), ShardingSpec.parse(nodes[n].in_specs[i]), nodes[n].grad_partial[i])
+                for n, i in edges):
+            continue
+        deferred[ph] = tuple(sorted(parts.pop()))
+        for n, i in edges:
+            gp = list(nodes[n].grad_partial)
+            gp[i] = ()
+            nodes[n] = replace(nodes[n], grad_partial=tuple(gp))
+    return deferred
+
+
+def gradient_buckets(cg: CapturedGraph, nodes: dict[str, NodePlan], grad_sync: dict[str, tuple[int, ...]],
+                     mesh_shape, bucket_bytes: float) -> list[tuple[tuple[int, ...], list[str]]]:
+    """Buckets of deferred gradients: ``(axes, [parameter placeholders])`` in graph order, each at
+    most ``bucket_bytes`` of local gradient (a larger single gradient is its own bucket)."""
+    buckets: list[tuple[tuple[int, ...], list[str]]] = []
+    for axes in sorted(set(grad_sync.values())):
+        size = math.inf
+        for ph in (p for p in cg.param_fqns if grad_sync.get(p) == axes):
+            nbytes = _local_bytes(cg.node(ph).meta["val"], nodes[ph].out_specs[0], mesh_shape)
+            if size + nbytes > bucket_bytes:
+                buckets.append((axes, []))
+                size = 0
+            buckets[-1][1].append(ph)
+            size += nbytes
+    return buckets
+
+
+def _local_bytes(val, spec: str, mesh_shape) -> int:
+    return val.element_size() * math.prod(ShardingSpec.parse(spec).local_shape(tuple(val.shape), mesh_shape))
+
+
+def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: LogicalMesh,
+                     grad_sync: dict[str, tuple[int, ...]] | None = None,
+                     bucket_bytes: float = 25 * 2**20) -> list[Collective]:
     """Every collective of one training step for the chosen strategies: partial-sum all-reduces
-    inside ops, and the resharding of every edge, forward then backward."""
+    inside ops, the resharding of every edge (forward, then backward in reverse), then the
+    bucketed gradient all-reduces."""
     forward, backward = [], []
     for name, np_ in nodes.items():
         node = cg.node(name)
@@ -145,16 +196,21 @@ def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Logica
             gp = np_.grad_partial[i]
             for phase, steps, out in (("forward", forward_steps(src, dst, *args), forward),
                                       ("backward", [] if gp is None else backward_steps(src, dst, gp, *args), backward)):
-                out.extend(Collective(s.kind, s.axis, s.nbytes, phase, name, src_name, step_cost(s, mesh))
+                out.extend(Collective(s.kind, (s.axis,), s.nbytes, phase, name, src_name, step_cost(s, mesh))
                            for s in steps if s.is_collective)
         if np_.partial_axes:
             vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else [node.meta["val"]]
             for spec, val in zip(np_.out_specs, vals):
-                local = val.element_size() * math.prod(ShardingSpec.parse(spec).local_shape(tuple(val.shape), mesh.shape))
+                local = _local_bytes(val, spec, mesh.shape)
                 for axis in np_.partial_axes:
-                    forward.append(Collective("all-reduce", axis, float(local), "forward", name, name,
+                    forward.append(Collective("all-reduce", (axis,), float(local), "forward", name, name,
                                               mesh.all_reduce_cost(local, (axis,))))
-    return forward + backward[::-1]
+    buckets = []
+    for k, (axes, members) in enumerate(gradient_buckets(cg, nodes, grad_sync or {}, mesh.shape, bucket_bytes)):
+        nbytes = float(sum(_local_bytes(cg.node(ph).meta["val"], nodes[ph].out_specs[0], mesh.shape) for ph in members))
+        buckets.append(Collective("all-reduce", axes, nbytes, "backward", f"gradient bucket {k}",
+                                  f"{len(members)} parameters", mesh.all_reduce_cost(nbytes, axes)))
+    return forward + backward[::-1] + buckets
 
 
 def _restrict(ns: NodeStrategies, keep) -> None:
@@ -167,7 +223,8 @@ def _restrict(ns: NodeStrategies, keep) -> None:
 def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None, *, targets: tuple = (),
          memory_budget: float | None = None, force_data_parallel: bool = False, batch_axis: int | None = None,
          param_specs: dict[str, str] | None = None, input_specs: dict[str, str] | None = None,
-         share_layers: bool = True, time_limit: float = 60.0, solver: str = "cbc", progress=None) -> Plan:
+         share_layers: bool = True, time_limit: float = 60.0, solver: str = "cbc", bucket_bytes: float = 25 * 2**20,
+         progress=None) -> Plan:
     """Find the intra-operator sharding plan that minimizes the predicted training-step time.
 
     Args:
@@ -183,6 +240,7 @@ def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None
         input_specs: user-input placeholder name (or position ``"0"``, ``"1"``...) -> spec string.
         share_layers: identical repeated layers share one solution (smaller ILP).
         time_limit: ILP solver seconds.
+        bucket_bytes: the largest bucket of data-parallel gradients all-reduced together, bytes.
         progress: callable ``progress(stage: str)`` called as planning advances.
 
     Returns:
@@ -217,6 +275,8 @@ def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None
     stats["ilp_s"] = time.perf_counter() - t2
     chosen = {name: table[name].strategies[w.index[sol.choice[w.var]]] for name, w in where.items()}
     nodes = {name: _node_plan(s, table[name]) for name, s in chosen.items()}
+    grad_sync = defer_gradient_sync(cg, nodes)
+    collectives = plan_collectives(cg, nodes, mesh, grad_sync, bucket_bytes)
     compute = sum(s.compute for s in chosen.values())
     options = {"memory_budget": budget if math.isfinite(budget) else None, "force_data_parallel": force_data_parallel,
                "batch_axis": batch_axis, "share_layers": share_layers}
@@ -226,9 +286,10 @@ def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None
         for alias in cg.tied.get(fqn, []):
             specs[alias] = specs[fqn]
     result = Plan(mesh=mesh, param_specs=specs, input_specs={n: nodes[n].out_specs[0] for n in cg.input_names},
-                  nodes=nodes, collectives=plan_collectives(cg, nodes, mesh), compute_seconds=compute,
-                  comm_seconds=max(sol.objective - compute, 0.0), memory_bytes=sol.memory,
-                  fingerprint=cg.fingerprint(), options=options, stats=stats)
+                  nodes=nodes, collectives=collectives, compute_seconds=compute,
+                  comm_seconds=sum(c.seconds for c in collectives), memory_bytes=sol.memory,
+                  fingerprint=cg.fingerprint(), options=options, stats=stats, grad_sync=grad_sync,
+                  bucket_bytes=bucket_bytes)
     stats["total_s"] = time.perf_counter() - t0
     result.captured = cg  # for the runtime and for explanations; not serialized
     return result

@@ -100,17 +100,33 @@ def step_cost(step: Step, mesh: LogicalMesh) -> float:
     return mesh.collective_cost(step.kind, step.nbytes, (step.axis,))
 
 
+def is_gradient_sync(src: ShardingSpec, dst: ShardingSpec, grad_partial) -> bool:
+    """The edge moves nothing forward and only all-reduces the gradient backward: a parameter
+    used replicated under a split batch. Such gradients are synchronized in buckets at the end
+    of backward (one all-reduce over the flattened ``grad_partial`` axes per bucket)."""
+    return src == dst and bool(grad_partial) and all(src.dim_of_axis(a) is None for a in grad_partial)
+
+
 class ReshardCosts:
-    """Memoized cost (seconds, forward + backward) of moving a tensor between specs."""
+    """Memoized cost (seconds, forward + backward) of moving a tensor between specs.
+
+    A parameter's gradient synchronization (``is_gradient_sync``) is bucketed: the ILP charges its
+    bandwidth term over the flattened axes, the latency is paid once per bucket (``Plan``)."""
 
     def __init__(self, mesh: LogicalMesh):
         self.mesh = mesh
         self._cache: dict[tuple, float] = {}
 
-    def __call__(self, src: ShardingSpec, dst: ShardingSpec, grad_partial, shape, itemsize) -> float:
+    def __call__(self, src: ShardingSpec, dst: ShardingSpec, grad_partial, shape, itemsize,
+                 parameter: bool = False) -> float:
         """``grad_partial`` None: the tensor needs no gradient, so there is no backward."""
-        key = (src, dst, grad_partial, tuple(shape), itemsize)
+        key = (src, dst, grad_partial, tuple(shape), itemsize, parameter)
         cost = self._cache.get(key)
+        if cost is None and parameter and is_gradient_sync(src, dst, grad_partial):
+            nbytes = itemsize * math.prod(src.local_shape(shape, self.mesh.shape))
+            axes = tuple(sorted(grad_partial))
+            # the marginal cost of nbytes more in a bucket: the latency is paid per bucket
+            cost = self._cache[key] = self.mesh.all_reduce_cost(nbytes, axes) - self.mesh.all_reduce_cost(0, axes)
         if cost is None:
             steps = forward_steps(src, dst, shape, itemsize, self.mesh.shape)
             if grad_partial is not None:

@@ -46,7 +46,7 @@ def test_megatron_mlp_when_weights_dominate():
     assert counts[("all-reduce", "backward")] == 2  # the first layer's input is data: no gradient
     assert set(counts) == {("all-reduce", "forward"), ("all-reduce", "backward")}
     act = 32 * 256 * 4
-    assert all(c.nbytes == act and c.mesh_axis == 1 for c in p.collectives)
+    assert all(c.nbytes == act and c.mesh_axes == (1,) for c in p.collectives)
     assert p.comm_seconds == pytest.approx(5 * (1 + 2 * 3 / 4 * act), rel=1e-6)
 
 
@@ -57,8 +57,11 @@ def test_data_parallel_mlp_when_activations_dominate():
     assert all(spec in ("RR", "R") for spec in p.param_specs.values())
     assert p.input_specs == {"args_0": "S1R", "args_1": "S1R"}
     counts = p.collective_counts()
-    assert counts[("all-reduce", "backward")] == 12  # one per weight and bias
-    assert counts[("all-reduce", "forward")] == 1    # the loss' partial mean
+    assert counts[("all-reduce", "backward")] == 1  # all 12 gradients in one bucket, as DDP does
+    assert counts[("all-reduce", "forward")] == 1   # the loss' partial mean
+    assert len(p.grad_sync) == 12 and set(p.grad_sync.values()) == {(1,)}
+    bucket = [c for c in p.collectives if c.phase == "backward"][0]
+    assert bucket.nbytes == 6 * (32 * 32 + 32) * 4
 
 
 def test_forced_plans():

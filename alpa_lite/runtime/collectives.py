@@ -54,12 +54,17 @@ def _issued(kind: str, phase: str):
 
 @dataclass(frozen=True)
 class MeshGroups:
-    """This rank's view of the 2D mesh: its coordinate and the process group of each axis
-    (group rank = coordinate along that axis)."""
+    """This rank's view of the 2D mesh: its coordinate, the process group of each axis (group
+    rank = coordinate along that axis) and the group of the whole mesh."""
 
     shape: tuple[int, int]
     coord: tuple[int, int]
     groups: tuple[object, object]
+    flat: object = None
+
+    def group(self, axes: tuple[int, ...]):
+        """The process group spanning ``axes`` (one axis, or both: the flattened mesh)."""
+        return self.groups[axes[0]] if len(axes) == 1 else self.flat
 
     def shard_index(self, entry: tuple[int, ...]) -> int:
         """Which chunk of a dim split along ``entry`` (major axis first) this rank holds."""
@@ -107,6 +112,18 @@ def run_step(x: torch.Tensor, step: Step, mesh: MeshGroups, phase: str) -> torch
         recv = [torch.empty_like(send[0]) for _ in range(n)]
         dist.all_to_all(recv, send, group=group)
         return torch.cat(recv, dim=step.dim)
+
+
+def all_reduce_bucket(tensors: list[torch.Tensor], axes: tuple[int, ...], mesh: MeshGroups) -> None:
+    """Sum ``tensors`` in place over the devices of ``axes`` with one all-reduce of their
+    concatenation (a gradient bucket, as DDP does)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    with _issued("all-reduce", "backward"):
+        dist.all_reduce(flat, group=mesh.group(axes))
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset: offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 class Reshard(torch.autograd.Function):

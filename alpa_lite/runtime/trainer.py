@@ -8,6 +8,7 @@ Launch with ``torchrun`` (or ``alpa-lite run``); gloo on CPU, NCCL on CUDA, same
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
@@ -19,11 +20,11 @@ from ..capture import capture
 from ..launch import init_distributed
 from ..mesh import LogicalMesh
 from ..plan import Plan, PlanError
-from ..planner import plan as make_plan
-from ..report import StepTimer, print_report, report_requested, write_record
+from ..planner import gradient_buckets, plan as make_plan
+from ..report import REPORT_JSON_ENV, StepTimer, print_report, report_requested, write_record
 from ..resharding import forward_steps
 from ..spec import ShardingSpec
-from .collectives import COUNTS, MeshGroups, local_slice, run_step
+from .collectives import COUNTS, MeshGroups, all_reduce_bucket, local_slice, run_step
 from .executor import LocalExecutor
 from .init import iter_init
 
@@ -73,7 +74,10 @@ class ParallelTrainer:
         self.device = _device()
         coord = tuple(device_mesh.get_coordinate())
         groups = tuple(device_mesh.get_group(a) for a in range(2))
-        self.groups = MeshGroups(tuple(device_mesh.mesh.shape), coord, groups)
+        ranks = sorted(int(r) for r in device_mesh.mesh.flatten())
+        flat = dist.group.WORLD if len(ranks) == dist.get_world_size() else dist.new_group(ranks)
+        self.groups = MeshGroups(tuple(device_mesh.mesh.shape), coord, groups, flat)
+        self.buckets = gradient_buckets(captured, plan.nodes, plan.grad_sync, self.groups.shape, plan.bucket_bytes)
         self.executor = LocalExecutor(captured, plan, self.groups, self.device)
         self.params: dict[str, torch.nn.Parameter] = {}
         self.buffers: dict[str, torch.Tensor] = {}
@@ -142,14 +146,19 @@ class ParallelTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             loss = self.loss(*batch)
             loss.backward()
+            self.sync_gradients()
             self.optimizer.step()
-            return float(loss.detach())
+            loss = float(loss.detach())
+        if self.timer is not None and self.timer.report_due():
+            self.report(os.environ.get(REPORT_JSON_ENV) or None)
+        return loss
 
-    def report(self, json_path: str | Path | None = None, name: str = "", console=None) -> dict:
+    def report(self, json_path: str | Path | None = None, name: str = "", console=None, show: bool = True) -> dict:
         """Predicted vs measured step and collective times (``alpa_lite.report``); call on every rank.
 
-        Rank 0 prints the tables (to ``console``, a rich ``Console``) and writes the record to
-        ``json_path`` when given.
+        Rank 0 prints the tables (to ``console``, a rich ``Console``) unless ``show`` is False, and
+        writes the record to ``json_path`` when given. ``step()`` calls this by itself once
+        ``report_steps`` steps have been timed (``json_path`` from ``ALPA_LITE_REPORT_JSON``).
 
         Returns:
             the record of ``alpa_lite.report.make_record`` (JSON-able), on every rank.
@@ -163,7 +172,8 @@ class ParallelTrainer:
                                "or set ALPA_LITE_REPORT=1")
         record = self.timer.record(self.plan, name=name)
         if dist.get_rank() == 0:
-            print_report(record, console)
+            if show:
+                print_report(record, console)
             if json_path is not None:
                 write_record(record, json_path)
         return record
@@ -183,6 +193,15 @@ class ParallelTrainer:
                 for alias in self.cg.tied.get(fqn, []):
                     out[alias] = out[fqn]
         return out
+
+    def sync_gradients(self) -> None:
+        """All-reduce the deferred data-parallel gradients, one bucket at a time (``Plan.grad_sync``)."""
+        for axes, members in self.buckets:
+            params = [self.params[self.cg.param_fqns[ph]] for ph in members]
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            all_reduce_bucket([p.grad for p in params], axes, self.groups)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full (gathered) parameters and buffers by FQN, tied names included; on every rank."""
@@ -205,7 +224,8 @@ class ParallelTrainer:
 def parallelize(model: torch.nn.Module, mesh, example_inputs, loss_fn=None, *, targets: tuple = (),
                 optimizer: Callable | None = None, plan: Plan | str | Path | None = None, seed: int = 0,
                 init_fn: Callable | None = None, cluster: str | None = None, timeout_s: float = 120.0,
-                report: bool | None = None, report_warmup: int = 2, **plan_options) -> ParallelTrainer:
+                report: bool | None = None, report_warmup: int = 2, report_steps: int | None = 5,
+                **plan_options) -> ParallelTrainer:
     """Parallelize training of ``model`` over ``mesh`` (call on every rank).
 
     Args:
@@ -221,7 +241,8 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs, loss_fn=None, *, t
         timeout_s: collective timeout, seconds (a dead peer fails the step instead of hanging).
         report: time every step after ``report_warmup`` warm-up steps, and the collectives in it,
             for ``trainer.report()`` (predicted vs measured); None: on when the environment
-            variable ``ALPA_LITE_REPORT`` is ``1``.
+            variable ``ALPA_LITE_REPORT`` is ``1`` (``alpa-lite run --report``). The report
+            prints by itself after ``report_steps`` timed steps (None: only when asked).
         plan_options: passed to ``alpa_lite.plan`` (``force_data_parallel``, ``param_specs`` ...).
 
     Raises:
@@ -252,7 +273,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs, loss_fn=None, *, t
     optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
     trainer = ParallelTrainer(model, dmesh, captured, plan, optimizer, seed, init_fn)
     if report_requested(report):
-        trainer.timer = StepTimer(report_warmup)
+        trainer.timer = StepTimer(report_warmup, report_steps)
     return trainer
 
 
