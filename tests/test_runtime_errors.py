@@ -1,0 +1,35 @@
+"""Bad input to the runtime gives a clear error, never a hang."""
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+from alpa_lite.launch import torchrun
+
+WORKER = str(Path(__file__).parent / "workers" / "bad_input.py")
+
+
+def test_bad_input_errors(tmp_path):
+    out = tmp_path / "errors.json"
+    assert torchrun([WORKER, "--case", "errors", "--out", str(out)], nproc=4, timeout_s=300) == 0
+    errors = json.loads(out.read_text())
+    assert errors["mesh-size"].startswith("ValueError: mesh 2x4 has 8 devices but the world size is 4")
+    assert errors["other-model"].startswith("PlanError: the plan was made for another model")
+    assert errors["other-mesh"].startswith("PlanError: the plan is for a 1x4 mesh, the device mesh is 2x2")
+    assert errors["corrupt-plan"].startswith("PlanError: plan JSON is corrupt")
+    assert errors["bad-batch"].startswith("ValueError: input") and "the plan was made for (8, 16)" in errors["bad-batch"]
+
+
+def test_dead_rank_fails_fast_and_is_named(tmp_path):
+    log = tmp_path / "log.txt"
+    start = time.monotonic()
+    with open(log, "w") as f:
+        code = torchrun([WORKER, "--case", "dead-rank", "--out", str(tmp_path / "x")], nproc=4, timeout_s=240,
+                        stdout=f, stderr=subprocess.STDOUT)
+    elapsed = time.monotonic() - start
+    text = log.read_text()
+    assert code != 0
+    assert elapsed < 120, elapsed  # the collective timeout is 15 s; no hang
+    # torchrun's failure summary names the rank that died and its exit code
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*3", text), text[-3000:]

@@ -1,0 +1,56 @@
+"""Bad input to parallelize, on every rank (torchrun): each case's error goes to a JSON file."""
+import argparse
+import json
+import os
+
+import torch.distributed as dist
+
+from alpa_lite import LogicalMesh, plan
+from alpa_lite.launch import init_distributed
+from alpa_lite.models import build_model
+from alpa_lite.runtime import parallelize
+
+
+def error_of(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects type and message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    init_distributed(timeout_s=15)
+    rank = dist.get_rank()
+    model, example = build_model("gpt-tiny", 8, 16, device="cpu")
+    if args.case == "dead-rank":
+        trainer = parallelize(model, (2, 2), example, force_data_parallel=True)
+        trainer.step(*example)
+        if rank == 1:
+            os._exit(3)  # dies between steps; the others block in the next step's collectives
+        trainer.step(*example)
+        return
+    other_model, other_example = build_model("gpt-tiny", 4, 16, device="meta")
+    other_plan = plan(other_model, other_example, LogicalMesh((2, 2), cluster="cpu-gloo")).to_json()
+    wrong_mesh = plan(model, example, LogicalMesh((1, 4), cluster="cpu-gloo")).to_json()
+    errors = {
+        "mesh-size": error_of(lambda: parallelize(model, (2, 4), example)),
+        "other-model": error_of(lambda: parallelize(model, (2, 2), example, plan=other_plan)),
+        "other-mesh": error_of(lambda: parallelize(model, (2, 2), example, plan=wrong_mesh)),
+        "corrupt-plan": error_of(lambda: parallelize(model, (2, 2), example, plan='{"version": 1}')),
+        "bad-batch": error_of(lambda: parallelize(model, (2, 2), example, force_data_parallel=True).step(
+            *build_model("gpt-tiny", 4, 16, device="cpu")[1])),
+    }
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(errors, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
