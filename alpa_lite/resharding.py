@@ -17,6 +17,7 @@ What remains is the forward routine from the gradient's spec back to ``src``.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -50,8 +51,9 @@ def _local_bytes(shape, itemsize, spec, mesh_shape) -> float:
     return float(itemsize * math.prod(spec.local_shape(shape, mesh_shape)))
 
 
-def forward_steps(src: ShardingSpec, dst: ShardingSpec, shape, itemsize: int, mesh_shape) -> list[Step]:
-    """Steps that turn a tensor of global ``shape`` held in ``src`` into ``dst``."""
+@functools.lru_cache(maxsize=None)
+def forward_steps(src: ShardingSpec, dst: ShardingSpec, shape, itemsize: int, mesh_shape) -> tuple[Step, ...]:
+    """Steps that turn a tensor of global ``shape`` held in ``src`` into ``dst`` (memoized)."""
     steps: list[Step] = []
     cur = src
     for d in range(src.ndim):
@@ -73,11 +75,12 @@ def forward_steps(src: ShardingSpec, dst: ShardingSpec, shape, itemsize: int, me
             steps.append(Step("slice", axis, d, None, 0.0, cur, after))
             cur = after
     assert cur == dst, (src, dst, cur)
-    return steps
+    return tuple(steps)
 
 
-def backward_steps(src: ShardingSpec, dst: ShardingSpec, grad_partial, shape, itemsize, mesh_shape) -> list[Step]:
-    """Steps that turn the gradient (in ``dst``, partial along ``grad_partial``) into ``src``."""
+@functools.lru_cache(maxsize=None)
+def backward_steps(src: ShardingSpec, dst: ShardingSpec, grad_partial, shape, itemsize, mesh_shape) -> tuple[Step, ...]:
+    """Steps that turn the gradient (in ``dst``, partial along ``grad_partial``) into ``src`` (memoized)."""
     steps: list[Step] = []
     cur = dst
     for axis in sorted(grad_partial):
@@ -90,7 +93,7 @@ def backward_steps(src: ShardingSpec, dst: ShardingSpec, grad_partial, shape, it
             cur = after
         else:
             steps.append(Step("all-reduce", axis, None, None, nbytes, cur, cur))
-    return steps + forward_steps(cur, src, shape, itemsize, mesh_shape)
+    return tuple(steps) + forward_steps(cur, src, shape, itemsize, mesh_shape)
 
 
 def step_cost(step: Step, mesh: LogicalMesh) -> float:

@@ -32,7 +32,20 @@ class LocalExecutor:
 
     def __init__(self, captured: CapturedGraph, plan: Plan, mesh: MeshGroups, device: torch.device):
         self.cg, self.plan, self.mesh, self.device = captured, plan, mesh, device
-        self.specs = {name: tuple(ShardingSpec.parse(s) for s in np_.out_specs) for name, np_ in plan.nodes.items()}
+        specs = {name: tuple(ShardingSpec.parse(s) for s in np_.out_specs) for name, np_ in plan.nodes.items()}
+        # per node, per operand: (producer, producer's spec, wanted spec, gradient partial axes, global shape)
+        self.operands: dict[str, list[tuple]] = {}
+        self.local_shapes: dict[str, list[int]] = {}
+        for name, np_ in plan.nodes.items():
+            ops = []
+            for i, (src, r) in enumerate(zip(np_.inputs, np_.input_results)):
+                val = captured.node(src).meta["val"]
+                shape = tuple((val[r] if isinstance(val, (tuple, list)) else val).shape)
+                ops.append((src, specs[src][r], ShardingSpec.parse(np_.in_specs[i]), np_.grad_partial[i], shape))
+            self.operands[name] = ops
+            node = captured.node(name)
+            if node.target in _SHAPE_ARG:
+                self.local_shapes[name] = list(specs[name][0].local_shape(tuple(node.meta["val"].shape), mesh.shape))
 
     def run(self, env: dict[str, torch.Tensor]) -> dict[str, object]:
         """Run the graph; ``env`` maps placeholder names to local shards. Returns every value."""
@@ -49,23 +62,18 @@ class LocalExecutor:
         if node.target is operator.getitem:
             return values[node.args[0].name][node.args[1]]
         local = {}
-        if np_ is not None:
-            for i, (src, r) in enumerate(zip(np_.inputs, np_.input_results)):
-                val = self.cg.node(src).meta["val"]
-                shape = tuple((val[r] if isinstance(val, (tuple, list)) else val).shape)
-                try:
-                    local[src] = reshard(values[src], self.specs[src][r], ShardingSpec.parse(np_.in_specs[i]),
-                                         np_.grad_partial[i], shape, self.mesh)
-                except RuntimeError as e:
-                    raise RuntimeError(f"node {node.name} ({node.target}), operand {src}: {e}") from e
+        for src, src_spec, dst_spec, grad_partial, shape in self.operands.get(node.name, ()):
+            try:
+                local[src] = reshard(values[src], src_spec, dst_spec, grad_partial, shape, self.mesh)
+            except RuntimeError as e:
+                raise RuntimeError(f"node {node.name} ({node.target}), operand {src}: {e}") from e
         lookup = lambda n: local[n.name] if n.name in local else values[n.name]  # noqa: E731
         args = torch.fx.node.map_arg(node.args, lookup)
         kwargs = {k: (self.device if k == "device" else v) for k, v in torch.fx.node.map_arg(node.kwargs, lookup).items()}
         if np_ is None:
             return node.target(*args, **kwargs)
         if node.target in _SHAPE_ARG:
-            global_shape = tuple(node.meta["val"].shape)
-            args = (args[0], list(self.specs[node.name][0].local_shape(global_shape, self.mesh.shape))) + tuple(args[2:])
+            args = (args[0], self.local_shapes[node.name]) + tuple(args[2:])
         if not np_.partial_axes:
             return node.target(*args, **kwargs)
         return self._partial(node, np_, args, kwargs)

@@ -1,0 +1,198 @@
+"""alpa-lite's runtime vs PyTorch's own parallel wrappers, same model, same 4 ranks, one run.
+
+    python benchmarks/runtime_cpu.py [--nproc 4] [--steps 20] [--out docs/runtime_cpu.md]
+
+- data parallel: alpa-lite's forced DP plan vs ``torch.nn.parallel.DistributedDataParallel``;
+- tensor parallel: alpa-lite's Megatron plan (the FFN's fc column-split ``S1R``, proj row-split
+  ``RS1``, the rest replicated) vs DTensor ``parallelize_module`` with ``ColwiseParallel`` /
+  ``RowwiseParallel`` on the same two layers of every block.
+Every rank trains the built-in GPT (``--hidden``, ``--layers``) with AdamW on the same batches;
+the median step time after warm-up and the peak growth of the resident set during the steps
+(sampled every millisecond, after returning freed heap
+pages to the OS) are compared as ratios alpa-lite / PyTorch.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRSS:
+    """Peak resident-set growth (bytes) while the block runs, sampled every millisecond."""
+
+    def __enter__(self):
+        self.base = self.peak = _rss()
+        self.running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while self.running:
+            self.peak = max(self.peak, _rss())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self.running = False
+        self.thread.join()
+        self.growth = self.peak - self.base
+
+
+def _release_free_memory():
+    """Return freed heap pages to the OS so each configuration's growth starts from a clean base."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _time_steps(step, batches, warmup):
+    import torch.distributed as dist
+
+    _release_free_memory()
+    times = []
+    with PeakRSS() as mem:
+        for i, b in enumerate(batches):
+            dist.barrier()
+            t = time.perf_counter()
+            step(b)
+            dt = time.perf_counter() - t
+            if i >= warmup:
+                times.append(dt)
+    return statistics.median(times), mem.growth
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from alpa_lite.launch import init_distributed
+    from alpa_lite.models import build_model
+    from alpa_lite.runtime import parallelize
+
+    init_distributed(300)
+    n = dist.get_world_size()
+    model, example = build_model("gpt-tiny", args.batch, args.seq, device="cpu", hidden=args.hidden,
+                                 num_layers=args.layers, num_heads=args.heads)
+    batches = [build_model("gpt-tiny", args.batch, args.seq, device="cpu", hidden=args.hidden, num_layers=args.layers,
+                           num_heads=args.heads, seed=10 + i)[1] for i in range(args.steps)]
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
+    results = {}
+
+    # data parallel
+    ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    opt = adamw(ddp.parameters())
+
+    def ddp_step(b):
+        opt.zero_grad(set_to_none=True)
+        lo, hi = dist.get_rank() * args.batch // n, (dist.get_rank() + 1) * args.batch // n
+        ddp(*(t[lo:hi] for t in b)).backward()
+        opt.step()
+
+    results["DDP"] = _time_steps(ddp_step, batches, args.warmup)
+    del ddp, opt
+    alpa_dp = parallelize(copy.deepcopy(model), (1, n), example, optimizer=adamw, force_data_parallel=True)
+    results["alpa-lite DP"] = _time_steps(lambda b: alpa_dp.step(*b), batches, args.warmup)
+    del alpa_dp
+
+    # tensor parallel (Megatron FFN)
+    tp_model = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (n,))
+    plan = {}
+    for i in range(args.layers):
+        plan[f"blocks.{i}.ffn.fc"] = ColwiseParallel()
+        plan[f"blocks.{i}.ffn.proj"] = RowwiseParallel()
+    parallelize_module(tp_model, mesh, plan)
+    opt = adamw(tp_model.parameters())
+
+    def dtensor_step(b):
+        opt.zero_grad(set_to_none=True)
+        tp_model(*b).backward()
+        opt.step()
+
+    results["DTensor TP"] = _time_steps(dtensor_step, batches, args.warmup)
+    del tp_model, opt
+    specs = {}
+    for fqn, p in model.named_parameters():
+        specs[fqn] = "R" * p.dim()
+    for i in range(args.layers):
+        specs |= {f"blocks.{i}.ffn.fc.weight": "S1R", f"blocks.{i}.ffn.fc.bias": "S1",
+                  f"blocks.{i}.ffn.proj.weight": "RS1"}
+    alpa_tp = parallelize(copy.deepcopy(model), (1, n), example, optimizer=adamw, param_specs=specs,
+                          input_specs={"0": "RR", "1": "RR"})
+    results["alpa-lite Megatron TP"] = _time_steps(lambda b: alpa_tp.step(*b), batches, args.warmup)
+    if dist.get_rank() == 0:
+        Path(args.result).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=25)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--out", default="docs/runtime_cpu.md")
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--result", default=None)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    from alpa_lite.launch import torchrun
+
+    result = Path(args.out).with_suffix(".json")
+    argv = [a for a in sys.argv[1:]]
+    code = torchrun([__file__, "--worker", "--result", str(result), *argv], nproc=args.nproc)
+    if code:
+        return code
+    r = json.loads(result.read_text())
+    result.unlink()
+    rows = [("data parallel", "alpa-lite DP", "DDP"), ("tensor parallel", "alpa-lite Megatron TP", "DTensor TP")]
+    table = Table(title=f"runtime on {args.nproc} CPU processes (gloo): GPT hidden {args.hidden}, {args.layers} layers, "
+                        f"batch {args.batch}, seq {args.seq}")
+    heads = ["", "alpa-lite step ms", "PyTorch step ms", "time ratio", "alpa-lite peak MiB", "PyTorch peak MiB",
+             "memory ratio"]
+    for h in heads:
+        table.add_column(h, justify="right")
+    lines = ["| " + " | ".join(heads[1:]).join(["comparison | ", ""]) + " |", "|" + "---|" * len(heads)]
+    for label, ours, theirs in rows:
+        (t1, m1), (t2, m2) = r[ours], r[theirs]
+        cells = [f"{label} ({ours} vs {theirs})", f"{t1 * 1e3:.1f}", f"{t2 * 1e3:.1f}", f"{t1 / t2:.2f}",
+                 f"{m1 / 2**20:.1f}", f"{m2 / 2**20:.1f}", f"{m1 / max(m2, 1):.2f}"]
+        table.add_row(*cells)
+        lines.append("| " + " | ".join(cells) + " |")
+    Console(width=160).print(table)
+    Path(args.out).write_text(
+        "# Runtime on CPU processes\n\nCommand: `python benchmarks/runtime_cpu.py " + " ".join(argv) + "` "
+        f"({args.nproc} gloo ranks on a 2-core machine; median of {args.steps - args.warmup} steps after "
+        f"{args.warmup} warm-up steps; peak = growth of each rank-0 resident set during the steps).\n\n"
+        + "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
