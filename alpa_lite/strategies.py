@@ -11,7 +11,9 @@ Cost per strategy (seconds and bytes, for one training step):
 - compute: roofline of the local kernel, forward plus backward (2x forward FLOPs);
 - communication: forward all-reduce of a partial result; its backward dual is the identity;
 - memory: the local result kept for backward (parameters count their weights, gradients and
-  Adam states: 4x the local bytes).
+  Adam states: 4x the local bytes);
+- a parameter's storage spec also carries the optimizer update of its local shard, memory-bound:
+  ``ADAM_UPDATE_BYTES_FACTOR`` x local bytes / ``mem_bandwidth`` (so ZeRO's sharded update is cheaper).
 The gradient an operand receives is itself a partial sum along every mesh axis on which the
 operand is replicated but the op's result is split: that all-reduce (or reduce-scatter) is
 charged on the edge, by ``resharding.py``, together with the edge's resharding.
@@ -32,6 +34,7 @@ from .spec import ShardingSpec
 
 BACKWARD_FLOPS_FACTOR = 2.0
 ADAM_BYTES_FACTOR = 4.0  # parameter + gradient + Adam's two moments, same dtype
+ADAM_UPDATE_BYTES_FACTOR = 7.0  # one Adam(W) update reads parameter, gradient, 2 moments; writes parameter, 2 moments
 
 
 @dataclass(frozen=True)
@@ -154,7 +157,8 @@ def replicated_strategy(node: torch.fx.Node, mesh: LogicalMesh) -> Strategy:
 
 
 def placeholder_strategies(node: torch.fx.Node, mesh: LogicalMesh, is_param: bool) -> list[Strategy]:
-    """Storage specs of a parameter (ZeRO-3 when split along the batch axis) or of an input."""
+    """Storage specs of a parameter (ZeRO-3 when split along the batch axis) or of an input; a
+    parameter's strategies cost its optimizer update on the local shard (module docstring)."""
     val = node.meta["val"]
     shape = tuple(val.shape)
     labels = tuple(f"d{i}" for i in range(len(shape)))
@@ -166,7 +170,9 @@ def placeholder_strategies(node: torch.fx.Node, mesh: LogicalMesh, is_param: boo
             continue
         seen.add(spec)
         local = _nbytes_local(shape, val.element_size(), spec, mesh.shape)
-        out.append(Strategy(str(spec), (), (spec,), memory=local * (ADAM_BYTES_FACTOR if is_param else 1.0)))
+        update = mesh.compute_cost(0.0, ADAM_UPDATE_BYTES_FACTOR * local) if is_param else 0.0
+        out.append(Strategy(str(spec), (), (spec,), compute=update,
+                            memory=local * (ADAM_BYTES_FACTOR if is_param else 1.0)))
     return out
 
 
@@ -188,7 +194,8 @@ def build_strategies(cg: CapturedGraph, mesh: LogicalMesh, *, warn=None) -> dict
     """Strategies for every tensor node of the captured graph, keyed by node name.
 
     ``getitem`` nodes select one result of a multi-result op and follow it. Ops without a
-    generator get the replicated strategy; ``warn(message)`` is called once per such op.
+    generator get the replicated strategy; ``warn(message)`` is called once per such op (not for
+    ops that create a tensor from no tensor operand, such as ``arange``: nothing to split).
     """
     table: dict[str, NodeStrategies] = {}
     warned = set()
@@ -218,7 +225,7 @@ def build_strategies(cg: CapturedGraph, mesh: LogicalMesh, *, warn=None) -> dict
         supported = sig is not None
         if not strategies:
             strategies = [replicated_strategy(node, mesh)]
-            if not supported and warn is not None and str(node.target) not in warned:
+            if not supported and ins and warn is not None and str(node.target) not in warned:
                 warned.add(str(node.target))
                 warn(f"no sharding strategy for {node.target}: it runs replicated")
         needs = [table[n.name].requires_grad for n in ins]
