@@ -112,15 +112,15 @@ def main(args) -> int:
     n0, n1 = (int(x) for x in args.mesh.split("x"))
     if n0 * n1 != args.nproc:
         raise ValueError(f"mesh {args.mesh} has {n0 * n1} devices but --nproc is {args.nproc}")
-    argv = ["-m", "alpa_lite.train"] + [a for a in sys.argv[2:]] if sys.argv[1:2] == ["train"] else \
-        ["-m", "alpa_lite.train"] + _as_argv(args)
-    return torchrun(argv, nproc=args.nproc)
+    return torchrun(["-m", "alpa_lite.train", *_as_argv(args)], nproc=args.nproc)
 
 
 def _as_argv(args) -> list[str]:
+    """The options again, for the ranks (``--nproc`` stays with the launcher: torchrun would take
+    it for its own abbreviated ``--nproc-per-node``)."""
     out = []
     for key, value in vars(args).items():
-        if key in ("func", "command") or value is None:
+        if key in ("func", "command", "nproc") or value is None:
             continue
         out += [f"--{key.replace('_', '-')}", str(value)]
     return out

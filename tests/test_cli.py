@@ -1,0 +1,45 @@
+"""The command line: `alpa-lite plan` for a described cluster and `alpa-lite train` (the README's
+main job, shortened)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from alpa_lite import Plan
+
+
+def alpa_lite(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "alpa_lite.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_plan_prints_tables_and_writes_json(tmp_path):
+    out = tmp_path / "plan.json"
+    r = alpa_lite("plan", "gpt3-350m", "--mesh", "2x4", "--cluster", "v100", "--batch", "16", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "step time (predicted)" in r.stdout and "blocks.*.ffn.fc.weight" in r.stdout
+    assert "collectives per training step" in r.stdout
+    plan = Plan.from_json(str(out))
+    assert plan.mesh.shape == (2, 4) and plan.mesh.cluster == "v100"
+    assert plan.param_specs["blocks.0.ffn.fc.weight"] == plan.param_specs["blocks.5.ffn.fc.weight"]
+
+
+def test_plan_bad_input_is_one_clear_line():
+    r = alpa_lite("plan", "gpt3-350m", "--mesh", "2by4")
+    assert r.returncode == 2 and "mesh shape must look like '2x4'" in r.stderr
+    r = alpa_lite("plan", "no-such-model")
+    assert r.returncode == 2 and "unknown model" in r.stderr.lower()
+    r = alpa_lite("plan", "mlp", "--memory-budget", "0.0000001")
+    assert r.returncode == 2 and "least any plan needs" in r.stderr
+
+
+def test_train_main_job(tmp_path):
+    r = alpa_lite("train", "--nproc", "4", "--mesh", "2x2", "--steps", "30", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["first_loss"] == pytest.approx(4.17, abs=0.15)  # ln(65) at init
+    assert summary["final_loss_avg"] < summary["first_loss"] - 0.8  # it learns
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert len(log) == 30
+    Plan.from_json(str(tmp_path / "plan.json"))
