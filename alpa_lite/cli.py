@@ -21,12 +21,14 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP solver seconds")
     p.add_argument("--json", default=None, help="write the plan JSON here")
     p.add_argument("--all-params", action="store_true", help="list every parameter (no folding of layers)")
+    p.add_argument("--explain", default=None, metavar="NODE",
+                   help="list every strategy of a graph node or parameter FQN with its costs")
 
 
 def cmd_plan(args) -> int:
     import torch  # noqa: F401  (import before rich status so the spinner is not stuck on import)
 
-    from .explain import collective_table, param_table, summary_table
+    from .explain import collective_table, node_table, param_table, summary_table
     from .mesh import LogicalMesh, get_cluster, parse_mesh_shape
     from .models import build_model
     from .planner import plan
@@ -50,6 +52,8 @@ def cmd_plan(args) -> int:
     console.print(summary_table(result, f"{args.model} on a {shape[0]}x{shape[1]} mesh, batch {args.batch}"))
     console.print(param_table(result, max_rows=10**6 if args.all_params else 40))
     console.print(collective_table(result))
+    if args.explain:
+        console.print(node_table(result, args.explain))
     if args.json:
         Path(args.json).write_text(result.to_json())
         console.print(f"plan written to {args.json}")

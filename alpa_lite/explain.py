@@ -84,3 +84,28 @@ def collective_table(plan: Plan) -> Table:
     for (kind, phase, axis), (n, b, s) in sorted(agg.items()):
         t.add_row(kind, phase, axis, str(n), _bytes(b), _seconds(s))
     return t
+
+
+def node_table(plan: Plan, node: str) -> Table:
+    """Every candidate strategy of one graph node (or parameter FQN) with its cost terms, the
+    chosen one marked: "why this?" for a single op. Needs a plan made in this process."""
+    from .strategies import build_strategies
+
+    cg = getattr(plan, "captured", None)
+    if cg is None:
+        raise ValueError("explaining a node needs the captured graph: use a plan made by alpa_lite.plan() here")
+    by_fqn = {fqn: ph for ph, fqn in cg.param_fqns.items()}
+    name = by_fqn.get(node, node)
+    if name not in plan.nodes:
+        raise ValueError(f"no node or parameter {node!r}; nodes look like {', '.join(list(plan.nodes)[-3:])}")
+    chosen = plan.nodes[name]
+    ns = build_strategies(cg, plan.mesh)[name]
+    t = Table(title=f"strategies of {name} ({cg.node(name).target})")
+    for col in ("", "strategy", "operand specs", "result", "partial", "compute", "all-reduce", "memory"):
+        t.add_column(col)
+    for s in sorted(ns.strategies, key=lambda s: s.cost):
+        mark = "*" if s.name == chosen.strategy and tuple(map(str, s.in_specs)) == chosen.in_specs else ""
+        t.add_row(mark, s.name, " ".join(map(str, s.in_specs)), " ".join(map(str, s.out_specs)),
+                  "".join(map(str, s.partial_axes)) or "-", _seconds(s.compute), _seconds(s.comm), _bytes(s.memory))
+    t.caption = "* chosen; resharding of operands is priced on the graph's edges"
+    return t

@@ -43,3 +43,13 @@ def test_train_main_job(tmp_path):
     log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert len(log) == 30
     Plan.from_json(str(tmp_path / "plan.json"))
+
+
+def test_explain_lists_candidates_and_marks_the_choice():
+    r = alpa_lite("plan", "mlp", "--mesh", "1x4", "--cluster", "unit", "--memory-budget", "0.002",
+                  "--explain", "linear_1")
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in r.stdout.splitlines() if "│" in line and ":S1" in line]
+    chosen = [line for line in rows if "│ * │" in line]
+    assert len(rows) >= 3 and len(chosen) == 1
+    assert "k:S1" in chosen[0]  # Megatron's row-parallel second layer: split the contraction
