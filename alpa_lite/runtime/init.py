@@ -60,7 +60,7 @@ def iter_init(model: torch.nn.Module, seed: int = 0, device="cpu", init_fn: Call
     ``init_fn(module)`` likewise (the ``model.apply(fn)`` style of GPT-2 and HuggingFace).
     """
     owners: dict[int, int] = {}
-    for t in [*model.parameters(remove_duplicate=False), *model.buffers(remove_duplicate=False)]:
+    for _, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         owners[id(t)] = owners.get(id(t), 0) + 1
     shared = {k: None for k, n in owners.items() if n > 1}
     for name, module in model.named_modules():

@@ -212,9 +212,16 @@ class ParallelTrainer:
         return self._gather({k: p.grad for k, p in self.params.items() if p.grad is not None})
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load full tensors (as ``model.state_dict()`` gives); each rank keeps its shards."""
+        """Load full tensors (as ``model.state_dict()`` gives); each rank keeps its shards.
+
+        Raises:
+            KeyError: a parameter is missing (buffers missing from ``state`` keep their values:
+                non-persistent buffers are not in a state dict).
+        """
         with torch.no_grad():
             for ph, fqn in {**self.cg.param_fqns, **self.cg.buffer_fqns}.items():
+                if fqn not in state and ph in self.cg.buffer_fqns:
+                    continue
                 if fqn not in state:
                     raise KeyError(f"state dict has no {fqn!r}")
                 target = self.params.get(fqn, self.buffers.get(fqn))

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from alpa_lite.launch import init_distributed
 from alpa_lite.models import build_model
-from alpa_lite.runtime import collective_counts, parallelize
+from alpa_lite.runtime import collective_counts, init_parameters, parallelize
 
 STEPS = 3
 LR = 1e-2
@@ -35,6 +35,28 @@ def max_err(got: dict, want: dict) -> tuple[float, float]:
     return err, max(float(v.abs().max()) for v in want.values())
 
 
+def check_init(args, shape) -> dict:
+    """A meta model materialized shard by shard equals init_parameters() of the same model in one
+    process; load_state_dict of full tensors round-trips through state_dict."""
+    meta, example = build_model(args.model, args.batch, args.seq, device="meta")
+    full = init_parameters(build_model(args.model, args.batch, args.seq, device="meta")[0], seed=7)
+    trainer = parallelize(meta, shape, example, seed=7, param_specs=megatron_specs(full))
+    got = trainer.state_dict()
+    init_err = max(float((got[k] - v).abs().max()) for k, v in full.state_dict().items())
+    torch.manual_seed(123)  # the same full tensors on every rank
+    fresh = {}  # random values, the same tensor for tied names
+    other = {k: fresh.setdefault(v.data_ptr(), torch.randn_like(v)) for k, v in full.state_dict().items()}
+    trainer.load_state_dict(other)
+    got = trainer.state_dict()
+    load_err = max(float((got[k] - v).abs().max()) for k, v in other.items())
+    return {"init_err": init_err, "load_err": load_err, "param_specs": trainer.plan.param_specs}
+
+
+def megatron_specs(model) -> dict:
+    """Column-split every 2D weight along mesh axis 1 where it divides (so shards really differ)."""
+    return {k: "S1R" for k, p in model.named_parameters() if p.dim() == 2 and p.shape[0] % 2 == 0}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -43,6 +65,7 @@ def main():
     ap.add_argument("--mesh", default="2x2")
     ap.add_argument("--plans", required=True, help="JSON object: plan name -> parallelize options")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--check-init", action="store_true", help="also check meta init and load_state_dict")
     args = ap.parse_args()
     init_distributed(60)
     model, example = build_model(args.model, args.batch, args.seq, device="cpu")
@@ -65,6 +88,8 @@ def main():
                          "param_err": param_err, "param_scale": param_scale, "runtime_counts": runtime,
                          "plan_counts": {f"{k}|{ph}": n for (k, ph), n in trainer.plan.collective_counts().items()},
                          "param_specs": trainer.plan.param_specs}
+    if args.check_init:
+        results["init"] = check_init(args, shape)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
