@@ -53,3 +53,13 @@ def test_explain_lists_candidates_and_marks_the_choice():
     chosen = [line for line in rows if "│ * │" in line]
     assert len(rows) >= 3 and len(chosen) == 1
     assert "k:S1" in chosen[0]  # Megatron's row-parallel second layer: split the contraction
+
+
+def test_run_launches_a_script_on_every_rank():
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "examples" / "parallel_mlp.py"
+    r = alpa_lite("run", "--nproc", "4", str(script), "--steps", "3", "--hidden", "64")
+    assert r.returncode == 0, r.stderr[-3000:]
+    losses = [float(line.split()[-1]) for line in r.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 3 and all(0.5 < x < 2 for x in losses)  # rank 0 only, MSE of unit-variance data
