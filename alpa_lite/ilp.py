@@ -108,43 +108,58 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
     if graph.min_memory() > memory_budget:
         raise MemoryBudgetError(memory_budget, graph.min_memory())
     prob = pulp.LpProblem("alpa_intra_op", pulp.LpMinimize)
-    s = []
-    for v, costs in enumerate(graph.costs):
-        if len(costs) == 1:
-            s.append([1])
+    # s[v]: the strategy variables of v, None when v has a single strategy (always chosen)
+    s = [None if len(costs) == 1 else [pulp.LpVariable(f"s_{v}_{p}", cat=pulp.LpBinary) for p in range(len(costs))]
+         for v, costs in enumerate(graph.costs)]
+    objective: dict = {}
+    constant = 0.0
+
+    def add(x, coef):
+        nonlocal constant
+        if x is None:
+            constant += coef
+        elif coef:
+            objective[x] = objective.get(x, 0.0) + coef
+
+    def equal(terms, name):
+        prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(terms), pulp.LpConstraintEQ, rhs=0), name)
+
+    for v, xs in enumerate(s):
+        if xs is None:
+            add(None, graph.costs[v][0])
             continue
-        xs = [pulp.LpVariable(f"s_{v}_{p}", cat=pulp.LpBinary) for p in range(len(costs))]
-        prob += pulp.lpSum(xs) == 1, f"one_{v}"
-        s.append(xs)
-    objective = [c * x for costs, xs in zip(graph.costs, s) for c, x in zip(costs, xs) if c]
+        prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression([(x, 1) for x in xs]), pulp.LpConstraintEQ,
+                                             rhs=1), f"one_{v}")
+        for x, c in zip(xs, graph.costs[v]):
+            add(x, c)
     for (u, v), matrix in sorted(graph.edges.items()):
-        if len(s[u]) == 1 or len(s[v]) == 1:  # the edge is linear in the other variable
-            for p, q in itertools.product(range(len(s[u])), range(len(s[v]))):
-                x = s[v][q] if len(s[u]) == 1 else s[u][p]
-                if matrix[p][q] and not (len(s[u]) == 1 and len(s[v]) == 1):
-                    objective.append(matrix[p][q] * x)
-                elif matrix[p][q]:
-                    objective.append(matrix[p][q])
+        if s[u] is None or s[v] is None:  # the edge is linear in the other end's variable
+            for p, q in itertools.product(range(len(matrix)), range(len(matrix[0]))):
+                add(s[v][q] if s[u] is None and s[v] is not None else (s[u][p] if s[u] is not None else None),
+                    matrix[p][q])
             continue
         if not any(any(row) for row in matrix):
             continue
         e = [[pulp.LpVariable(f"e_{u}_{v}_{p}_{q}", lowBound=0, upBound=1) for q in range(len(s[v]))]
              for p in range(len(s[u]))]
-        for p in range(len(s[u])):
-            prob += pulp.lpSum(e[p]) == s[u][p], f"row_{u}_{v}_{p}"
+        for p, row in enumerate(e):
+            equal([(x, 1) for x in row] + [(s[u][p], -1)], f"row_{u}_{v}_{p}")
         for q in range(len(s[v])):
-            prob += pulp.lpSum(e[p][q] for p in range(len(s[u]))) == s[v][q], f"col_{u}_{v}_{q}"
-        objective += [matrix[p][q] * e[p][q] for p in range(len(s[u])) for q in range(len(s[v])) if matrix[p][q]]
-    prob += pulp.lpSum(objective)
+            equal([(row[q], 1) for row in e] + [(s[v][q], -1)], f"col_{u}_{v}_{q}")
+        for p, row in enumerate(e):
+            for q, x in enumerate(row):
+                add(x, matrix[p][q])
+    prob.setObjective(pulp.LpAffineExpression(list(objective.items()), constant=constant))
     if math.isfinite(memory_budget):
-        prob += pulp.lpSum(m * x for mem, xs in zip(graph.memory, s) for m, x in zip(mem, xs)
-                           if m and not isinstance(x, int)) <= memory_budget - sum(
-            mem[0] for mem, xs in zip(graph.memory, s) if len(xs) == 1), "memory"
+        fixed = sum(mem[0] for mem, xs in zip(graph.memory, s) if xs is None)
+        terms = [(x, m) for mem, xs in zip(graph.memory, s) if xs is not None for x, m in zip(xs, mem) if m]
+        prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(terms), pulp.LpConstraintLE,
+                                             rhs=memory_budget - fixed), "memory")
     status = prob.solve(_solver(time_limit, solver))
     if pulp.LpStatus[status] not in ("Optimal",) and prob.sol_status not in (pulp.LpSolutionIntegerFeasible,):
         raise SolverError(f"ILP solver status {pulp.LpStatus[status]} ({len(graph.costs)} variables, "
                           f"{len(graph.edges)} edges); try a longer time_limit")
-    choice = [0 if len(xs) == 1 else max(range(len(xs)), key=lambda p: xs[p].value() or 0.0) for xs in s]
+    choice = [0 if xs is None else max(range(len(xs)), key=lambda p: xs[p].value() or 0.0) for xs in s]
     return Solution(choice, graph.objective(choice), graph.memory_of(choice), pulp.LpStatus[status])
 
 
