@@ -370,8 +370,7 @@ def _mse(node, fresh):
 
 
 def _conv(node, fresh):
-    x, w = _shape(node.args[0]), _shape(node.args[1])
-    nd = len(x) - 2
+    nd = len(_shape(node.args[0])) - 2
     groups = node.args[6] if len(node.args) > 6 else 1
     sp_in = tuple(fresh() for _ in range(nd))
     sp_out = tuple(fresh() for _ in range(nd))

@@ -8,7 +8,9 @@ For ``linear`` on a 2D mesh this yields Alpa's dot strategies: ``SS = SR x RS``,
 with an all-reduce, ``RS = RS x SS`` with an all-reduce, batch splits, and their 2D mixes.
 
 Cost per strategy (seconds and bytes, for one training step):
-- compute: roofline of the local kernel, forward plus backward (2x forward FLOPs);
+- compute: roofline of the local kernel, forward plus backward (2x forward FLOPs), at the
+  measured rate of its kernel class (``kernel_class``: attention, compute-heavy pointwise) when
+  the mesh has one, else at the matmul peak;
 - communication: forward all-reduce of a partial result; its backward dual is the identity;
 - memory: the local result kept for backward (parameters count their weights, gradients and
   Adam states: 4x the local bytes);
@@ -27,12 +29,17 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx
 
-from .capture import CapturedGraph, nbytes_of, shape_of
+from .capture import CapturedGraph, nbytes_of
 from .mesh import LogicalMesh
 from .ops import FOLLOWER_TARGETS, OpSignature, flops, signature
 from .spec import ShardingSpec
 
 BACKWARD_FLOPS_FACTOR = 2.0
+aten = torch.ops.aten
+_TRANSCENDENTAL = {aten.gelu.default, aten.tanh.default, aten.sigmoid.default, aten.silu.default, aten.exp.default,
+                   aten.log.default, aten.erf.default, aten._softmax.default, aten.softmax.int,
+                   aten._log_softmax.default, aten.log_softmax.int, aten.cross_entropy_loss.default,
+                   aten.layer_norm.default, aten.native_layer_norm.default}
 ADAM_BYTES_FACTOR = 4.0  # parameter + gradient + Adam's two moments, same dtype
 ADAM_UPDATE_BYTES_FACTOR = 7.0  # one Adam(W) update reads parameter, gradient, 2 moments; writes parameter, 2 moments
 
@@ -107,6 +114,16 @@ def _describe(assign: dict[str, tuple[int, ...]]) -> str:
     return ",".join(f"{lab}:S{''.join(map(str, ax))}" for lab, ax in sorted(assign.items()))
 
 
+def kernel_class(node: torch.fx.Node) -> str | None:
+    """The kernel class whose measured rate prices ``node`` (``LogicalMesh.kernel_flops``):
+    ``"attention"`` for scaled-dot-product attention, ``"pointwise"`` for elementwise ops that
+    compute more than they move (GELU, tanh, exp, softmax, cross-entropy, layer norm), None for
+    the rest (matmul peak; cheap elementwise ops are memory-bound anyway)."""
+    if node.target is aten.scaled_dot_product_attention.default:
+        return "attention"
+    return "pointwise" if node.target in _TRANSCENDENTAL else None
+
+
 def enumerate_strategies(node: torch.fx.Node, sig: OpSignature, mesh: LogicalMesh) -> list[Strategy]:
     """All strategies of ``node`` under ``sig`` whose split dims divide evenly, with costs."""
     ins = [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
@@ -132,7 +149,7 @@ def enumerate_strategies(node: torch.fx.Node, sig: OpSignature, mesh: LogicalMes
                 shards *= mesh.shape[a]
         local_bytes = sum(_nbytes_local(tuple(v.shape), v.element_size(), s, mesh.shape)
                           for s, v in zip(in_specs + out_specs, in_vals + out_vals))
-        compute = (1 + BACKWARD_FLOPS_FACTOR) * mesh.compute_cost(fl / shards, local_bytes)
+        compute = (1 + BACKWARD_FLOPS_FACTOR) * mesh.compute_cost(fl / shards, local_bytes, kernel_class(node))
         out_local = sum(_nbytes_local(tuple(v.shape), v.element_size(), s, mesh.shape)
                         for s, v in zip(out_specs, out_vals))
         comm = mesh.all_reduce_cost(out_local, partial) if partial else 0.0
@@ -151,7 +168,7 @@ def replicated_strategy(node: torch.fx.Node, mesh: LogicalMesh) -> Strategy:
     in_specs = tuple(ShardingSpec.replicated(v.meta["val"].dim()) for v in ins)
     out_specs = tuple(ShardingSpec.replicated(v.dim()) for v in outs)
     nbytes = sum(nbytes_of(v.meta["val"]) for v in ins) + nbytes_of(node.meta.get("val"))
-    compute = (1 + BACKWARD_FLOPS_FACTOR) * mesh.compute_cost(flops(node, None), nbytes)
+    compute = (1 + BACKWARD_FLOPS_FACTOR) * mesh.compute_cost(flops(node, None), nbytes, kernel_class(node))
     return Strategy("R", in_specs, out_specs, (), "sum", tuple(() for _ in ins), compute, 0.0,
                     float(nbytes_of(node.meta.get("val"))))
 

@@ -105,10 +105,8 @@ def worker(args) -> None:
         opt.step()
 
     results["DDP"] = _time_steps(ddp_step, batches, args.warmup)
-    del ddp, opt
     alpa_dp = parallelize(copy.deepcopy(model), (1, n), example, optimizer=adamw, force_data_parallel=True)
     results["alpa-lite DP"] = _time_steps(lambda b: alpa_dp.step(*b), batches, args.warmup)
-    del alpa_dp
 
     # tensor parallel (Megatron FFN)
     tp_model = copy.deepcopy(model)
@@ -118,15 +116,14 @@ def worker(args) -> None:
         plan[f"blocks.{i}.ffn.fc"] = ColwiseParallel()
         plan[f"blocks.{i}.ffn.proj"] = RowwiseParallel()
     parallelize_module(tp_model, mesh, plan)
-    opt = adamw(tp_model.parameters())
+    tp_opt = adamw(tp_model.parameters())
 
     def dtensor_step(b):
-        opt.zero_grad(set_to_none=True)
+        tp_opt.zero_grad(set_to_none=True)
         tp_model(*b).backward()
-        opt.step()
+        tp_opt.step()
 
     results["DTensor TP"] = _time_steps(dtensor_step, batches, args.warmup)
-    del tp_model, opt
     specs = {}
     for fqn, p in model.named_parameters():
         specs[fqn] = "R" * p.dim()

@@ -1,5 +1,4 @@
 """The ILP optimum equals exhaustive enumeration on small random cost graphs."""
-import math
 import random
 
 import pytest

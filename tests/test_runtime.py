@@ -8,7 +8,6 @@ zero; after 3 steps at lr 1e-2 we allow 2% of one step (2e-4) in any parameter, 
 gradient (missing all-reduce, wrong shard) moves parameters by O(lr) = 1e-2 per step.
 """
 import json
-import sys
 from pathlib import Path
 
 import pytest
