@@ -21,6 +21,12 @@ or a cluster JSON with ``"use_curves": true``, :meth:`LogicalMesh.collective_cos
 (``alpa/mesh_profiling.py``). Below the first point the first time is used; beyond the last point
 the line through the last two points is extended (slope floored at 0). A kind or axis group
 without a curve keeps the formula. Without curves every cost is exactly the formula.
+
+Compute is a roofline, ``max(flops / rate, bytes / mem_bandwidth)``, with ``rate`` the matmul
+``peak_flops`` unless the kernel belongs to a class in ``kernel_flops`` (measured by ``alpa-lite
+profile``): ``"attention"`` (``scaled_dot_product_attention``) and ``"pointwise"`` (elementwise ops
+that compute more than they move, such as GELU or layer norm, one FLOP per element) run far
+below the matmul peak on CPUs (``strategies.kernel_class`` assigns the classes).
 """
 from __future__ import annotations
 
@@ -33,6 +39,19 @@ import numpy as np
 
 GB = 1e9
 GiB = 2**30
+
+KERNEL_CLASSES = ("attention", "pointwise")
+
+
+def _check_kernel_flops(kernel_flops, where: str) -> None:
+    """Raise ValueError unless ``kernel_flops`` maps known kernel classes to positive FLOP/s."""
+    if not isinstance(kernel_flops, (dict, tuple)):
+        raise ValueError(f"{where} must map kernel classes to FLOP/s, got {kernel_flops!r}")
+    for kind, rate in dict(kernel_flops).items():
+        if kind not in KERNEL_CLASSES:
+            raise ValueError(f"{where}: unknown kernel class {kind!r}; known: {', '.join(KERNEL_CLASSES)}")
+        if not (isinstance(rate, (int, float)) and rate > 0 and math.isfinite(rate)):
+            raise ValueError(f"{where}[{kind!r}] must be a positive number of FLOP/s, got {rate!r}")
 
 
 @dataclass(frozen=True)
@@ -61,6 +80,9 @@ class ClusterSpec:
             intra/inter figures for that shape.
         use_curves: cost collectives by the measured curves in ``measurements`` (see the
             module docstring) for the mesh shapes that have them; JSON key ``"use_curves"``.
+        kernel_flops: achieved FLOP/s of kernel classes slower than matmul (``"attention"``,
+            ``"pointwise"``; module docstring), written by ``alpa-lite profile``; JSON key
+            ``"kernel_flops"``, left out when empty (every kernel at ``peak_flops``).
         measurements: what ``alpa-lite profile`` measured (fits and raw curves), kept as read.
             Curves live at ``measurements["meshes"]["2x2"]["collectives"][kind][axes]`` with
             ``axes`` one of ``"0"``, ``"1"``, ``"01"`` and value ``{"bytes": [...], "seconds": [...]}``.
@@ -77,8 +99,10 @@ class ClusterSpec:
     mesh_links: dict[str, tuple[Link, Link]] = field(default_factory=dict)
     use_curves: bool = False
     measurements: dict = field(default_factory=dict)
+    kernel_flops: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        _check_kernel_flops(self.kernel_flops, f"cluster {self.name!r}: kernel_flops")
         for key in ("num_nodes", "devices_per_node"):
             if int(getattr(self, key)) < 1:
                 raise ValueError(f"cluster {self.name!r}: {key} must be >= 1")
@@ -112,7 +136,8 @@ class ClusterSpec:
         return LogicalMesh((n0, n1), mesh_alpha=(a0.alpha, a1.alpha), mesh_beta=(a0.beta, a1.beta),
                            peak_flops=self.peak_flops, mem_bandwidth=self.mem_bandwidth,
                            memory_bytes=self.memory_bytes, cluster=self.name,
-                           collective_curves=self.collective_curves((n0, n1)) if self.use_curves else None)
+                           collective_curves=self.collective_curves((n0, n1)) if self.use_curves else None,
+                           kernel_flops=self.kernel_flops)
 
     def collective_curves(self, shape: tuple[int, int]) -> dict | None:
         """The measured curves for mesh ``shape`` (``{kind: {axes: {"bytes", "seconds"}}}``), or None."""
@@ -127,6 +152,8 @@ class ClusterSpec:
             del d["use_curves"]
         if not self.measurements:
             del d["measurements"]
+        if not self.kernel_flops:
+            del d["kernel_flops"]
         return json.dumps(d, indent=2, sort_keys=True)
 
     @classmethod
@@ -161,7 +188,8 @@ class ClusterSpec:
                        mem_bandwidth=float(d["mem_bandwidth"]), memory_bytes=float(d["memory_bytes"]),
                        intra_node=_link(d["intra_node"], "intra_node"),
                        inter_node=_link(d["inter_node"], "inter_node"),
-                       mesh_links=links, use_curves=use_curves, measurements=measurements)
+                       mesh_links=links, use_curves=use_curves, measurements=measurements,
+                       kernel_flops=dict(d.get("kernel_flops", {})))
         except (TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"{source}: {e}") from None
 
@@ -329,6 +357,8 @@ class LogicalMesh:
             ``(0,)``, ``(1,)``, ``(0, 1)`` or ``"0"``, ``"1"``, ``"01"`` and ``bytes`` the same B
             as the cost methods' ``nbytes``; stored as a hashable tuple. None (default): formula
             only, unless the ``cluster`` consulted for missing figures has ``use_curves``.
+        kernel_flops: FLOP/s of the kernel classes of ``KERNEL_CLASSES`` that run below
+            ``peak_flops`` (module docstring); None: the ``cluster``'s (none for the presets).
 
     Raises:
         ValueError: on a shape that is not 2D positive, or non-positive figures, or invalid curves.
@@ -342,6 +372,7 @@ class LogicalMesh:
     memory_bytes: float | None = None
     cluster: str = "a100"
     collective_curves: dict | tuple | None = None
+    kernel_flops: dict | tuple | None = None
 
     def __post_init__(self):
         shape = _check_shape(self.shape)
@@ -357,9 +388,13 @@ class LogicalMesh:
                     object.__setattr__(self, k, getattr(ref, k))
             if self.collective_curves is None:
                 object.__setattr__(self, "collective_curves", ref.collective_curves)
+            if self.kernel_flops is None:
+                object.__setattr__(self, "kernel_flops", ref.kernel_flops)
             object.__setattr__(self, "cluster", base.name)
         if self.collective_curves is not None:
             object.__setattr__(self, "collective_curves", _normalize_curves(self.collective_curves))
+        _check_kernel_flops(self.kernel_flops or {}, "kernel_flops")
+        object.__setattr__(self, "kernel_flops", tuple(sorted(dict(self.kernel_flops or {}).items())))
         for k in ("mesh_alpha", "mesh_beta"):
             v = tuple(float(x) for x in getattr(self, k))
             if len(v) != 2 or min(v) < 0:
@@ -415,14 +450,18 @@ class LogicalMesh:
                     return interpolate_curve(xs, ts, nbytes)
         return alpha + bytes_factor(kind, n) * nbytes * beta
 
-    def compute_cost(self, flops: float, nbytes: float) -> float:
-        """Roofline time of a kernel: ``max(flops / peak_flops, nbytes / mem_bandwidth)``, seconds."""
-        return max(flops / self.peak_flops, nbytes / self.mem_bandwidth)
+    def compute_cost(self, flops: float, nbytes: float, kernel: str | None = None) -> float:
+        """Roofline time of a kernel, seconds: ``max(flops / rate, nbytes / mem_bandwidth)`` with
+        ``rate`` the ``kernel_flops`` of class ``kernel`` when measured, else ``peak_flops``."""
+        rate = dict(self.kernel_flops).get(kernel, self.peak_flops) if kernel else self.peak_flops
+        return max(flops / rate, nbytes / self.mem_bandwidth)
 
     def to_dict(self) -> dict:
         d = {"shape": list(self.shape), "mesh_alpha": list(self.mesh_alpha), "mesh_beta": list(self.mesh_beta),
              "peak_flops": self.peak_flops, "mem_bandwidth": self.mem_bandwidth,
              "memory_bytes": self.memory_bytes, "cluster": self.cluster}
+        if self.kernel_flops:
+            d["kernel_flops"] = dict(self.kernel_flops)
         if self.collective_curves:
             curves: dict = {}
             for kind, axes, xs, ts in self.collective_curves:
@@ -434,4 +473,4 @@ class LogicalMesh:
     def from_dict(cls, d: dict) -> "LogicalMesh":
         return cls(tuple(d["shape"]), tuple(d["mesh_alpha"]), tuple(d["mesh_beta"]), d["peak_flops"],
                    d["mem_bandwidth"], d["memory_bytes"], d.get("cluster", "custom"),
-                   collective_curves=d.get("collective_curves"))
+                   collective_curves=d.get("collective_curves"), kernel_flops=d.get("kernel_flops", {}))

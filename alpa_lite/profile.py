@@ -9,15 +9,25 @@ axis-0 groups the columns) the workers measure:
   size > 1, and on the whole world (``"01"``) when both axes are > 1, over a sweep of sizes
   ``B``. ``B`` means what the cost methods of :class:`~alpa_lite.mesh.LogicalMesh` mean: the
   all-reduced tensor, the all-gather result, the reduce-scatter input, the per-device
-  all-to-all buffer. All groups of an axis run at once, as they would in an SPMD step.
+  all-to-all buffer. All groups of an axis run at once, as they would in an SPMD step. The
+  calls are the ones the runtime issues (``runtime/collectives.run_step``: the list forms of
+  ``all_gather``, ``reduce_scatter`` and ``all_to_all``; on gloo a list ``reduce_scatter`` costs
+  more than an all-reduce of the same input, so the tensor forms would mislead the planner).
   Each point: warm-up calls, then ``repeats`` timings, each after a world barrier, of one call
   (or of a batch of up to 10 back-to-back calls, divided by their count, for messages below a
   quarter of the largest size, as nccl-tests does); a rank's figure is its median, the point is
   the maximum over ranks;
 - send/recv between rank 0 and the last rank (ping-pong, half the round trip);
 - one device's matmul FLOP/s (``2 n^3`` FLOPs per ``n x n`` matmul) and memory bandwidth
-  (a large tensor copy moves ``2 x`` its bytes: read + write), measured on every rank at once
-  (the contention an SPMD step sees; the slowest rank is kept).
+  (a large tensor copy moves ``2 x`` its bytes: read + write) as an SPMD step sees them: every
+  rank runs the same segment of back-to-back calls (about ``SEGMENT_SECONDS`` long) between two
+  world barriers, so the segment lasts until the slowest rank is done, as a compute segment
+  between two collectives of a training step does; a call's time is the segment's over its
+  calls (median of ``SEGMENTS``). On ranks that share CPU cores this includes the stragglers that
+  the scheduler makes; a single call per rank would be dominated by noise;
+- the same way, the FLOP/s of the kernel classes that run far below the matmul peak
+  (:data:`alpa_lite.mesh.KERNEL_CLASSES`): causal scaled-dot-product attention and a GELU, each
+  forward plus backward (``kernel_flops`` of the cluster file);
 
 Each curve is fitted by :func:`fit_alpha_beta` to the alpha-beta model of
 :mod:`alpa_lite.mesh` (Thakur et al., IJHPCA 2005; Alpa, OSDI'22, section 4.2). Rank 0 writes a
@@ -50,6 +60,7 @@ KiB, MiB, GiB = 2**10, 2**20, 2**30
 CPU_SIZES = tuple(4 * KiB * 4**i for i in range(6))      # 4 KiB .. 4 MiB, x4 steps
 CUDA_SIZES = tuple(256 * KiB * 4**i for i in range(7))   # 256 KiB .. 1 GiB, x4 steps
 P2P = "send-recv"
+SEGMENT_SECONDS, SEGMENTS = 0.2, 5  # lock-step compute segments per compute figure (see the docstring)
 
 
 @dataclass(frozen=True)
@@ -217,8 +228,6 @@ def _worker(args: argparse.Namespace) -> int:
     sizes = sorted(set(args.sizes)) if args.sizes else list(CUDA_SIZES if cuda else CPU_SIZES)
     warmup = args.warmup if args.warmup is not None else (3 if cuda else 2)
     repeats = args.repeats if args.repeats is not None else (10 if cuda else 5)
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
     # Every rank creates every group in the same order (new_group is collective over the world).
     groups = mesh_groups((n0, n1))
@@ -229,7 +238,7 @@ def _worker(args: argparse.Namespace) -> int:
             if rank in ranks:
                 mine[axes] = (g, len(ranks))
 
-    progress = _Progress(args.progress, total=len(groups) * len(COLLECTIVES) + 3, enabled=rank == 0)
+    progress = _Progress(args.progress, total=len(groups) * len(COLLECTIVES) + 4, enabled=rank == 0)
     medians: list[float] = []  # this rank's median per measured point, in a fixed order
 
     def inner_for(size: int) -> int:
@@ -253,20 +262,57 @@ def _worker(args: argparse.Namespace) -> int:
             times.append((time.perf_counter() - t0) / inner)
         return statistics.median(times)
 
+    def lockstep_seconds(fn) -> float:
+        # Seconds per call of fn in lock-step segments of ~SEGMENT_SECONDS between world barriers.
+        for _ in range(max(warmup, 1)):
+            fn()
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        one = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=dev)
+        dist.all_reduce(one, op=dist.ReduceOp.MAX)  # every rank makes the same number of calls
+        calls = max(1, round(SEGMENT_SECONDS / float(one.item())))
+        times = []
+        for _ in range(SEGMENTS):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync()
+            dist.barrier()
+            times.append((time.perf_counter() - t0) / calls)
+        return statistics.median(times)
+
     # --- compute: matmul FLOP/s and copy bandwidth, on every rank at once
     mm_n = args.matmul_n or (8192 if cuda else 1024)
     mm_dtype = torch.bfloat16 if cuda else torch.float32
     a = torch.randn(mm_n, mm_n, device=dev, dtype=mm_dtype)
     b = torch.randn(mm_n, mm_n, device=dev, dtype=mm_dtype)
-    medians.append(timed(lambda: torch.mm(a, b)))
+    medians.append(lockstep_seconds(lambda: torch.mm(a, b)))
     del a, b
     progress.step("matmul")
     copy_bytes = args.copy_bytes or (2 * GiB if cuda else 64 * MiB)
     src = torch.empty(copy_bytes // 4, device=dev, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
-    medians.append(timed(lambda: dst.copy_(src)))
+    medians.append(lockstep_seconds(lambda: dst.copy_(src)))
     del src, dst
     progress.step("memory copy")
+    # Kernel classes far below the matmul peak (mesh.KERNEL_CLASSES), forward + backward like a
+    # training step; their FLOPs count as ops.flops counts them, times (1 + BACKWARD_FLOPS_FACTOR)
+    # as strategies.py charges them.
+    from alpa_lite.strategies import BACKWARD_FLOPS_FACTOR
+
+    b_, h_, s_, d_ = (8, 16, 1024, 128) if cuda else (4, 4, 128, 64)
+    q, k, v = (torch.randn(b_, h_, s_, d_, device=dev, dtype=mm_dtype, requires_grad=True) for _ in range(3))
+    medians.append(lockstep_seconds(
+        lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()))
+    x = torch.randn(64 * 2**20 if cuda else 2**20, device=dev, dtype=mm_dtype, requires_grad=True)
+    medians.append(lockstep_seconds(lambda: torch.nn.functional.gelu(x, approximate="tanh").sum().backward()))
+    kernels = {"attention": (1 + BACKWARD_FLOPS_FACTOR) * 4.0 * b_ * h_ * s_ * s_ * d_,
+               "pointwise": (1 + BACKWARD_FLOPS_FACTOR) * float(x.numel())}
+    del q, k, v, x
+    progress.step("attention, pointwise")
 
     # --- collectives
     points: list[tuple[str, str, int, int]] = []  # (axes, kind, n, actual bytes)
@@ -279,14 +325,15 @@ def _worker(args: argparse.Namespace) -> int:
                     x = torch.ones(numel, device=dev)
                     fn = lambda x=x, g=g: dist.all_reduce(x, group=g)  # noqa: E731
                 elif kind == "all-gather":
-                    out, inp = torch.empty(numel, device=dev), torch.ones(numel // n, device=dev)
-                    fn = lambda out=out, inp=inp, g=g: all_gather(out, inp, group=g)  # noqa: E731
+                    outs, inp = [torch.empty(numel // n, device=dev) for _ in range(n)], torch.ones(numel // n, device=dev)
+                    fn = lambda outs=outs, inp=inp, g=g: dist.all_gather(outs, inp, group=g)  # noqa: E731
                 elif kind == "reduce-scatter":
-                    out, inp = torch.empty(numel // n, device=dev), torch.ones(numel, device=dev)
-                    fn = lambda out=out, inp=inp, g=g: reduce_scatter(out, inp, group=g)  # noqa: E731
+                    out, inps = torch.empty(numel // n, device=dev), [torch.ones(numel // n, device=dev) for _ in range(n)]
+                    fn = lambda out=out, inps=inps, g=g: dist.reduce_scatter(out, inps, group=g)  # noqa: E731
                 else:
-                    out, inp = torch.empty(numel, device=dev), torch.ones(numel, device=dev)
-                    fn = lambda out=out, inp=inp, g=g: dist.all_to_all_single(out, inp, group=g)  # noqa: E731
+                    outs, inps = ([torch.empty(numel // n, device=dev) for _ in range(n)],
+                                  [torch.ones(numel // n, device=dev) for _ in range(n)])
+                    fn = lambda outs=outs, inps=inps, g=g: dist.all_to_all(outs, inps, group=g)  # noqa: E731
                 medians.append(timed(fn, inner_for(nbytes)))
                 points.append((axes, kind, n, nbytes))
                 fn = None
@@ -313,7 +360,7 @@ def _worker(args: argparse.Namespace) -> int:
     t = t.cpu().tolist()
     if rank == 0:
         spec = _build_cluster(args, t, points, p2p_bytes, groups, (n0, n1), world, mm_n, str(mm_dtype).split(".")[-1],
-                              copy_bytes, warmup, repeats, cuda, dev)
+                              copy_bytes, warmup, repeats, cuda, dev, kernels)
         Path(args.out).write_text(spec.to_json())
     dist.barrier()
     dist.destroy_process_group()
@@ -321,13 +368,14 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _build_cluster(args, t, points, p2p_bytes, groups, shape, world, mm_n, mm_dtype, copy_bytes, warmup, repeats,
-                   cuda, dev) -> ClusterSpec:
+                   cuda, dev, kernels: dict[str, float]) -> ClusterSpec:
     import torch
 
     n0, n1 = shape
     key = f"{n0}x{n1}"
     mm_s, copy_s = t[0], t[1]
-    coll_t, p2p_t = t[2:2 + len(points)], t[2 + len(points):]
+    kernel_flops = {kind: flops / seconds for (kind, flops), seconds in zip(kernels.items(), t[2:4])}
+    coll_t, p2p_t = t[4:4 + len(points)], t[4 + len(points):]
     peak_flops = 2.0 * mm_n**3 / mm_s
     mem_bw = 2.0 * copy_bytes / copy_s  # read + write
     if cuda:
@@ -379,13 +427,14 @@ def _build_cluster(args, t, points, p2p_bytes, groups, shape, world, mm_n, mm_dt
         "warmup": warmup, "repeats": repeats,
         "compute": {"matmul_n": mm_n, "matmul_dtype": mm_dtype, "matmul_seconds": mm_s, "peak_flops": peak_flops,
                     "copy_bytes": copy_bytes, "copy_seconds": copy_s, "mem_bandwidth": mem_bw,
-                    "memory_bytes": memory},
+                    "memory_bytes": memory, "kernel_flops": kernel_flops,
+                    "kernel_flops_per_call": kernels},
         "meshes": {key: {"groups": groups, "collectives": curves, "p2p": p2p}},
     }
     return ClusterSpec(name=f"profiled-{device_name}-{key}", num_nodes=1, devices_per_node=world,
                        peak_flops=peak_flops, mem_bandwidth=mem_bw, memory_bytes=memory,
                        intra_node=world_link, inter_node=world_link, mesh_links={key: links},
-                       use_curves=bool(args.use_curves), measurements=measurements)
+                       use_curves=bool(args.use_curves), measurements=measurements, kernel_flops=kernel_flops)
 
 
 # ----------------------------------------------------------------------------------- parent
@@ -545,7 +594,8 @@ def print_report(spec: ClusterSpec, console=None) -> None:
         console.print(table)
     c = m.get("compute", {})
     console.print(f"device: {spec.peak_flops / 1e9:.1f} GFLOP/s ({c.get('matmul_n', '?')}^3 {c.get('matmul_dtype', '')} "
-                  f"matmul), {spec.mem_bandwidth / 1e9:.2f} GB/s copy, {spec.memory_bytes / GiB:.2f} GiB memory")
+                  f"matmul), {spec.mem_bandwidth / 1e9:.2f} GB/s copy, {spec.memory_bytes / GiB:.2f} GiB memory"
+                  + "".join(f", {kind} {rate / 1e9:.1f} GFLOP/s" for kind, rate in spec.kernel_flops.items()))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

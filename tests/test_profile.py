@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -127,7 +128,33 @@ def test_cluster_round_trip(tmp_path, use_curves):
 
 def test_unprofiled_cluster_json_unchanged():
     d = json.loads(ClusterSpec("c", 1, 2, 1e12, 1e11, 1e9, Link(1e-5, 1e-10), Link(1e-5, 1e-10)).to_json())
-    assert "measurements" not in d and "use_curves" not in d
+    assert "measurements" not in d and "use_curves" not in d and "kernel_flops" not in d
+
+
+def test_kernel_flops_round_trip_and_compute_cost(tmp_path):
+    spec = dataclasses.replace(_measured_cluster(), kernel_flops={"attention": 1e10, "pointwise": 1e8})
+    path = tmp_path / "cluster.json"
+    path.write_text(spec.to_json())
+    back = ClusterSpec.load(path)
+    assert back == spec
+    m = back.logical_mesh((2, 2))
+    assert LogicalMesh.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    # roofline: max(flops / rate, bytes / mem_bandwidth) with the class's rate, else the matmul peak 5e10
+    assert m.compute_cost(1e9, 0.0, "attention") == pytest.approx(0.1)
+    assert m.compute_cost(1e6, 0.0, "pointwise") == pytest.approx(0.01)
+    assert m.compute_cost(1e6, 1e9, "pointwise") == pytest.approx(0.1)  # bytes / 1e10 B/s
+    assert m.compute_cost(1e9, 0.0) == m.compute_cost(1e9, 0.0, "matmul") == pytest.approx(0.02)
+    assert LogicalMesh((2, 2), cluster="cpu-gloo").kernel_flops == ()  # presets: every kernel at the peak
+
+
+def test_kernel_flops_validation():
+    d = _base_dict()
+    d["kernel_flops"] = {"conv": 1e9}
+    with pytest.raises(ValueError, match="unknown kernel class 'conv'"):
+        ClusterSpec.from_dict(d)
+    d["kernel_flops"] = {"attention": -1.0}
+    with pytest.raises(ValueError, match=r"kernel_flops\['attention'\] must be a positive"):
+        ClusterSpec.from_dict(d)
 
 
 def _base_dict() -> dict:
@@ -262,3 +289,33 @@ def test_profile_two_processes(tmp_path):
     e = mesh["collectives"]["all-reduce"]["1"]
     assert m.all_reduce_cost(262144, (1,)) == pytest.approx(e["seconds"][1])
     assert math.isfinite(m.all_reduce_cost(2**30, (1,)))
+    assert set(spec.kernel_flops) == {"attention", "pointwise"}
+    assert 0 < spec.kernel_flops["pointwise"] < spec.kernel_flops["attention"] < 10 * spec.peak_flops
+    assert dict(m.kernel_flops) == spec.kernel_flops
+
+
+# ------------------------------------------------------------------ calibrated cost terms
+
+
+def test_strategies_price_kernel_classes_and_the_optimizer_update():
+    from alpa_lite.capture import capture
+    from alpa_lite.models import build_model
+    from alpa_lite.strategies import ADAM_UPDATE_BYTES_FACTOR, BACKWARD_FLOPS_FACTOR, build_strategies, kernel_class
+
+    model, example = build_model("gpt-tiny", 4, 16, device="meta")
+    cg = capture(model, example)
+    mesh = LogicalMesh((1, 2), mesh_alpha=(1e-4, 1e-4), mesh_beta=(1e-9, 1e-9), peak_flops=1e12, mem_bandwidth=1e15,
+                       memory_bytes=2**34, kernel_flops={"attention": 1e9, "pointwise": 1e6})
+    table = build_strategies(cg, mesh)
+    classes = {kernel_class(n) for n in cg.graph.nodes if n.op == "call_function"}
+    assert classes == {None, "attention", "pointwise"}
+    gelu = next(n for n in cg.graph.nodes if str(n.target) == "aten.gelu.default")
+    numel = gelu.meta["val"].numel()  # [4, 16, 256] on one device of the replicated strategy
+    replicated = next(s for s in table[gelu.name].strategies if not any(sp.axes() for sp in s.out_specs))
+    assert replicated.compute == pytest.approx((1 + BACKWARD_FLOPS_FACTOR) * numel / 1e6)
+    wte = next(ph for ph, fqn in cg.param_fqns.items() if fqn == "wte.weight")  # [65, 64] fp32
+    by_spec = {str(s.out_spec): s for s in table[wte].strategies}
+    assert by_spec["RR"].compute == pytest.approx(ADAM_UPDATE_BYTES_FACTOR * 65 * 64 * 4 / 1e15)
+    assert by_spec["RS1"].compute == pytest.approx(by_spec["RR"].compute / 2)  # ZeRO: half the update
+    x = cg.input_names[0]
+    assert all(s.compute == 0 for s in table[x].strategies)
