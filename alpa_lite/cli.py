@@ -10,7 +10,9 @@ from rich.console import Console
 
 
 def _plan_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="built-in model name (see `alpa-lite plan --list`) or module:callable")
+    from .models import MODEL_NAMES
+    p.add_argument("model", help=f"built-in model ({', '.join(MODEL_NAMES)}) or module:callable "
+                                 "returning (model, example_inputs)")
     p.add_argument("--mesh", default="1x4", help="logical mesh shape, e.g. 2x4 (default 1x4)")
     p.add_argument("--cluster", default="a100", help="preset (a100, v100, cpu-gloo, unit) or cluster JSON file")
     p.add_argument("--batch", type=int, default=8, help="global batch size")
@@ -38,6 +40,8 @@ def cmd_plan(args) -> int:
     cluster = get_cluster(args.cluster)
     mesh = cluster.logical_mesh(shape) if shape[0] * shape[1] <= cluster.num_devices else LogicalMesh(shape, cluster=cluster.name)
     model, example = build_model(args.model, args.batch, args.seq, device="meta")
+    if args.memory_budget is not None and not args.memory_budget > 0:
+        raise ValueError(f"--memory-budget must be a positive number of GiB, got {args.memory_budget}")
     budget = None if args.memory_budget is None else args.memory_budget * 2**30
     with console.status("capturing") as status, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
@@ -49,11 +53,13 @@ def cmd_plan(args) -> int:
     for w in caught:
         if "strateg" in str(w.message):
             console.print(f"[yellow]warning:[/] {w.message}")
+    if args.explain:
+        explained = node_table(result, args.explain)  # an unknown name fails before the tables
     console.print(summary_table(result, f"{args.model} on a {shape[0]}x{shape[1]} mesh, batch {args.batch}"))
     console.print(param_table(result, max_rows=10**6 if args.all_params else 40))
     console.print(collective_table(result))
     if args.explain:
-        console.print(node_table(result, args.explain))
+        console.print(explained)
     if args.json:
         Path(args.json).write_text(result.to_json())
         console.print(f"plan written to {args.json}")
@@ -67,6 +73,8 @@ def cmd_run(args) -> int:
         print("alpa-lite run: give a script (and its arguments) to run on every rank", file=sys.stderr)
         return 2
     target = args.target[1:] if args.target[0] == "--" else args.target
+    if target[0].endswith(".py") and not Path(target[0]).is_file():
+        raise ValueError(f"no script {target[0]}")
     env = {"ALPA_LITE_REPORT": "1"} if args.report else {}
     return torchrun(target, nproc=args.nproc, env=env)
 

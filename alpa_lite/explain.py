@@ -4,6 +4,7 @@ Answers a user's first question about a plan, "why this?", from the data the pla
 """
 from __future__ import annotations
 
+import difflib
 import re
 from collections import defaultdict
 
@@ -20,7 +21,13 @@ def _seconds(s: float) -> str:
     return f"{s * 1e6:.1f} us"
 
 
+def _rate(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / 1e9:.3g} GB/s"
+
+
 def _bytes(b: float) -> str:
+    if b >= 2**70:
+        return "unlimited"
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if b >= scale:
             return f"{b / scale:.2f} {unit}"
@@ -33,11 +40,13 @@ def summary_table(plan: Plan, title: str = "plan") -> Table:
     t.add_column("", style="bold")
     t.add_column("")
     m = plan.mesh
-    t.add_row("mesh", f"{m.shape[0]}x{m.shape[1]} ({m.cluster}): alpha {m.mesh_alpha} s, "
-                      f"bandwidth {tuple(round(1 / b / 1e9, 2) for b in m.mesh_beta)} GB/s")
+    t.add_row("mesh", f"{m.shape[0]}x{m.shape[1]} ({m.cluster}): alpha "
+                      f"{', '.join(_seconds(a) for a in m.mesh_alpha)}; bandwidth "
+                      f"{', '.join(_rate(1 / b) for b in m.mesh_beta)} (axis 0, axis 1)")
     t.add_row("step time (predicted)", f"{_seconds(plan.step_seconds)} = compute {_seconds(plan.compute_seconds)}"
                                        f" + communication {_seconds(plan.comm_seconds)}")
-    t.add_row("memory per device", f"{_bytes(plan.memory_bytes)} of {_bytes(m.memory_bytes)}")
+    budget = plan.options.get("memory_budget") or m.memory_bytes
+    t.add_row("memory per device", f"{_bytes(plan.memory_bytes)} of a {_bytes(budget)} budget")
     t.add_row("collectives per step", str(len(plan.collectives)))
     st = plan.stats
     if st:
@@ -97,7 +106,8 @@ def node_table(plan: Plan, node: str) -> Table:
     by_fqn = {fqn: ph for ph, fqn in cg.param_fqns.items()}
     name = by_fqn.get(node, node)
     if name not in plan.nodes:
-        raise ValueError(f"no node or parameter {node!r}; nodes look like {', '.join(list(plan.nodes)[-3:])}")
+        close = difflib.get_close_matches(node, [*plan.nodes, *by_fqn], n=5, cutoff=0.5)
+        raise ValueError(f"no node or parameter {node!r}" + (f"; close: {', '.join(close)}" if close else ""))
     chosen = plan.nodes[name]
     ns = build_strategies(cg, plan.mesh)[name]
     t = Table(title=f"strategies of {name} ({cg.node(name).target})")

@@ -243,6 +243,8 @@ def get_cluster(name_or_path: str | Path | ClusterSpec) -> ClusterSpec:
         return PRESETS[str(name_or_path)]
     if Path(name_or_path).is_file():
         return ClusterSpec.load(name_or_path)
+    if str(name_or_path).endswith(".json"):
+        raise ValueError(f"cluster file {name_or_path} does not exist")
     raise ValueError(f"unknown cluster {name_or_path!r}: use a preset ({', '.join(PRESETS)}) or a JSON file")
 
 
@@ -339,7 +341,7 @@ def parse_mesh_shape(text: str) -> tuple[int, int]:
     try:
         return _check_shape(int(x) for x in text.lower().split("x"))
     except ValueError:
-        raise ValueError(f"mesh shape must look like '2x4', got {text!r}") from None
+        raise ValueError(f"mesh shape must look like '2x4' (two sizes >= 1), got {text!r}") from None
 
 
 @dataclass(frozen=True)

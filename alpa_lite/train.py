@@ -17,7 +17,8 @@ from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="gpt-tiny", help="gpt-tiny (built-in GPT) or gpt2-hf (HuggingFace GPT-2)")
+    p.add_argument("--model", default="gpt-tiny", choices=("gpt-tiny", "gpt2-hf"),
+                   help="gpt-tiny (built-in GPT) or gpt2-hf (HuggingFace GPT-2), character-level")
     p.add_argument("--nproc", type=int, default=4, help="processes (devices)")
     p.add_argument("--mesh", default="2x2", help="logical mesh over the processes")
     p.add_argument("--steps", type=int, default=200)
@@ -29,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", default="cpu-gloo", help="cluster preset or JSON file used for planning")
     p.add_argument("--plan", default=None, help="run this plan JSON instead of planning")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="runs/train", help="directory for plan.json, log.jsonl, summary.json")
+    p.add_argument("--out", default="runs/train", help="directory for plan.json, log.jsonl, summary.json "
+                                                         "(replaced by a new run)")
 
 
 def _overrides(args) -> dict:
@@ -47,6 +49,7 @@ def _worker(args) -> int:
     from .data import batches, load_tokens
     from .explain import collective_table, param_table, summary_table
     from .launch import init_distributed
+    from .mesh import parse_mesh_shape
     from .models import build_model
     from .runtime import parallelize
 
@@ -59,7 +62,7 @@ def _worker(args) -> int:
     model, _ = build_model(args.model, args.batch, args.seq, device="cpu", seed=args.seed, **_overrides(args))
     stream = batches(train, args.batch, args.seq, seed=args.seed)
     first = next(stream)
-    shape = tuple(int(x) for x in args.mesh.split("x"))
+    shape = parse_mesh_shape(args.mesh)
     t0 = time.perf_counter()
     trainer = parallelize(model, shape, first, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
                           plan=args.plan, cluster=args.cluster)
@@ -108,10 +111,15 @@ def main(args) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _worker(args)
     from .launch import torchrun
+    from .mesh import parse_mesh_shape
+    from .plan import Plan
 
-    n0, n1 = (int(x) for x in args.mesh.split("x"))
+    n0, n1 = parse_mesh_shape(args.mesh)  # bad input fails here, once, not on every rank
     if n0 * n1 != args.nproc:
         raise ValueError(f"mesh {args.mesh} has {n0 * n1} devices but --nproc is {args.nproc}")
+    if args.plan is not None and Plan.from_json(args.plan).mesh.shape != (n0, n1):
+        raise ValueError(f"plan {args.plan} is for a {'x'.join(map(str, Plan.from_json(args.plan).mesh.shape))} "
+                         f"mesh, not {args.mesh}")
     return torchrun(["-m", "alpa_lite.train", *_as_argv(args)], nproc=args.nproc)
 
 
