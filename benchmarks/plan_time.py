@@ -32,7 +32,7 @@ def main() -> int:
     ap.add_argument("--cluster", default="a100")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
-    console = Console()
+    console = Console(width=180)
     rows = []
     for name, shape, batch in CASES:
         t0 = time.perf_counter()
