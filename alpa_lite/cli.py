@@ -23,6 +23,12 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP solver seconds")
     p.add_argument("--json", default=None, help="write the plan JSON here")
     p.add_argument("--all-params", action="store_true", help="list every parameter (no folding of layers)")
+    p.add_argument("--pipeline", default=None, metavar="auto|K",
+                   help="pipeline stages on submeshes of the mesh (Alpa's inter-op pass): 'auto' or a stage count")
+    p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"), help="pipeline schedule")
+    p.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches (default: chosen)")
+    p.add_argument("--layers", type=int, default=None, help="layers to cluster the graph into (default: chosen)")
+    p.add_argument("--schedule-chart", default=None, metavar="PNG", help="save a Gantt chart of one pipelined step")
     p.add_argument("--explain", default=None, metavar="NODE",
                    help="list every strategy of a graph node or parameter FQN with its costs")
 
@@ -35,7 +41,7 @@ def cmd_plan(args) -> int:
     from .models import build_model
     from .planner import plan
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 140)
     shape = parse_mesh_shape(args.mesh)
     cluster = get_cluster(args.cluster)
     mesh = cluster.logical_mesh(shape) if shape[0] * shape[1] <= cluster.num_devices else LogicalMesh(shape, cluster=cluster.name)
@@ -45,11 +51,13 @@ def cmd_plan(args) -> int:
     budget = None if args.memory_budget is None else args.memory_budget * 2**30
     with console.status("capturing") as status, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
+        pipelined = {} if args.pipeline is None else dict(
+            pipeline=args.pipeline, schedule=args.schedule, num_microbatches=args.microbatches, num_layers=args.layers)
         result = plan(model, example, mesh, memory_budget=budget, force_data_parallel=args.force_dp,
-                      batch_axis=args.batch_axis, time_limit=args.time_limit,
+                      batch_axis=args.batch_axis, time_limit=args.time_limit, **pipelined,
                       progress=lambda stage: status.update({"capture": "capturing the model (torch.export)",
                                                             "strategies": "enumerating sharding strategies",
-                                                            "ilp": "solving the intra-op ILP"}[stage]))
+                                                            "ilp": "solving the intra-op ILP"}.get(stage, stage)))
     for w in caught:
         if "strateg" in str(w.message):
             console.print(f"[yellow]warning:[/] {w.message}")
@@ -57,7 +65,13 @@ def cmd_plan(args) -> int:
         explained = node_table(result, args.explain)  # an unknown name fails before the tables
     console.print(summary_table(result, f"{args.model} on a {shape[0]}x{shape[1]} mesh, batch {args.batch}"))
     console.print(param_table(result, max_rows=10**6 if args.all_params else 40))
-    console.print(collective_table(result))
+    if result.collectives:
+        console.print(collective_table(result))
+    if result.stages:
+        from .pipeline.display import schedule_chart, stages_table
+        console.print(stages_table(result))
+        if args.schedule_chart:
+            console.print(f"schedule chart written to {schedule_chart(result, args.schedule_chart)}")
     if args.explain:
         console.print(explained)
     if args.json:

@@ -58,6 +58,60 @@ class Collective:
 
 
 @dataclass
+class StagePlan:
+    """One pipeline stage (Alpa, OSDI'22, section 5): a layer range on a submesh, with its own
+    intra-op plan.
+
+    Attributes:
+        layers: ``(start, end)``: the stage computes layers ``start .. end - 1``.
+        nodes: the graph nodes it computes, in topological order.
+        submesh: ``(rows, cols)`` of its physical submesh; ranks: the devices (world ranks,
+            row-major ``node * devices_per_node + column``) in logical-mesh order.
+        plan: its intra-op ``Plan`` (its ``mesh`` is the stage's logical mesh). Values received
+            from the previous stage appear in ``plan.nodes`` as ``"boundary"`` nodes, replicated.
+        recv / send: names of the values received from the previous / sent to the next stage.
+        seconds: forward + backward of one microbatch, including its input transfer, seconds;
+        once_seconds: paid once per step (gradient synchronization); transfer_seconds: the
+            transfer part of ``seconds``.
+        weight_bytes / act_bytes: per device: weights with gradients and optimizer state, and
+            activations of one microbatch; in_flight: microbatches whose activations it holds.
+    """
+
+    layers: tuple[int, int]
+    nodes: list[str]
+    submesh: tuple[int, int]
+    ranks: list[int]
+    plan: "Plan"
+    recv: list[str]
+    send: list[str]
+    seconds: float
+    once_seconds: float
+    transfer_seconds: float
+    weight_bytes: float
+    act_bytes: float
+    in_flight: int
+
+    @property
+    def memory_bytes(self) -> float:
+        """Predicted peak memory per device, bytes."""
+        return self.weight_bytes + self.in_flight * self.act_bytes
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in ("layers", "nodes", "submesh", "ranks", "recv", "send", "seconds",
+                                            "once_seconds", "transfer_seconds", "weight_bytes", "act_bytes",
+                                            "in_flight")}
+        floats = {k: float(d[k]) for k in ("seconds", "once_seconds", "transfer_seconds", "weight_bytes", "act_bytes")}
+        return d | floats | {"layers": list(self.layers), "submesh": list(self.submesh), "plan": self.plan.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StagePlan":
+        return cls(tuple(d["layers"]), list(d["nodes"]), tuple(d["submesh"]), [int(r) for r in d["ranks"]],
+                   Plan.from_json(json.dumps(d["plan"])), list(d["recv"]), list(d["send"]), float(d["seconds"]),
+                   float(d["once_seconds"]), float(d["transfer_seconds"]), float(d["weight_bytes"]),
+                   float(d["act_bytes"]), int(d["in_flight"]))
+
+
+@dataclass
 class Plan:
     """An intra-operator sharding plan for one model on one logical mesh.
 
@@ -74,6 +128,12 @@ class Plan:
         grad_sync: parameter placeholder -> mesh axes whose gradient all-reduce is deferred to the
             end of backward and bucketed (data-parallel gradient synchronization, as DDP does).
         bucket_bytes: the largest gradient bucket, bytes.
+        stages: pipeline stages (``StagePlan``), empty for an intra-op-only plan. A pipelined plan's
+            ``mesh`` is the whole cluster, its ``nodes`` are empty (each stage has its own), and
+            its ``fingerprint`` is the graph of one microbatch.
+        schedule: ``"1f1b"`` or ``"gpipe"``; num_microbatches: B per training step.
+        bubble_fraction: predicted idle share of the devices' time (``stages.bubble_fraction``).
+        pipeline_seconds: predicted step time ``sum(t_i + o_i) + (B - 1) max t_i`` (stages.py).
     """
 
     mesh: LogicalMesh
@@ -89,10 +149,17 @@ class Plan:
     stats: dict = field(default_factory=dict)
     grad_sync: dict[str, tuple[int, ...]] = field(default_factory=dict)
     bucket_bytes: float = 25 * 2**20
+    stages: list[StagePlan] = field(default_factory=list)
+    schedule: str | None = None
+    num_microbatches: int = 1
+    bubble_fraction: float = 0.0
+    pipeline_seconds: float = 0.0
 
     @property
     def step_seconds(self) -> float:
         """Predicted time of one training step, seconds."""
+        if self.stages:
+            return self.pipeline_seconds
         return self.compute_seconds + self.comm_seconds
 
     def collective_counts(self) -> dict[tuple[str, str], int]:
@@ -118,6 +185,10 @@ class Plan:
             "grad_sync": {k: list(v) for k, v in self.grad_sync.items()},
             "bucket_bytes": float(self.bucket_bytes),
         }
+        if self.stages:
+            d["pipeline"] = {"schedule": self.schedule, "num_microbatches": self.num_microbatches,
+                             "bubble_fraction": self.bubble_fraction, "pipeline_seconds": self.pipeline_seconds,
+                             "stages": [s.to_dict() for s in self.stages]}
         if stats:
             d["stats"] = self.stats
         return d
@@ -159,8 +230,18 @@ class Plan:
                        [Collective(**(c | {"mesh_axes": tuple(c["mesh_axes"])})) for c in d["collectives"]],
                        float(d["compute_seconds"]), float(d["comm_seconds"]), float(d["memory_bytes"]),
                        str(d["fingerprint"]), dict(d.get("options", {})), dict(d.get("stats", {})),
-                       {k: tuple(v) for k, v in d["grad_sync"].items()}, float(d["bucket_bytes"]))
+                       {k: tuple(v) for k, v in d["grad_sync"].items()}, float(d["bucket_bytes"]),
+                       *_pipeline_fields(d.get("pipeline")))
         except PlanError:
             raise
         except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
             raise PlanError(f"{source} is corrupt: {type(e).__name__}: {e}") from None
+
+
+def _pipeline_fields(d: dict | None) -> tuple:
+    """``(stages, schedule, num_microbatches, bubble_fraction, pipeline_seconds)`` from a plan
+    JSON's optional ``"pipeline"`` object (absent in intra-op plans)."""
+    if d is None:
+        return [], None, 1, 0.0, 0.0
+    return ([StagePlan.from_dict(s) for s in d["stages"]], str(d["schedule"]), int(d["num_microbatches"]),
+            float(d["bubble_fraction"]), float(d["pipeline_seconds"]))

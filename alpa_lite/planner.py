@@ -42,6 +42,10 @@ MIN_SHARED_LAYER_NODES = 8  # a repeated "layer" smaller than this (one Linear) 
 
 
 def _layer_of(node: torch.fx.Node):
+    if node.op == "placeholder":  # a parameter belongs to the layer of its first consumer
+        node = next(iter(node.users), None)
+        if node is None:
+            return None
     stack = node.meta.get("nn_module_stack")
     m = _LAYER.match(list(stack.values())[-1][0]) if stack else None
     return (m.group(1), m.group(2), m.group(3) or "") if m else None
@@ -52,9 +56,10 @@ def _layer_key(node: torch.fx.Node, counters: dict, sizes: dict) -> tuple | None
     if layer is None or sizes[layer[:2]] < MIN_SHARED_LAYER_NODES:
         return None
     prefix, index, rest = layer
-    slot = (prefix, index, rest, str(node.target))
+    kind = "placeholder" if node.op == "placeholder" else str(node.target)
+    slot = (prefix, index, rest, kind)
     counters[slot] = counters.get(slot, -1) + 1
-    return prefix, rest, str(node.target), counters[slot]
+    return prefix, rest, kind, counters[slot]
 
 
 def _strategy_signature(ns: NodeStrategies) -> tuple:
@@ -63,8 +68,15 @@ def _strategy_signature(ns: NodeStrategies) -> tuple:
 
 
 def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: LogicalMesh,
-                     share_layers: bool = True, merge_followers: bool = True) -> tuple[CostGraph, dict[str, _Var]]:
-    """The ILP's cost graph and, per node, its variable and strategy mapping."""
+                     share_layers: bool = True, merge_followers: bool = True,
+                     nodes: set[str] | None = None) -> tuple[CostGraph, dict[str, _Var]]:
+    """The ILP's cost graph and, per node, its variable and strategy mapping.
+
+    ``nodes`` restricts the graph to those nodes (a pipeline stage): an operand produced outside
+    them arrives free, in whatever spec its consumer wants (the stage DP costs its transfer).
+    """
+    if nodes is not None:
+        table = {k: v for k, v in table.items() if k in nodes}
     graph = CostGraph(costs=[], memory=[])
     where: dict[str, _Var] = {}
     shared: dict[tuple, tuple[int, tuple]] = {}
@@ -87,7 +99,7 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         if ns is None:
             continue
         placed = None
-        if merge_followers and ns.follower and len(ns.inputs) == 1:
+        if merge_followers and ns.follower and len(ns.inputs) == 1 and ns.inputs[0] in where:
             src = where[ns.inputs[0]]
             src_ns = table[ns.inputs[0]]
             r = ns.input_results[0]
@@ -117,6 +129,8 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
             graph.memory[placed.var][p] += ns.strategies[q].memory
         matrices: dict[tuple, list[list[float]]] = {}
         for i, (src_name, r) in enumerate(zip(ns.inputs, ns.input_results)):
+            if src_name not in where:  # produced outside ``nodes``
+                continue
             src, src_ns = where[src_name], table[src_name]
             val = cg.node(src_name).meta["val"]
             val = val[r] if isinstance(val, (tuple, list)) else val
@@ -224,8 +238,16 @@ def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None
          memory_budget: float | None = None, force_data_parallel: bool = False, batch_axis: int | None = None,
          param_specs: dict[str, str] | None = None, input_specs: dict[str, str] | None = None,
          share_layers: bool = True, time_limit: float = 60.0, solver: str = "cbc", bucket_bytes: float = 25 * 2**20,
-         progress=None) -> Plan:
+         progress=None, pipeline: str | int | None = None, num_stages: int | None = None, schedule: str = "1f1b",
+         num_microbatches: int | None = None, num_layers: int | None = None) -> Plan:
     """Find the intra-operator sharding plan that minimizes the predicted training-step time.
+
+    With ``pipeline="auto"`` (or a stage count ``K``, or ``num_stages=K``) the plan is pipelined
+    instead: stages on submeshes of the cluster ``mesh`` (N nodes x M devices), each with its own
+    intra-op plan (``stages.plan_pipeline``; Alpa, section 5); ``memory_budget``,
+    ``progress``, ``time_limit``, ``param_specs``, ``batch_axis`` and ``force_data_parallel``
+    apply to every stage, ``schedule`` is ``"1f1b"`` or ``"gpipe"``, ``num_microbatches`` B
+    (None: chosen), ``num_layers`` L for the layer clustering (None: chosen).
 
     Args:
         model: the module (parameters may be on the meta device).
@@ -251,6 +273,18 @@ def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None
         ValueError: a forced spec does not divide its tensor, or names no parameter.
         MemoryBudgetError: nothing fits the budget (the message gives the minimum needed).
     """
+    if pipeline is not None or num_stages is not None:
+        from .stages import plan_pipeline
+        if pipeline not in (None, "auto") and num_stages is None:
+            if not str(pipeline).isdigit():
+                raise ValueError(f"pipeline must be 'auto' or a number of stages, got {pipeline!r}")
+            num_stages = int(pipeline)
+        constraints = {"param_specs": param_specs, "batch_axis": "all" if force_data_parallel else batch_axis,
+                       "replicate_params": force_data_parallel}
+        return plan_pipeline(model, example_inputs, mesh, loss_fn, targets=targets, num_stages=num_stages,
+                             schedule=schedule, num_microbatches=num_microbatches, num_layers=num_layers,
+                             memory_budget=memory_budget, progress=progress, time_limit=time_limit,
+                             constraints={k: v for k, v in constraints.items() if v is not None and v is not False})
     say = progress or (lambda stage: None)
     stats = {}
     t0 = time.perf_counter()

@@ -23,8 +23,10 @@ axis-0 groups the columns) the workers measure:
   rank runs the same segment of back-to-back calls (about ``SEGMENT_SECONDS`` long) between two
   world barriers, so the segment lasts until the slowest rank is done, as a compute segment
   between two collectives of a training step does; a call's time is the segment's over its
-  calls (median of ``SEGMENTS``). On ranks that share CPU cores this includes the stragglers that
-  the scheduler makes; a single call per rank would be dominated by noise;
+  calls, the fastest of ``SEGMENTS`` (other processes on a shared machine only ever add time;
+  ``benchmarks/cost_fidelity.py`` compares with the fastest step likewise). On ranks that share
+  CPU cores this includes the stragglers that the scheduler makes; a single call per rank would
+  be dominated by noise;
 - the same way, the FLOP/s of the kernel classes that run far below the matmul peak
   (:data:`alpa_lite.mesh.KERNEL_CLASSES`): causal scaled-dot-product attention and a GELU, each
   forward plus backward (``kernel_flops`` of the cluster file);
@@ -60,7 +62,7 @@ KiB, MiB, GiB = 2**10, 2**20, 2**30
 CPU_SIZES = tuple(4 * KiB * 4**i for i in range(6))      # 4 KiB .. 4 MiB, x4 steps
 CUDA_SIZES = tuple(256 * KiB * 4**i for i in range(7))   # 256 KiB .. 1 GiB, x4 steps
 P2P = "send-recv"
-SEGMENT_SECONDS, SEGMENTS = 0.2, 5  # lock-step compute segments per compute figure (see the docstring)
+SEGMENT_SECONDS, SEGMENTS = 0.15, 8  # lock-step compute segments per compute figure (see the docstring)
 
 
 @dataclass(frozen=True)
@@ -282,7 +284,7 @@ def _worker(args: argparse.Namespace) -> int:
             sync()
             dist.barrier()
             times.append((time.perf_counter() - t0) / calls)
-        return statistics.median(times)
+        return min(times)
 
     # --- compute: matmul FLOP/s and copy bandwidth, on every rank at once
     mm_n = args.matmul_n or (8192 if cuda else 1024)

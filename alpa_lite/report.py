@@ -144,8 +144,10 @@ def make_record(plan: Plan, step_seconds: Sequence[float], collective_seconds: d
         ``{"name", "mesh", "world_size", "backend", "warmup_steps", "timed_steps", "step": {...},
         "collectives": [{"kind", "phase", "predicted_count", "measured_count", "predicted_s",
         "measured_s"}, ...]}``; the step has ``predicted_s``, ``predicted_compute_s``,
-        ``predicted_comm_s``, ``measured_s`` (median of ``samples_s``), ``samples_s``,
-        ``measured_collective_s`` (all kinds), ``relative_error``.
+        ``predicted_comm_s``, ``measured_s`` (median of ``samples_s``), ``fastest_s``, ``samples_s``,
+        ``measured_collective_s`` (all kinds), ``relative_error``. A pipelined plan (``stages``)
+        predicts only its step (``pipeline_seconds``): its compute / comm split is None and its
+        collectives rows list what ran inside the stages (predicted counts 0).
 
     Raises:
         ValueError: no timed step, or a step time that is not positive.
@@ -153,6 +155,7 @@ def make_record(plan: Plan, step_seconds: Sequence[float], collective_seconds: d
     if not step_seconds:
         raise ValueError("no timed step: run more steps than report_warmup before asking for the report")
     measured = statistics.median(step_seconds)
+    pipelined = bool(getattr(plan, "stages", None))  # its step is the stage DP's, not compute + comm
     pred = predicted_collectives(plan)
     rows = []
     for key in sorted(set(pred) | set(collective_counts) | set(collective_seconds), key=_order):
@@ -167,8 +170,10 @@ def make_record(plan: Plan, step_seconds: Sequence[float], collective_seconds: d
         "backend": backend,
         "warmup_steps": warmup_steps,
         "timed_steps": len(step_seconds),
-        "step": {"predicted_s": plan.step_seconds, "predicted_compute_s": plan.compute_seconds,
-                 "predicted_comm_s": plan.comm_seconds, "measured_s": measured, "samples_s": list(step_seconds),
+        "step": {"predicted_s": plan.step_seconds,
+                 "predicted_compute_s": None if pipelined else plan.compute_seconds,
+                 "predicted_comm_s": None if pipelined else plan.comm_seconds,
+                 "measured_s": measured, "fastest_s": min(step_seconds), "samples_s": list(step_seconds),
                  "measured_collective_s": sum(collective_seconds.values()),
                  "relative_error": relative_error(plan.step_seconds, measured)},
         "collectives": rows,
@@ -193,10 +198,11 @@ def print_report(record: dict, console=None) -> None:
     for col in ("", "predicted (ms)", "measured (ms)", "error"):
         step.add_column(col, justify="left" if not col else "right")
     step.add_row("step", _ms(s["predicted_s"]), _ms(s["measured_s"]), f"{s['relative_error']:+.1%}")
-    step.add_row("  compute", _ms(s["predicted_compute_s"]), "", "")
-    step.add_row("  collectives", _ms(s["predicted_comm_s"]), _ms(s["measured_collective_s"]),
-                 f"{relative_error(s['predicted_comm_s'], s['measured_collective_s']):+.1%}"
-                 if s["measured_collective_s"] > 0 else "")
+    if s["predicted_compute_s"] is not None:
+        step.add_row("  compute", _ms(s["predicted_compute_s"]), "", "")
+        step.add_row("  collectives", _ms(s["predicted_comm_s"]), _ms(s["measured_collective_s"]),
+                     f"{relative_error(s['predicted_comm_s'], s['measured_collective_s']):+.1%}"
+                     if s["measured_collective_s"] > 0 else "")
     console.print(step)
     if record["collectives"]:
         table = Table(title="collectives per step")

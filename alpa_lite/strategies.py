@@ -207,16 +207,23 @@ class NodeStrategies:
     batch_dims: tuple[int | None, ...] = (None,)  # per result: the dim that carries the inputs' batch
 
 
-def build_strategies(cg: CapturedGraph, mesh: LogicalMesh, *, warn=None) -> dict[str, NodeStrategies]:
+def build_strategies(cg: CapturedGraph, mesh: LogicalMesh, *, warn=None, nodes: set[str] | None = None,
+                     context: dict[str, NodeStrategies] | None = None) -> dict[str, NodeStrategies]:
     """Strategies for every tensor node of the captured graph, keyed by node name.
 
     ``getitem`` nodes select one result of a multi-result op and follow it. Ops without a
     generator get the replicated strategy; ``warn(message)`` is called once per such op (not for
     ops that create a tensor from no tensor operand, such as ``arange``: nothing to split).
+    ``nodes`` restricts the table to those nodes (a pipeline stage's layer; a getitem's parent
+    must be among them); what it reads of an operand produced outside them (its batch dims)
+    comes from ``context``, a table of the whole graph on any mesh.
     """
     table: dict[str, NodeStrategies] = {}
+    producer = lambda name: table[name] if name in table else context[name]  # noqa: E731
     warned = set()
     for node in cg.graph.nodes:
+        if nodes is not None and node.name not in nodes:
+            continue
         if node.op == "placeholder":
             is_param = node.name in cg.param_fqns
             batch = 0 if node.name in cg.input_names and node.meta["val"].dim() > 0 else None
@@ -245,13 +252,13 @@ def build_strategies(cg: CapturedGraph, mesh: LogicalMesh, *, warn=None) -> dict
             if not supported and ins and warn is not None and str(node.target) not in warned:
                 warned.add(str(node.target))
                 warn(f"no sharding strategy for {node.target}: it runs replicated")
-        needs = [table[n.name].requires_grad for n in ins]
+        needs = [n.name in cg.requires_grad for n in ins]
         strategies = [replace(s, grad_partial=tuple(g if need else None for g, need in zip(s.grad_partial, needs)))
                       for s in strategies]
         table[node.name] = NodeStrategies(node.name, strategies, [n.name for n in ins], [0] * len(ins),
                                           node.target in FOLLOWER_TARGETS or _unary_pointwise(node), supported,
                                           requires_grad=node.name in cg.requires_grad,
-                                          batch_dims=_batch_dims(sig, [table[n.name] for n in ins], len(strategies[0].out_specs)))
+                                          batch_dims=_batch_dims(sig, [producer(n.name) for n in ins], len(strategies[0].out_specs)))
     return table
 
 

@@ -74,3 +74,12 @@ def test_run_launches_a_script_on_every_rank():
     losses = [float(line.split()[-1]) for line in r.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 3 and 0.5 < losses[0] < 2  # rank 0 only; MSE of unit-variance data
     assert losses[2] < losses[0]  # the same batch every step: the loss falls
+
+
+def test_plan_pipeline_prints_stages_and_saves_a_chart(tmp_path):
+    chart = tmp_path / "chart.png"
+    r = alpa_lite("plan", "gpt-tiny", "--mesh", "1x4", "--batch", "16", "--cluster", "cpu-gloo", "--pipeline", "2",
+                  "--schedule", "gpipe", "--schedule-chart", str(chart))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "pipeline: 2 stages, gpipe" in r.stdout and "bubble" in r.stdout
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -72,10 +72,15 @@ class LocalExecutor:
         kwargs = {k: (self.device if k == "device" else v) for k, v in torch.fx.node.map_arg(node.kwargs, lookup).items()}
         if np_ is None:
             return node.target(*args, **kwargs)
-        if node.target in _SHAPE_ARG:
+        target = node.target
+        if target in _SHAPE_ARG:
             args = (args[0], self.local_shapes[node.name]) + tuple(args[2:])
+            if target in (aten.view.default, aten._unsafe_view.default):
+                # a view that was valid on the captured layout may not be on a resharded shard
+                # (export drops a no-op .contiguous()): reshape copies only when it must
+                target = aten.reshape.default
         if not np_.partial_axes:
-            return node.target(*args, **kwargs)
+            return target(*args, **kwargs)
         return self._partial(node, np_, args, kwargs)
 
     def _partial(self, node, np_: NodePlan, args, kwargs):

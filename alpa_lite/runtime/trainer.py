@@ -250,7 +250,9 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs, loss_fn=None, *, t
             for ``trainer.report()`` (predicted vs measured); None: on when the environment
             variable ``ALPA_LITE_REPORT`` is ``1`` (``alpa-lite run --report``). The report
             prints by itself after ``report_steps`` timed steps (None: only when asked).
-        plan_options: passed to ``alpa_lite.plan`` (``force_data_parallel``, ``param_specs`` ...).
+        plan_options: passed to ``alpa_lite.plan`` (``force_data_parallel``, ``param_specs`` ...;
+            ``pipeline="auto" | K``, ``num_stages``, ``schedule``, ``num_microbatches`` plan a pipeline,
+            and a plan with stages returns an ``alpa_lite.pipeline.PipelineTrainer``).
 
     Raises:
         ValueError: the mesh does not match the world size.
@@ -271,6 +273,10 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs, loss_fn=None, *, t
         plan = Plan.from_json(box[0])
     elif not isinstance(plan, Plan):
         plan = Plan.from_json(plan)
+    if plan.stages:  # a pipelined plan: stages on submeshes (alpa_lite.pipeline)
+        from ..pipeline.executor import pipeline_trainer
+        return pipeline_trainer(model, tuple(example_inputs), loss_fn, targets, plan, optimizer, seed, init_fn,
+                                timeout_s)
     if plan.fingerprint != captured.fingerprint():
         raise PlanError("the plan was made for another model or other input shapes "
                         f"(plan graph {plan.fingerprint}, this model {captured.fingerprint()})")

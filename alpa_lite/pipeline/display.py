@@ -1,0 +1,88 @@
+"""What a user asks about a pipelined plan: its stages as a table, one step as a Gantt chart."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..plan import Plan
+from ..stages import BACKWARD_SHARE
+from .schedules import get_schedule, simulate
+
+
+def _require_stages(plan: Plan) -> None:
+    if not plan.stages:
+        raise ValueError("this plan has no pipeline stages; plan with pipeline='auto' or num_stages=K")
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.2f} GiB"
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.3f} ms"
+
+
+def stages_table(plan: Plan):
+    """A ``rich.table.Table`` of the plan's stages: layers, modules, submesh and ranks, logical
+    mesh, time per microbatch (of which transfer), once-per-step time, memory, microbatches in
+    flight; the caption gives the schedule, B, the bubble fraction and the step time.
+
+    Raises:
+        ValueError: the plan has no stages.
+    """
+    from rich.table import Table
+
+    _require_stages(plan)
+    layers = getattr(plan, "layers", None)
+    t = Table(title=f"pipeline: {len(plan.stages)} stages, {plan.schedule}, {plan.num_microbatches} microbatches",
+              caption=f"predicted step {_ms(plan.step_seconds)}, bubble {plan.bubble_fraction:.1%}")
+    for col in ("stage", "layers", "modules", "submesh", "ranks", "logical mesh", "t / microbatch", "transfer",
+                "once / step", "memory", "in flight"):
+        t.add_column(col, justify="right" if col in ("t / microbatch", "transfer", "once / step", "memory") else "left")
+    for i, s in enumerate(plan.stages):
+        mods = ""
+        if layers is not None:
+            names = [m for layer in layers[s.layers[0]:s.layers[1]] for m in layer.modules]
+            mods = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}" if names else ""
+        ranks = s.ranks if len(s.ranks) <= 4 else f"{s.ranks[0]} .. {s.ranks[-1]}"
+        t.add_row(str(i), f"{s.layers[0]} .. {s.layers[1] - 1}", mods, f"{s.submesh[0]}x{s.submesh[1]}", str(ranks),
+                  "x".join(map(str, s.plan.mesh.shape)), _ms(s.seconds), _ms(s.transfer_seconds), _ms(s.once_seconds),
+                  _gib(s.memory_bytes), str(s.in_flight))
+    return t
+
+
+def schedule_chart(plan: Plan, path: str | Path, title: str | None = None) -> Path:
+    """Save a Gantt chart (matplotlib, PNG by the suffix) of one training step: per stage, the
+    forward (light) and backward (dark) of every microbatch, simulated from the predicted stage
+    times (forward = 1/3 of a stage's time, backward = 2/3: backward costs 2x the forward FLOPs).
+
+    Raises:
+        ValueError: the plan has no stages.
+    """
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    _require_stages(plan)
+    t = [s.seconds for s in plan.stages]
+    slots = simulate(get_schedule(plan.schedule), [x * (1 - BACKWARD_SHARE) for x in t],
+                     [x * BACKWARD_SHARE for x in t], plan.num_microbatches)
+    S = len(plan.stages)
+    fig, ax = plt.subplots(figsize=(10, 0.6 * S + 1.5))
+    colors = plt.get_cmap("tab20")
+    for sl in slots:
+        c = colors((2 * sl.microbatch) % 20 + (1 if sl.kind == "forward" else 0))
+        ax.broken_barh([(sl.start * 1e3, (sl.end - sl.start) * 1e3)], (S - 1 - sl.stage - 0.4, 0.8),
+                       facecolors=c, edgecolor="black", linewidth=0.3)
+        if (sl.end - sl.start) * 1e3 > 0.02 * max(x.end for x in slots) * 1e3:
+            ax.text((sl.start + sl.end) / 2 * 1e3, S - 1 - sl.stage, f"{'F' if sl.kind == 'forward' else 'B'}"
+                    f"{sl.microbatch}", ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(S))
+    ax.set_yticklabels([f"stage {S - 1 - i}" for i in range(S)])
+    ax.set_xlabel("time (ms)")
+    ax.set_title(title or f"{plan.schedule}, {S} stages, {plan.num_microbatches} microbatches: "
+                          f"step {plan.step_seconds * 1e3:.2f} ms, bubble {plan.bubble_fraction:.0%}")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

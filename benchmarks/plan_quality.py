@@ -1,0 +1,245 @@
+"""Plan quality: alpa-lite's pipelined plan vs hand-tuned configurations, under one cost model.
+
+For Alpa's GPT-3 suite (OSDI'22, Table 4 / Fig. 7: 350M on 1 GPU ... 39B on 64) on the ``a100``
+and ``v100`` cluster presets, the predicted training-step time of
+
+- **alpa-lite**: ``stages.plan_pipeline`` (layer clustering, stage DP, per-stage intra-op ILP);
+- **Megatron grid**: the best ``dp x tp x pp x B`` point (Narayanan et al., SC21): ``pp`` stages
+  of equal layer counts on submeshes of ``D / pp`` devices, each with logical mesh ``(dp, tp)``,
+  the batch split along axis 0, Megatron's column / row / vocab-parallel weights along axis 1,
+  every other weight replicated; 1F1B;
+- **data parallel**: one stage, batch over every device, weights replicated;
+- **ZeRO-3**: one stage, batch over every device, every weight sharded (dim 0) over every device;
+- **equal-layer pipeline**: the best ``pp`` with equal layer counts per stage and ``D / pp``
+  devices each, the stages' intra-op plans (and logical meshes) free;
+
+all priced by the same machinery: the same captures (one per microbatch count), the same layer
+clustering, ``stages.GraphStageCosts`` (per-layer intra-op ILPs with forced specs for the
+baselines) and the same step-time formula ``sum(t_i + o_i) + (B - 1) max t_i`` with 1F1B's
+in-flight memory. A configuration that does not fit the device memory is left out ("-").
+
+Run:  python benchmarks/plan_quality.py [--presets a100,v100] [--models gpt3-350m,...]
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from alpa_lite.capture import capture
+from alpa_lite.mesh import LogicalMesh, get_cluster
+from alpa_lite.models import build_model
+from alpa_lite.stages import (
+    GraphStageCosts,
+    PipelinePlanError,
+    cluster_layers,
+    cluster_of,
+    in_flight,
+    plan_pipeline,
+)
+
+SUITE = [("gpt3-350m", (1, 1)), ("gpt3-1.3b", (1, 4)), ("gpt3-2.6b", (1, 8)), ("gpt3-6.7b", (2, 8)),
+         ("gpt3-15b", (4, 8)), ("gpt3-39b", (8, 8))]
+GLOBAL_BATCH = 1024  # Alpa's GPT benchmark (OSDI'22, section 8.1)
+SEQ = 1024
+
+
+def megatron_specs(cg, tp: int) -> dict[str, str]:
+    """Megatron-LM tensor parallelism of the built-in GPT along mesh axis 1 (weights ``[out, in]``)."""
+    if tp == 1:
+        return {}
+    specs = {}
+    for fqn in cg.param_fqns.values():
+        if fqn.endswith(("attn.qkv.weight", "ffn.fc.weight")):
+            specs[fqn] = "S1R"  # column parallel
+        elif fqn.endswith(("attn.proj.weight", "ffn.proj.weight")):
+            specs[fqn] = "RS1"  # row parallel
+        elif fqn == "wte.weight":
+            specs[fqn] = "S1R"  # vocab parallel embedding / head
+    return specs
+
+
+def zero3_specs(cg, shape) -> dict[str, str]:
+    """Every weight split on dim 0 over every device (where it divides), ZeRO stage 3."""
+    devices = shape[0] * shape[1]
+    entry = "S01" if shape[0] > 1 and shape[1] > 1 else ("S1" if shape[1] > 1 else "S0")
+    specs = {}
+    for ph, fqn in cg.param_fqns.items():
+        dims = tuple(cg.node(ph).meta["val"].shape)
+        if devices > 1 and dims[0] % devices == 0:
+            specs[fqn] = entry + "R" * (len(dims) - 1)
+    return specs
+
+
+def submesh_of(devices: int, m: int) -> tuple[int, int]:
+    return (1, devices) if devices <= m else (devices // m, m)
+
+
+def evaluate(costs: GraphStageCosts, num_layers: int, pp: int, devices: int, b: int, m: int):
+    """Step seconds of ``pp`` equal-layer stages on ``devices / pp`` devices each (None: infeasible)."""
+    if num_layers % pp or devices % pp:
+        return None
+    per, sub = num_layers // pp, submesh_of(devices // pp, m)
+    chosen = []
+    for k in range(pp):
+        fl = in_flight(pp - k, b, "1f1b")
+        fit = [o for o in costs(k * per, (k + 1) * per, sub) if o.fits(fl, costs.memory_bytes)]
+        if not fit:
+            return None
+        chosen.append(min(fit, key=lambda o: o.seconds + o.once_seconds))
+    t = [o.seconds for o in chosen]
+    return sum(t) + sum(o.once_seconds for o in chosen) + (b - 1) * max(t)
+
+
+def baselines(model, example, cluster_shape, preset, microbatches, num_layers, time_limit):
+    """Best step seconds (and its configuration) of every baseline family."""
+    n, m = cluster_shape
+    devices = n * m
+    mesh = LogicalMesh(cluster_shape, cluster=preset)
+    cluster, budget = cluster_of(mesh), mesh.memory_bytes
+    best = {k: (math.inf, None) for k in ("megatron", "data parallel", "zero-3", "equal-layer pipeline")}
+
+    def offer(kind, value, config):
+        if value is not None and value < best[kind][0]:
+            best[kind] = (value, config)
+
+    for b in microbatches:
+        size = GLOBAL_BATCH // b
+        cg = capture(model, tuple(x[:size] for x in example))
+        layers = cluster_layers(cg, num_layers)
+        L = len(layers)
+        free = GraphStageCosts(cg, layers, cluster, budget, max_in_flight=min(b, L, devices), time_limit=time_limit,
+                               num_microbatches=b)
+        for pp in [p for p in range(1, min(L, devices) + 1) if L % p == 0 and devices % p == 0]:
+            offer("equal-layer pipeline", evaluate(free, L, pp, devices, b, m), f"pp={pp} B={b}")
+            for tp in (1, 2, 4, 8):
+                d = devices // pp
+                if tp > min(d, m) or d % tp:
+                    continue
+                dp = d // tp
+                constraints = {"param_specs": megatron_specs(cg, tp), "replicate_params": True}
+                if dp > 1:
+                    constraints["batch_axis"] = 0
+                costs = GraphStageCosts(cg, layers, cluster, budget, max_in_flight=min(b, pp), time_limit=time_limit,
+                                        constraints=constraints, shapes=lambda sub, s=(dp, tp): [s], num_microbatches=b)
+                offer("megatron", evaluate(costs, L, pp, devices, b, m), f"dp={dp} tp={tp} pp={pp} B={b}")
+        shape = submesh_of(devices, m) if devices <= m else (n, m)
+        for kind, constraints in (("data parallel", {"batch_axis": "all", "replicate_params": True}),
+                                  ("zero-3", {"batch_axis": "all", "replicate_params": True,
+                                              "param_specs": zero3_specs(cg, shape)})):
+            if devices == 1:
+                constraints = {"replicate_params": True}
+            costs = GraphStageCosts(cg, layers, cluster, budget, max_in_flight=1, time_limit=time_limit,
+                                    constraints=constraints, shapes=lambda sub, s=shape: [s], num_microbatches=b)
+            offer(kind, evaluate(costs, L, 1, devices, b, m), f"B={b}")
+    return best
+
+
+def run(models, presets, microbatches, num_layers, time_limit, console, out: Path):
+    rows = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else []
+    done = {(r["preset"], r["model"]) for r in rows}
+    for preset in presets:
+        for name, shape in SUITE:
+            if name not in models or (preset, name) in done:
+                continue
+            model, example = build_model(name, GLOBAL_BATCH, SEQ, device="meta")
+            t0 = time.perf_counter()
+            try:
+                p = plan_pipeline(model, example, LogicalMesh(shape, cluster=preset), num_layers=num_layers,
+                                  microbatch_candidates=microbatches, time_limit=time_limit)
+                ours, plan_s = p.step_seconds, time.perf_counter() - t0
+                config = (f"{len(p.stages)} stages " + " ".join(f"{s.submesh[0]}x{s.submesh[1]}:{'x'.join(map(str, s.plan.mesh.shape))}"
+                                                                for s in p.stages) + f" B={p.num_microbatches}")
+            except PipelinePlanError as e:
+                ours, plan_s, config = math.inf, time.perf_counter() - t0, f"infeasible: {e}"
+            base = baselines(model, example, shape, preset, microbatches, num_layers, time_limit)
+            row = {"preset": preset, "model": name, "devices": shape[0] * shape[1], "alpa_lite_s": ours,
+                   "alpa_lite_config": config, "plan_time_s": plan_s}
+            for kind, (value, cfg) in base.items():
+                row[kind] = value
+                row[kind + " config"] = cfg
+            rows.append(row)
+            out.with_suffix(".json").write_text(json.dumps(rows, indent=1))  # resumable
+            console.print(f"{preset} {name}: alpa-lite {ours:.4f} s ({config}), plan {plan_s:.1f} s; "
+                          + ", ".join(f"{k} {v[0]:.4f} s ({v[1]})" for k, v in base.items()))
+    return rows
+
+
+def table(rows) -> Table:
+    t = Table(title=f"GPT-3 suite, global batch {GLOBAL_BATCH}, seq {SEQ}: predicted step time (s)")
+    for col in ("cluster", "model", "GPUs", "alpa-lite", "Megatron best", "ratio", "data parallel", "ZeRO-3",
+                "equal-layer PP", "plan time"):
+        t.add_column(col, justify="left" if col in ("cluster", "model") else "right")
+    fmt = lambda x: "-" if x is None or not math.isfinite(x) else f"{x:.3f}"
+    for r in rows:
+        ratio = r["alpa_lite_s"] / r["megatron"] if math.isfinite(r["megatron"]) else math.nan
+        t.add_row(r["preset"], r["model"], str(r["devices"]), fmt(r["alpa_lite_s"]), fmt(r["megatron"]),
+                  "-" if math.isnan(ratio) else f"{ratio:.3f}x", fmt(r["data parallel"]), fmt(r["zero-3"]),
+                  fmt(r["equal-layer pipeline"]), f"{r['plan_time_s']:.1f} s")
+    return t
+
+
+def plot(rows, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    presets = sorted({r["preset"] for r in rows})
+    fig, axes = plt.subplots(1, len(presets), figsize=(6 * len(presets), 4), squeeze=False)
+    kinds = [("alpa_lite_s", "alpa-lite"), ("megatron", "Megatron best"), ("data parallel", "data parallel"),
+             ("zero-3", "ZeRO-3"), ("equal-layer pipeline", "equal-layer PP")]
+    for ax, preset in zip(axes[0], presets):
+        rs = [r for r in rows if r["preset"] == preset]
+        width = 0.8 / len(kinds)
+        for j, (key, label) in enumerate(kinds):
+            # throughput relative to the best configuration found for the case (1 = the best)
+            vals = [min(r[k] for k, _ in kinds) / r[key] if math.isfinite(r[key]) else 0 for r in rs]
+            ax.bar([i + j * width for i in range(len(rs))], vals, width, label=label)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rs))])
+        ax.set_xticklabels([f"{r['model'][5:]}\n{r['devices']} GPUs" for r in rs], fontsize=8)
+        ax.set_ylabel("relative throughput (1 = best)")
+        ax.set_title(f"{preset}: predicted throughput, GPT-3 suite")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--presets", default="a100,v100")
+    ap.add_argument("--models", default=",".join(n for n, _ in SUITE))
+    ap.add_argument("--microbatches", default="16,32,64", help="candidate microbatch counts B")
+    ap.add_argument("--layers", type=int, default=8, help="layers L of the clustering")
+    ap.add_argument("--time-limit", type=float, default=30.0, help="ILP seconds per solve")
+    ap.add_argument("--out", default="docs/plan_quality", help="writes OUT.json (cases done so far: a rerun "
+                    "resumes), OUT.png and OUT.md")
+    ap.add_argument("--report-only", action="store_true", help="only rewrite the table and plot from OUT.json")
+    args = ap.parse_args()
+    console = Console(width=160)
+    for preset in args.presets.split(","):
+        get_cluster(preset)
+    out = Path(args.out)
+    if args.report_only:
+        rows = json.loads(out.with_suffix(".json").read_text())
+    else:
+        rows = run(args.models.split(","), args.presets.split(","), [int(b) for b in args.microbatches.split(",")],
+                   args.layers, args.time_limit, console, out)
+    console.print(table(rows))
+    plot(rows, out.with_suffix(".png"))
+    record = Console(record=True, width=160, file=io.StringIO())
+    record.print(table(rows))
+    text = record.export_text()
+    md = out.with_suffix(".md")
+    head = md.read_text().split("<!-- table -->")[0] if md.exists() else "# Plan quality\n\n"
+    md.write_text(head + "<!-- table -->\n```\n" + text + "```\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""alpa_lite.report: predicted-vs-measured records, the timing hook, and the Spearman helper."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from alpa_lite.launch import torchrun
+from alpa_lite.mesh import LogicalMesh
+from alpa_lite.models import build_model
+from alpa_lite.planner import plan
+from alpa_lite.report import (StepTimer, make_record, predicted_collectives, print_report, relative_error,
+                              report_requested, spearman)
+
+WORKER = str(Path(__file__).parent / "workers" / "report_run.py")
+
+
+# ---------------------------------------------------------------------------------- statistics
+
+
+def test_spearman_orders():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
+    # monotone but not linear: ranks agree exactly
+    assert spearman([0.1, 0.2, 5.0, 100.0], [1.0, 1.1, 1.2, 9.0]) == pytest.approx(1.0)
+
+
+def test_spearman_matches_the_textbook_formula_without_ties():
+    x = [3.1, 1.2, 7.7, 4.0, 2.5, 9.9]
+    y = [2.0, 1.0, 5.0, 6.0, 3.0, 4.0]
+    # ranks x: 3 1 5 4 2 6; y: 2 1 5 6 3 4 -> d^2 = 1 0 0 4 1 4 = 10; rho = 1 - 6*10/(6*35)
+    assert spearman(x, y) == pytest.approx(1 - 60 / 210)
+
+
+def test_spearman_ties_get_mean_ranks():
+    # x ranks 1.5 1.5 3 4, y ranks 1 2 3 4: Pearson of the ranks (scipy.stats.spearmanr gives 0.9486833)
+    assert spearman([1, 1, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486832980505138)
+
+
+@pytest.mark.parametrize("x,y,match", [([1, 2], [1], "equally many"), ([1], [1], "at least 2"),
+                                       ([1, 1, 1], [1, 2, 3], "constant"), ([1, float("nan")], [1, 2], "finite")])
+def test_spearman_bad_input(x, y, match):
+    with pytest.raises(ValueError, match=match):
+        spearman(x, y)
+
+
+def test_relative_error():
+    assert relative_error(1.1, 1.0) == pytest.approx(0.1)
+    assert relative_error(0.75, 1.0) == pytest.approx(-0.25)
+    with pytest.raises(ValueError, match="positive"):
+        relative_error(1.0, 0.0)
+
+
+def test_report_requested_reads_the_environment(monkeypatch):
+    monkeypatch.delenv("ALPA_LITE_REPORT", raising=False)
+    assert report_requested(None) is False
+    assert report_requested(True) is True
+    monkeypatch.setenv("ALPA_LITE_REPORT", "1")
+    assert report_requested(None) is True
+    assert report_requested(False) is False  # an explicit argument wins
+    monkeypatch.setenv("ALPA_LITE_REPORT", "maybe")
+    with pytest.raises(ValueError, match="ALPA_LITE_REPORT"):
+        report_requested(None)
+
+
+def test_step_timer_rejects_bad_counts():
+    with pytest.raises(ValueError, match="report_warmup"):
+        StepTimer(-1)
+    with pytest.raises(ValueError, match="report_steps"):
+        StepTimer(1, 0)
+
+
+# ---------------------------------------------------------------------------------- the record
+
+
+@pytest.fixture(scope="module")
+def mlp_plan():
+    model, example = build_model("mlp", 8, hidden=32, num_layers=2)
+    return plan(model, example, LogicalMesh((2, 2), cluster="cpu-gloo"), force_data_parallel=True)
+
+
+def test_record_fields_and_values(mlp_plan):
+    pred = predicted_collectives(mlp_plan)
+    assert sum(n for n, _ in pred.values()) == len(mlp_plan.collectives) > 0
+    assert sum(s for _, s in pred.values()) == pytest.approx(sum(c.seconds for c in mlp_plan.collectives))
+    counts = {k: float(n) for k, (n, _) in pred.items()}
+    seconds = {k: 0.002 for k in pred}
+    rec = make_record(mlp_plan, [0.03, 0.01, 0.02], seconds, counts, warmup_steps=2, world_size=4, backend="gloo",
+                      name="dp")
+    json.dumps(rec)  # JSON-able
+    assert rec["name"] == "dp" and rec["mesh"] == [2, 2] and rec["world_size"] == 4 and rec["backend"] == "gloo"
+    assert rec["warmup_steps"] == 2 and rec["timed_steps"] == 3
+    step = rec["step"]
+    assert step["measured_s"] == 0.02 and step["fastest_s"] == 0.01  # the median, the fastest
+    assert step["predicted_s"] == pytest.approx(mlp_plan.compute_seconds + mlp_plan.comm_seconds)
+    assert step["relative_error"] == pytest.approx(step["predicted_s"] / 0.02 - 1)
+    assert step["measured_collective_s"] == pytest.approx(0.002 * len(pred))
+    rows = {(r["kind"], r["phase"]): r for r in rec["collectives"]}
+    assert set(rows) == set(pred)
+    for key, (n, s) in pred.items():
+        assert rows[key]["predicted_count"] == n == rows[key]["measured_count"]
+        assert rows[key]["predicted_s"] == pytest.approx(s)
+    with pytest.raises(ValueError, match="no timed step"):
+        make_record(mlp_plan, [], {}, {}, warmup_steps=2, world_size=4)
+
+
+def test_print_report_shows_step_and_kinds(mlp_plan):
+    from rich.console import Console
+
+    pred = predicted_collectives(mlp_plan)
+    rec = make_record(mlp_plan, [0.05], {k: 0.001 for k in pred}, {k: 1.0 for k in pred}, warmup_steps=1,
+                      world_size=4)
+    console = Console(record=True, width=140)
+    print_report(rec, console)
+    text = console.export_text()
+    assert "predicted vs measured" in text and "step" in text and "50.00" in text
+    for kind, phase in pred:
+        assert kind in text and phase in text
+
+
+# ---------------------------------------------------------------------------------- 4 ranks
+
+
+@pytest.fixture(scope="module")
+def four_rank_records(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report") / "records.json"
+    plans = {"dp": {"force_data_parallel": True},
+             "megatron": {"batch_axis": 0, "param_specs": {"layers.0.weight": "S1R", "layers.1.weight": "RS1"}}}
+    rc = torchrun([WORKER, "--model", "mlp", "--batch", "8", "--overrides", '{"hidden": 32, "num_layers": 2}',
+                   "--mesh", "2x2", "--plans", ";".join(f"{k}={json.dumps(v)}" for k, v in plans.items()),
+                   "--warmup", "1", "--steps", "2", "--out", str(out)], nproc=4, timeout_s=120,
+                  env={"PYTHONPATH": str(Path(__file__).parents[1])}, stdout=sys.stderr)
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+def test_four_rank_report_matches_the_plan(four_rank_records):
+    assert set(four_rank_records) == {"dp", "megatron"}
+    for name, rec in four_rank_records.items():
+        assert rec["name"] == name and rec["world_size"] == 4 and rec["backend"] == "gloo"
+        assert rec["warmup_steps"] == 1 and rec["timed_steps"] == 2 and len(rec["step"]["samples_s"]) == 2
+        assert rec["step"]["measured_s"] > 0 and rec["step"]["predicted_s"] > 0
+        assert rec["collectives"], name
+        for row in rec["collectives"]:  # every collective the plan lists is issued, no more, no fewer
+            assert row["measured_count"] == row["predicted_count"] > 0, (name, row)
+            assert row["measured_s"] > 0, (name, row)
+        assert rec["step"]["measured_collective_s"] == pytest.approx(sum(r["measured_s"] for r in rec["collectives"]))
+        assert rec["step"]["measured_collective_s"] < max(rec["step"]["samples_s"])
+    assert four_rank_records["megatron"]["param_specs"]["layers.0.weight"] == "S1R"
+    assert four_rank_records["dp"]["param_specs"]["layers.0.weight"] == "RR"

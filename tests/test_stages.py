@@ -1,0 +1,129 @@
+"""The inter-op pass: stage DP vs exhaustive search on fixed cost tables, layer clustering,
+and a real GPT planned into pipeline stages."""
+import random
+
+import pytest
+
+from alpa_lite import LogicalMesh, Plan, plan
+from alpa_lite.models import build_model
+from alpa_lite.stages import (
+    PipelinePlanError,
+    StageOption,
+    bubble_fraction,
+    exhaustive_stage_search,
+    in_flight,
+    stage_dp,
+    submesh_shapes,
+)
+
+
+def synthetic_cost(num_layers, seed, options=2):
+    """A fixed table: per (range, submesh) a few options with made-up times and memory."""
+    rng = random.Random(seed)
+    base = [rng.uniform(1.0, 3.0) for _ in range(num_layers)]
+    table = {}
+
+    def cost(k, i, shape):
+        key = (k, i, shape)
+        if key not in table:
+            d = shape[0] * shape[1]
+            work = sum(base[k:i])
+            opts = []
+            for j in range(options):
+                speedup = d ** rng.uniform(0.6, 1.0)
+                opts.append(StageOption(seconds=work / speedup * (1 + 0.3 * j), weight_bytes=(i - k) * rng.uniform(1, 3) / d,
+                                        act_bytes=rng.uniform(0.2, 1.0) / (1 + j), once_seconds=rng.uniform(0, 0.2)))
+            table[key] = opts
+        return table[key]
+
+    return cost
+
+
+CASES = [  # layers, cluster, microbatches, memory, schedule, fixed stages
+    (3, (1, 4), 4, 1e9, "1f1b", None),
+    (4, (1, 4), 8, 4.0, "1f1b", None),
+    (4, (2, 2), 4, 7.0, "gpipe", None),
+    (5, (1, 4), 2, 5.0, "1f1b", 3),
+    (4, (2, 4), 6, 4.5, "1f1b", None),
+    (3, (3, 2), 3, 6.0, "1f1b", None),
+]
+
+
+@pytest.mark.parametrize("layers,cluster,b,memory,schedule,stages", CASES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_dp_equals_exhaustive_search(layers, cluster, b, memory, schedule, stages, seed):
+    cost = synthetic_cost(layers, seed)
+    dp = stage_dp(layers, cluster, cost, memory, b, num_stages=stages, schedule=schedule)
+    ex = exhaustive_stage_search(layers, cluster, cost, memory, b, num_stages=stages, schedule=schedule)
+    assert dp.objective == pytest.approx(ex.objective, rel=1e-12)
+    # the DP's own stages reproduce its objective and respect devices, order and memory
+    assert sum(s.submesh[0] * s.submesh[1] for s in dp.stages) == cluster[0] * cluster[1]
+    assert [s.start for s in dp.stages] == [0] + [s.end for s in dp.stages[:-1]] and dp.stages[-1].end == layers
+    n = len(dp.stages)
+    for idx, s in enumerate(dp.stages):
+        assert s.in_flight == in_flight(n - idx, b, schedule)
+        assert s.option.weight_bytes + s.in_flight * s.option.act_bytes <= memory
+    t = [s.option.seconds for s in dp.stages]
+    assert dp.objective == pytest.approx(sum(t) + sum(s.option.once_seconds for s in dp.stages) + (b - 1) * max(t))
+    if stages is not None:
+        assert n == stages
+
+
+def test_dp_prefers_pipeline_when_communication_is_dear():
+    # two layers: on 2 devices one stage costs 1.0 (intra-op has to communicate), two stages 0.3 each
+    def cost(k, i, shape):
+        d = shape[0] * shape[1]
+        return [StageOption(1.0 if (i - k == 2 and d == 2) else 0.3 * (i - k) / d * (2 if d == 2 else 1))]
+
+    res = stage_dp(2, (1, 2), cost, 1.0, 4)
+    assert [(s.start, s.end, s.submesh) for s in res.stages] == [(0, 1, (1, 1)), (1, 2, (1, 1))]
+    assert res.objective == pytest.approx(0.3 + 0.3 + 3 * 0.3)
+    assert bubble_fraction([0.3, 0.3], 4) == pytest.approx(1 / 5)
+
+
+def test_memory_forces_more_stages_under_1f1b_than_gpipe_allows():
+    # one stage holding 4 microbatches does not fit; two stages (in flight 2 and 1) do under 1F1B
+    def cost(k, i, shape):
+        return [StageOption((i - k) * 1.0, weight_bytes=(i - k) * 1.0, act_bytes=(i - k) * 1.0)]
+
+    res = stage_dp(2, (1, 2), cost, 3.5, 4, num_stages=None, submeshes=[(1, 1), (1, 2)])
+    assert [s.in_flight for s in res.stages] == [2, 1]
+    with pytest.raises(PipelinePlanError, match="no pipeline fits"):
+        stage_dp(2, (1, 2), cost, 3.5, 4, schedule="gpipe", submeshes=[(1, 1), (1, 2)])
+
+
+def test_bad_stage_counts_name_the_limits():
+    cost = synthetic_cost(3, 0)
+    with pytest.raises(PipelinePlanError, match=r"3 layers and 4 devices \(so 1 <= num_stages <= 3\)"):
+        stage_dp(3, (1, 4), cost, 1e9, 2, num_stages=4)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        stage_dp(3, (1, 4), cost, 1e9, 2, schedule="zb")
+
+
+def test_submesh_shapes():
+    assert submesh_shapes((2, 8)) == [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8)]
+    assert submesh_shapes((3, 2)) == [(1, 1), (1, 2), (2, 2), (3, 2)]
+    assert submesh_shapes((8, 8), power_of_two=True) == [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (4, 8), (8, 8)]
+
+
+def test_gpt_planned_into_stages(tmp_path):
+    model, example = build_model("gpt-tiny", 8, 16, device="meta", num_layers=4)
+    mesh = LogicalMesh((1, 4), cluster="cpu-gloo")
+    p = plan(model, example, mesh, num_stages=2, schedule="1f1b", num_microbatches=4, num_layers=4)
+    assert len(p.stages) == 2 and p.num_microbatches == 4 and p.schedule == "1f1b"
+    ranks = [r for s in p.stages for r in s.ranks]
+    assert sorted(ranks) == [0, 1, 2, 3]
+    nodes = [n for s in p.stages for n in s.nodes]
+    assert len(nodes) == len(set(nodes))  # every node in exactly one stage
+    # the stages' own intra-op plans cover their nodes, on meshes of their submesh's size
+    for s in p.stages:
+        assert set(s.nodes) <= set(s.plan.nodes)
+        assert s.plan.mesh.num_devices == len(s.ranks)
+    t = [s.seconds for s in p.stages]
+    assert p.step_seconds == pytest.approx(sum(t) + sum(s.once_seconds for s in p.stages) + 3 * max(t))
+    assert p.bubble_fraction == pytest.approx(bubble_fraction(t, 4))
+    back = Plan.from_json(p.to_json())
+    assert back.to_json() == p.to_json()
+    assert [s.ranks for s in back.stages] == [s.ranks for s in p.stages]
+    with pytest.raises(PipelinePlanError, match="num_stages=9"):
+        plan(model, example, mesh, num_stages=9, num_microbatches=4, num_layers=4)
