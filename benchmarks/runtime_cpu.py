@@ -24,6 +24,9 @@ import time
 from pathlib import Path
 
 
+NOTE = ('Ratios are alpa-lite / PyTorch (below 1: alpa-lite is faster or smaller). Both data-parallel runs all-reduce the gradients in one bucket per step; DDP overlaps it with backward, alpa-lite issues it after backward. The tensor-parallel runs split the same layers; DTensor pays its per-op dispatch and sharding propagation on every call, alpa-lite runs plain aten ops on local shards with the collectives decided at planning time.')
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -187,7 +190,7 @@ def main() -> int:
         "# Runtime on CPU processes\n\nCommand: `python benchmarks/runtime_cpu.py " + " ".join(argv) + "` "
         f"({args.nproc} gloo ranks on a 2-core machine; median of {args.steps - args.warmup} steps after "
         f"{args.warmup} warm-up steps; peak = growth of each rank-0 resident set during the steps).\n\n"
-        + "\n".join(lines) + "\n")
+        + "\n".join(lines) + "\n\n" + NOTE + "\n")
     return 0
 
 
