@@ -54,7 +54,8 @@ Two ways to solve a stage of layers ``[k, i)``:
   these specs) priced exactly; it may miss what a whole-range ILP finds (on GPT-3 2.6B over
   2x4 A100s the pipeline's step time came out 0.006% above the exact mode's, in a fifth of
   the planning time). Layer ``j`` may use the whole memory; if the stage then does not fit, every
-  layer gets ``M / 2^m`` for ``m = 1 .. ceil(log2 (i - k))`` until it does.
+  layer gets ``M / 2^m`` for ``m = 1 .. ceil(log2 (i - k))`` until it does; when no split fits
+  although every layer fits alone, the stage falls back to one ILP (the exact mode).
 
 Data-parallel gradient all-reduces run once per step: the stage ILP, whose objective is per
 microbatch, weighs them ``1 / B`` and reports them as ``o``.
@@ -488,9 +489,11 @@ class GraphStageCosts:
     """The DP's cost function for a captured graph (one microbatch): intra-op ILP per stage.
 
     ``__call__(start, end, submesh)`` solves layers ``[start, end)`` (``mode``, module docstring)
-    on every logical shape of the submesh (``logical_shapes``) and keeps the fastest; when its
-    activations do not fit the in-flight counts a pipeline may need, it re-solves with the
-    activation memory weighed 2x, 4x ... (options the DP chooses from per stage position).
+    on every logical shape of the submesh (``logical_shapes``); when the fastest does not fit the
+    in-flight activations a pipeline may need, it re-solves with the activation memory weighed
+    2x, 4x ... . It returns every option no other beats in all of time, once-per-step time,
+    weight and activation bytes: the DP picks per stage position (a lower ``t`` can be worth a
+    higher ``o`` when ``(B - 1) t_max`` dominates).
 
     Args:
         cg: the ``CapturedGraph`` at microbatch size.
@@ -560,20 +563,28 @@ class GraphStageCosts:
         scale = 1
         while True:
             best = None
+            found = []
             for shape in self.shapes(submesh):
-                opt = (self._solve_cached(sig, names, shape, scale, start, end) if self.mode == "exact"
-                       else self._chained(start, end, shape, scale))
+                if self.mode == "exact":
+                    opt = self._solve_cached(sig, names, shape, scale, start, end)
+                else:
+                    opt, layers_fit = self._chained(start, end, shape, scale)
+                    if opt is None and layers_fit:  # the memory split between layers failed: one ILP
+                        subset = self.subset(start, end)
+                        opt = self._solve_cached(self._signature(subset), subset, shape, scale, start, end)
+                if opt is not None:
+                    found.append(opt)
                 if opt is not None and (best is None or opt.seconds + opt.once_seconds < best.seconds + best.once_seconds):
                     best = opt
-            if best is not None and best not in options:
-                options.append(best)
+            options += [o for o in found if o not in options]
             need = self.max_in_flight
             if self.schedule == "1f1b":
                 need = min(need, len(self.layers) - end + 1, self.cluster.num_devices - submesh[0] * submesh[1] + 1)
             if best is not None and best.fits(need, self.memory_bytes) or scale >= need:
                 break
             scale *= 2
-        return [replace(o, seconds=o.seconds + transfer) for o in options]
+        kept = [o for o in options if not any(_dominates(p, o) for p in options if p is not o)]
+        return [replace(o, seconds=o.seconds + transfer) for o in kept]
 
     def _signature(self, names: list[str]) -> tuple:
         index = {n: i for i, n in enumerate(names)}
@@ -604,17 +615,20 @@ class GraphStageCosts:
             out |= self._tables[key]
         return out
 
-    def _chained(self, start, end, shape, scale) -> StageOption | None:
+    def _chained(self, start, end, shape, scale) -> tuple[StageOption | None, bool]:
         """Layers ``[start, end)`` as a chain of per-layer ILPs, each given the specs its operands
         from earlier layers of the stage were produced in (their resharding is in its objective).
         Each layer may use the whole memory budget; when the sum does not fit, every layer gets
-        ``M / 2^j`` for ``j = 1 .. ceil(log2 n)`` until it does."""
-        n, best = end - start, None
+        ``M / 2^j`` for ``j = 1 .. ceil(log2 n)`` until it does. Returns the option (None: no
+        split fits) and whether every layer fits the whole budget on its own."""
+        n = end - start
+        first = None
         for j in range(math.ceil(math.log2(n)) + 1 if n > 1 else 1):
             best = self._chain_option(start, end, shape, scale, self.memory_bytes / 2 ** j)
+            first = best if j == 0 else first
             if best is not None and best.fits(scale, self.memory_bytes):
-                return best
-        return None
+                return best, True
+        return None, first is not None
 
     def _chain_option(self, start, end, shape, scale, budget) -> StageOption | None:
         key = (start, shape, scale, budget)
@@ -674,6 +688,13 @@ class GraphStageCosts:
         self.stats["ilp_s"] += time.perf_counter() - t0
         self._cache[key] = opt
         return opt
+
+
+def _dominates(a: StageOption, b: StageOption) -> bool:
+    """``a`` is at least as good as ``b`` in every figure and better in one."""
+    fa = (a.seconds, a.once_seconds, a.weight_bytes, a.act_bytes)
+    fb = (b.seconds, b.once_seconds, b.weight_bytes, b.act_bytes)
+    return all(x <= y for x, y in zip(fa, fb)) and fa != fb
 
 
 class _Infeasible(Exception):
@@ -1067,7 +1088,7 @@ def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budg
     shape, scale = st.option.payload[:2]
     mesh = costs.cluster.logical_mesh(shape)
     view = stage_view(cg, names)
-    if costs.mode == "exact":
+    if len(st.option.payload) == 2:  # one ILP for the stage (exact mode, or the chain's fallback)
         sol = solve_stage(cg, names, mesh, budget, scale, costs.table(shape, st.start, st.end), constraints,
                           time_limit, sync_weight=costs.sync_weight)
         nodes, grad_sync, collectives, compute = sol.nodes, sol.grad_sync, sol.collectives, sol.compute_seconds

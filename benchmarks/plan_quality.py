@@ -86,15 +86,19 @@ def evaluate(costs: GraphStageCosts, num_layers: int, pp: int, devices: int, b: 
     if num_layers % pp or devices % pp:
         return None
     per, sub = num_layers // pp, submesh_of(devices // pp, m)
-    chosen = []
+    stages = []
     for k in range(pp):
         fl = in_flight(pp - k, b, "1f1b")
         fit = [o for o in costs(k * per, (k + 1) * per, sub) if o.fits(fl, costs.memory_bytes)]
         if not fit:
             return None
-        chosen.append(min(fit, key=lambda o: o.seconds + o.once_seconds))
-    t = [o.seconds for o in chosen]
-    return sum(t) + sum(o.once_seconds for o in chosen) + (b - 1) * max(t)
+        stages.append(fit)
+    best = math.inf
+    for t_max in sorted({o.seconds for fit in stages for o in fit}):  # the DP's t_max loop, fixed stages
+        picks = [[o for o in fit if o.seconds <= t_max] for fit in stages]
+        if all(picks):
+            best = min(best, sum(min(o.seconds + o.once_seconds for o in p) for p in picks) + (b - 1) * t_max)
+    return best
 
 
 def baselines(model, example, cluster_shape, preset, microbatches, num_layers, time_limit):
