@@ -40,7 +40,7 @@ from ..runtime.collectives import (
     run_step,
 )
 from ..runtime.executor import LocalExecutor
-from ..runtime.init import iter_init
+from ..runtime.init import materialize_shards
 from ..spec import ShardingSpec
 from ..stages import stage_view
 from .schedules import get_schedule
@@ -169,17 +169,7 @@ class PipelineTrainer:
 
     def _materialize(self, model, seed, init_fn):
         by_fqn = {fqn: ph for ph, fqn in {**self.view.param_fqns, **self.view.buffer_fqns}.items()}
-        full = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
-        if not any(t.is_meta for t in full.values()):
-            for fqn, ph in by_fqn.items():
-                self._keep(ph, fqn, full[fqn])
-            return
-        for name, module in iter_init(model, seed, "cpu", init_fn):
-            own = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
-            for short, tensor in own.items():
-                fqn = f"{name}.{short}" if name else short
-                if fqn in by_fqn:
-                    self._keep(by_fqn[fqn], fqn, tensor)
+        materialize_shards(model, by_fqn, lambda fqn, full: self._keep(by_fqn[fqn], fqn, full), seed, init_fn)
 
     def _keep(self, placeholder, fqn, full: torch.Tensor):
         shard = local_slice(full.detach(), self._spec(placeholder), self.groups).to(self.device).clone()

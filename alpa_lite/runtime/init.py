@@ -75,3 +75,25 @@ def init_parameters(model: torch.nn.Module, seed: int = 0, device="cpu", init_fn
     for _ in iter_init(model, seed, device, init_fn):
         pass
     return model
+
+
+def materialize_shards(model: torch.nn.Module, wanted: dict[str, str], take: Callable, seed: int = 0,
+                       init_fn: Callable | None = None) -> None:
+    """Call ``take(fqn, full_tensor)`` for every parameter or buffer FQN in ``wanted``: sliced from
+    a real model, or, for a meta model, initialized one module at a time (``iter_init``) with
+    each module's full tensors freed right after ``take`` kept what it needs."""
+    full = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    if not any(t.is_meta for t in full.values()):
+        for fqn in wanted:
+            take(fqn, full[fqn])
+        return
+    for name, module in iter_init(model, seed, "cpu", init_fn):
+        own = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
+        for short, tensor in own.items():
+            fqn = f"{name}.{short}" if name else short
+            if fqn in wanted:
+                take(fqn, tensor)
+        for table in (module._parameters, module._buffers):  # free the full copies
+            for key, t in table.items():
+                if t is not None:
+                    table[key] = t.to("meta")

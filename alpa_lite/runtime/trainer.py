@@ -26,7 +26,7 @@ from ..resharding import forward_steps
 from ..spec import ShardingSpec
 from .collectives import COUNTS, MeshGroups, all_reduce_bucket, local_slice, run_step
 from .executor import LocalExecutor
-from .init import iter_init
+from .init import materialize_shards
 
 
 def _device() -> torch.device:
@@ -91,22 +91,7 @@ class ParallelTrainer:
 
     def _materialize(self, model, seed, init_fn):
         by_fqn = {fqn: ph for ph, fqn in {**self.cg.param_fqns, **self.cg.buffer_fqns}.items()}
-        full = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
-        meta = any(t.is_meta for t in full.values())
-        if not meta:
-            for fqn, ph in by_fqn.items():
-                self._keep(ph, fqn, full[fqn])
-            return
-        for name, module in iter_init(model, seed, "cpu", init_fn):
-            own = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
-            for short, tensor in own.items():
-                fqn = f"{name}.{short}" if name else short
-                if fqn in by_fqn:
-                    self._keep(by_fqn[fqn], fqn, tensor)
-            for table in (module._parameters, module._buffers):  # free the full copies
-                for key, t in table.items():
-                    if t is not None:
-                        table[key] = t.to("meta")
+        materialize_shards(model, by_fqn, lambda fqn, full: self._keep(by_fqn[fqn], fqn, full), seed, init_fn)
 
     def _keep(self, placeholder, fqn, full: torch.Tensor):
         shard = local_slice(full.detach(), self._spec(placeholder), self.groups).to(self.device).clone()
