@@ -314,12 +314,7 @@ def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None
     compute = sum(s.compute for s in chosen.values())
     options = {"memory_budget": budget if math.isfinite(budget) else None, "force_data_parallel": force_data_parallel,
                "batch_axis": batch_axis, "share_layers": share_layers}
-    specs = {}
-    for ph, fqn in cg.param_fqns.items():
-        specs[fqn] = nodes[ph].out_specs[0]
-        for alias in cg.tied.get(fqn, []):
-            specs[alias] = specs[fqn]
-    result = Plan(mesh=mesh, param_specs=specs, input_specs={n: nodes[n].out_specs[0] for n in cg.input_names},
+    result = Plan(mesh=mesh, param_specs=param_specs_of(cg, nodes), input_specs={n: nodes[n].out_specs[0] for n in cg.input_names},
                   nodes=nodes, collectives=collectives, compute_seconds=compute,
                   comm_seconds=sum(c.seconds for c in collectives), memory_bytes=sol.memory,
                   fingerprint=cg.fingerprint(), options=options, stats=stats, grad_sync=grad_sync,
@@ -327,6 +322,15 @@ def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None
     stats["total_s"] = time.perf_counter() - t0
     result.captured = cg  # for the runtime and for explanations; not serialized
     return result
+
+
+def param_specs_of(cg: CapturedGraph, nodes: dict[str, NodePlan]) -> dict[str, str]:
+    """Parameter FQN (every name of a tied weight) -> its storage spec string."""
+    specs = {}
+    for ph, fqn in cg.param_fqns.items():
+        for name in [fqn, *cg.tied.get(fqn, [])]:
+            specs[name] = nodes[ph].out_specs[0]
+    return specs
 
 
 def _node_plan(s: Strategy, ns: NodeStrategies) -> NodePlan:

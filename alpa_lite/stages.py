@@ -1108,12 +1108,7 @@ def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budg
         nodes = {n: np_ for n, np_ in boundary.items() if n not in real} | real
         grad_sync = planner.defer_gradient_sync(view, nodes)
         collectives = planner.plan_collectives(view, nodes, mesh, grad_sync)
-    param_specs = {}
-    for ph, fqn in view.param_fqns.items():
-        param_specs[fqn] = nodes[ph].out_specs[0]
-        for alias in cg.tied.get(fqn, []):
-            param_specs[alias] = param_specs[fqn]
-    plan = Plan(mesh=mesh, param_specs=param_specs, input_specs={n: nodes[n].out_specs[0] for n in view.input_names},
+    plan = Plan(mesh=mesh, param_specs=planner.param_specs_of(view, nodes), input_specs={n: nodes[n].out_specs[0] for n in view.input_names},
                 nodes=nodes, collectives=collectives, compute_seconds=compute,
                 comm_seconds=sum(c.seconds for c in collectives),
                 memory_bytes=st.option.weight_bytes + st.in_flight * st.option.act_bytes, fingerprint=cg.fingerprint(),
