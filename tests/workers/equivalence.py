@@ -10,24 +10,10 @@ import torch.distributed as dist
 from alpa_lite.launch import init_distributed
 from alpa_lite.models import build_model
 from alpa_lite.runtime import collective_counts, init_parameters, parallelize
+from single_process import reference
 
 STEPS = 3
 LR = 1e-2
-
-
-def reference(model, batches):
-    model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads = [], None
-    for batch in batches:
-        opt.zero_grad()
-        loss = model(*batch)
-        loss.backward()
-        if grads is None:
-            grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses, grads, {k: v.detach() for k, v in model.named_parameters(remove_duplicate=False)}
 
 
 def max_err(got: dict, want: dict) -> tuple[float, float]:
@@ -70,7 +56,7 @@ def main():
     init_distributed(60)
     model, example = build_model(args.model, args.batch, args.seq, device="cpu")
     batches = [build_model(args.model, args.batch, args.seq, device="cpu", seed=100 + s)[1] for s in range(STEPS)]
-    ref_losses, ref_grads, ref_params = reference(model, batches)
+    ref_losses, ref_grads, ref_params = reference(model, batches, LR)
     shape = tuple(int(x) for x in args.mesh.split("x"))
     results = {}
     for name, options in json.loads(args.plans).items():

@@ -12,21 +12,9 @@ import torch.distributed as dist
 from alpa_lite.launch import init_distributed
 from alpa_lite.models import build_model
 from alpa_lite.runtime import parallelize
+from single_process import reference
 
 STEPS = 3
-
-
-def reference(model, batches, lr):
-    model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
-    for batch in batches:
-        opt.zero_grad()
-        loss = model(*batch)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss))
-    return losses, {k: v.detach() for k, v in model.named_parameters(remove_duplicate=False)}
 
 
 def main():
@@ -45,7 +33,7 @@ def main():
     model, example = build_model(args.model, args.batch, args.seq, device="cpu", **over)
     batches = [build_model(args.model, args.batch, args.seq, device="cpu", seed=100 + s, **over)[1] for s in range(STEPS)]
     lr = 1e-2
-    ref_losses, ref_params = reference(model, batches, lr)
+    ref_losses, _, ref_params = reference(model, batches, lr)
     shape = tuple(int(x) for x in args.mesh.split("x"))
     results = {}
     for item in args.cases.split(";"):
