@@ -23,7 +23,7 @@ from .capture import CapturedGraph, capture
 from .ilp import CostGraph, solve
 from .mesh import LogicalMesh
 from .plan import Collective, NodePlan, Plan
-from .resharding import ReshardCosts, backward_steps, forward_steps, is_gradient_sync, step_cost
+from .resharding import backward_steps, forward_steps, is_gradient_sync, reshard_costs, step_cost
 from .spec import ShardingSpec
 from .strategies import NodeStrategies, Strategy, build_strategies
 
@@ -86,7 +86,7 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         layer = _layer_of(node) if node.name in table else None
         if layer is not None:
             sizes[layer[:2]] = sizes.get(layer[:2], 0) + 1
-    reshard = ReshardCosts(mesh)
+    reshard = reshard_costs(mesh)
 
     def new_var(name, ns):
         graph.costs.append([0.0] * len(ns.strategies))
@@ -127,7 +127,6 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         for p, q in enumerate(placed.index):
             graph.costs[placed.var][p] += ns.strategies[q].cost
             graph.memory[placed.var][p] += ns.strategies[q].memory
-        matrices: dict[tuple, list[list[float]]] = {}
         for i, (src_name, r) in enumerate(zip(ns.inputs, ns.input_results)):
             if src_name not in where:  # produced outside ``nodes``
                 continue
@@ -137,11 +136,7 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
             shape, itemsize = tuple(val.shape), val.element_size()
             outs = tuple(src_ns.strategies[p].out_specs[r] for p in src.index)
             ins = tuple((ns.strategies[q].in_specs[i], ns.strategies[q].grad_partial[i]) for q in placed.index)
-            key = (outs, ins, shape, itemsize)
-            if key not in matrices:
-                param = src_name in cg.param_fqns
-                matrices[key] = [[reshard(o, spec, gp, shape, itemsize, param) for spec, gp in ins] for o in outs]
-            graph.add_edge(src.var, placed.var, matrices[key])
+            graph.add_edge(src.var, placed.var, reshard.matrix(outs, ins, shape, itemsize, src_name in cg.param_fqns))
     return graph, where
 
 

@@ -119,6 +119,7 @@ class ReshardCosts:
     def __init__(self, mesh: LogicalMesh):
         self.mesh = mesh
         self._cache: dict[tuple, float] = {}
+        self._matrices: dict[tuple, list[list[float]]] = {}
 
     def __call__(self, src: ShardingSpec, dst: ShardingSpec, grad_partial, shape, itemsize,
                  parameter: bool = False) -> float:
@@ -136,3 +137,19 @@ class ReshardCosts:
                 steps += backward_steps(src, dst, grad_partial, shape, itemsize, self.mesh.shape)
             cost = self._cache[key] = sum(step_cost(s, self.mesh) for s in steps)
         return cost
+
+    def matrix(self, outs: tuple, ins: tuple, shape, itemsize, parameter: bool = False) -> list[list[float]]:
+        """The cost matrix of an edge: ``[p][q]`` moves a tensor of ``shape`` from spec ``outs[p]``
+        to ``ins[q] = (spec, grad_partial)``; memoized (repeated blocks have identical edges)."""
+        key = (outs, ins, tuple(shape), itemsize, parameter)
+        m = self._matrices.get(key)
+        if m is None:
+            m = self._matrices[key] = [[self(o, spec, gp, shape, itemsize, parameter) for spec, gp in ins]
+                                       for o in outs]
+        return m
+
+
+@functools.lru_cache(maxsize=64)
+def reshard_costs(mesh: LogicalMesh) -> ReshardCosts:
+    """The ``ReshardCosts`` of ``mesh``, shared by every cost graph built on it."""
+    return ReshardCosts(mesh)

@@ -40,9 +40,12 @@ largest stage time is ``t_max`` costs at least ``B t_max``, the loop stops once
 is tested against ``exhaustive_stage_search`` on fixed tables without torch.
 
 Stage costs (``GraphStageCosts``) come from the intra-op ILP (section 4) on the stage's
-subgraph (``planner.build_cost_graph(..., nodes=...)``; a value produced by an earlier stage
-arrives free, in any spec: its transfer, ``2 (alpha + bytes / d beta)`` on the receiving
-stage's ``d`` devices, is added here), for every logical shape of the submesh; the fastest wins.
+subgraph (``planner.build_cost_graph(..., nodes=...)``), for every logical shape of the submesh;
+the fastest wins. Values cross between stages as the runtime moves them (``pipeline/``): the
+sending stage all-gathers each value it produced to ``R`` on its mesh (priced from the spec it
+produced the value in), every device of the receiving stage gets the whole value from one
+sender, ``2 (alpha + bytes beta)`` forward and backward on the inter-node link, and slices the
+spec its consumers want (free: a received value enters the stage ILP in any spec).
 Two ways to solve a stage of layers ``[k, i)``:
 
 - ``mode="exact"``: one ILP over all its nodes; identical ranges (same node signature) share it.
@@ -64,13 +67,19 @@ from __future__ import annotations
 
 import itertools
 import math
+import multiprocessing
 import operator
+import os
 import re
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+
+from .resharding import is_gradient_sync, reshard_costs
+from .spec import ShardingSpec
 
 SCHEDULES = ("1f1b", "gpipe")
 BACKWARD_SHARE = 2 / 3  # backward's share of a stage's forward + backward time (2x the forward FLOPs)
@@ -526,8 +535,8 @@ class GraphStageCosts:
         self.time_limit = time_limit
         self._order = {n.name: i for i, n in enumerate(cg.graph.nodes)}
         self._node_sig = {n.name: _node_signature(n, cg) for n in cg.graph.nodes}
-        self._boundary = _boundary_bytes(cg, layers)
-        self._cache: dict[tuple, StageOption | None] = {}
+        self.crossing = crossing_values(cg, layers)
+        self._cache: dict[tuple, list] = {}  # ILP key -> [(scale, budget, result, memory terms)]
         self._tables: dict[tuple, dict] = {}
         self._context = None
         self._memo: dict[tuple, list[StageOption]] = {}
@@ -540,20 +549,49 @@ class GraphStageCosts:
         return sorted(ph, key=self._order.__getitem__) + nodes
 
     def transfer_seconds(self, start: int, submesh: tuple[int, int]) -> float:
-        """Receiving the stage's inputs and returning their gradients: ``2 (alpha + bytes / d * beta)``
-        over the inter-node link (intra-node on a one-node cluster), each of the ``d`` receiving
-        devices taking its share."""
-        nbytes = self._boundary[start]
+        """Receiving the stage's inputs and returning their gradients, ``2 (alpha + bytes beta)``
+        over the inter-node link (intra-node on a one-node cluster): every receiving device gets
+        the full values from its own sender (``pipeline/executor.py``)."""
+        from .capture import nbytes_of
+        nbytes = sum(nbytes_of(self.cg.node(n).meta["val"]) for n, _ in self.crossing[start])
         if nbytes == 0:
             return 0.0
         link = self.cluster.inter_node if self.cluster.num_nodes > 1 else self.cluster.intra_node
-        return 2 * (link.alpha + nbytes / (submesh[0] * submesh[1]) * link.beta)
+        return 2 * (link.alpha + nbytes * link.beta)
+
+    def sends(self, start: int, end: int) -> list[str]:
+        """Values produced by layers ``[start, end)`` that later stages consume."""
+        return [n for n, j in self.crossing[end] if j >= start]
 
     def __call__(self, start: int, end: int, submesh: tuple[int, int]) -> list[StageOption]:
         key = (start, end, submesh)
         if key not in self._memo:
             self._memo[key] = self._options(start, end, submesh)
         return self._memo[key]
+
+    def prefetch(self, keys: Sequence[tuple[int, int, tuple[int, int]]], workers: int = 1) -> None:
+        """Compute ``self(start, end, submesh)`` for every key of ``keys``, in up to ``workers``
+        forked processes, one task per submesh. Submeshes of different sizes have disjoint
+        logical shapes, so the tasks share no ILP and the options equal a serial run's."""
+        groups: dict[tuple[int, int], list] = {}
+        for key in keys:
+            if key not in self._memo:
+                groups.setdefault(key[2], []).append(key)
+        tasks = sorted(groups.values(), key=len, reverse=True)
+        if workers <= 1 or len(tasks) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+            for key in itertools.chain(*tasks):
+                self(*key)
+            return
+        global _PREFETCHING
+        _PREFETCHING = self  # what the forked workers inherit
+        try:
+            with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("fork")) as pool:
+                for memo, stats in pool.map(_prefetch_task, tasks):
+                    self._memo.update(memo)
+                    for k, v in stats.items():
+                        self.stats[k] += v
+        finally:
+            _PREFETCHING = None
 
     def _options(self, start, end, submesh) -> list[StageOption]:
         names = self.subset(start, end) if self.mode == "exact" else None
@@ -645,49 +683,68 @@ class GraphStageCosts:
         if len(chain["parts"]) < end - start:
             return None
         parts = chain["parts"][:end - start]
-        return StageOption(sum(p[0] for p in parts), sum(p[2] for p in parts), sum(p[3] for p in parts),
+        mesh = self.cluster.logical_mesh(shape)
+        gather = sum(send_gather_seconds(self.cg, n, ShardingSpec.parse(chain["fixed"][n][0]), mesh)
+                     for n in self.sends(start, end))
+        return StageOption(sum(p[0] for p in parts) + gather, sum(p[2] for p in parts), sum(p[3] for p in parts),
                            sum(p[1] for p in parts), payload=(shape, scale, budget))
 
     def _layer_part(self, layer, names, shape, scale, budget, fixed) -> tuple | None:
         """``(seconds, once, weight, act, out specs by position)`` of one layer given ``fixed``."""
         ext = [a.name for n in names for a in self.cg.node(n).all_input_nodes if a.name not in names]
         given = {n: fixed[n] for n in dict.fromkeys(ext + names) if n in fixed}
-        key = (self._signature(names), tuple(given.get(n) for n in dict.fromkeys(ext + names)), shape, scale, budget)
-        if key in self._cache:
-            self.stats["cache_hits"] += 1
-            return self._cache[key]
-        t0 = time.perf_counter()
-        try:
+        key = (self._signature(names), tuple(given.get(n) for n in dict.fromkeys(ext + names)), shape)
+
+        def part():
             sol = solve_stage(self.cg, names, self.cluster.logical_mesh(shape), budget, scale,
                               self.table(shape, layer, layer + 1), self.constraints, self.time_limit, fixed=given,
                               sync_weight=self.sync_weight)
-            part = (sol.seconds, sol.once_seconds, sol.weight_bytes, sol.act_bytes,
-                    [sol.nodes[n].out_specs if n in sol.nodes else None for n in names])
-        except _Infeasible:
-            part = None
-        self.stats["ilp_solves"] += 1
-        self.stats["ilp_s"] += time.perf_counter() - t0
-        self._cache[key] = part
-        return part
+            return (sol.seconds, sol.once_seconds, sol.weight_bytes, sol.act_bytes,
+                    [sol.nodes[n].out_specs if n in sol.nodes else None for n in names]), sol.ilp_memory
+
+        return self._solve(key, scale, budget, part)
 
     def _solve_cached(self, sig, names, shape, scale, start, end) -> StageOption | None:
-        key = (sig, shape, scale)
-        if key in self._cache:
-            self.stats["cache_hits"] += 1
-            return self._cache[key]
+        sends = self.sends(start, end)
+
+        def option():
+            mesh = self.cluster.logical_mesh(shape)
+            sol = solve_stage(self.cg, names, mesh, self.memory_bytes, scale, self.table(shape, start, end),
+                              self.constraints, self.time_limit, sync_weight=self.sync_weight, sends=sends)
+            return StageOption(sol.seconds, sol.weight_bytes, sol.act_bytes, sol.once_seconds,
+                               payload=(shape, scale)), sol.ilp_memory
+
+        return self._solve((sig, tuple(names.index(n) for n in sends), shape), scale, self.memory_bytes, option)
+
+    def _solve(self, key, scale, budget, solve):
+        """``solve()`` for the ILP ``key`` whose memory constraint is ``w + scale a <= budget``, or
+        an earlier answer that is provably the same: an ILP solved under a looser constraint
+        (``scale' <= scale``, ``budget' >= budget``) whose optimum satisfies this one is optimal
+        here too (same objective, smaller feasible set); one that was infeasible stays so."""
+        entries = self._cache.setdefault(key, [])
+        for s, m, result, (w, a) in entries:
+            if s <= scale and m >= budget and (result is None or w + scale * a <= budget):
+                self.stats["cache_hits"] += 1
+                return result
         t0 = time.perf_counter()
-        mesh = self.cluster.logical_mesh(shape)
         try:
-            result = solve_stage(self.cg, names, mesh, self.memory_bytes, scale, self.table(shape, start, end),
-                                 self.constraints, self.time_limit, sync_weight=self.sync_weight)
-            opt = StageOption(result.seconds, result.weight_bytes, result.act_bytes, result.once_seconds,
-                              payload=(shape, scale))
+            result, terms = solve()
         except _Infeasible:
-            opt = None
+            result, terms = None, (0.0, 0.0)
         self.stats["ilp_solves"] += 1
         self.stats["ilp_s"] += time.perf_counter() - t0
-        self._cache[key] = opt
-        return opt
+        entries.append((scale, budget, result, terms))
+        return result
+
+
+_PREFETCHING: GraphStageCosts | None = None
+
+
+def _prefetch_task(keys):
+    costs = _PREFETCHING
+    before = dict(costs.stats)
+    memo = {key: costs(*key) for key in keys}
+    return memo, {k: v - before[k] for k, v in costs.stats.items()}
 
 
 def _dominates(a: StageOption, b: StageOption) -> bool:
@@ -714,21 +771,33 @@ def _node_signature(node, cg) -> tuple:
     return (kind, target, shape_of(node), dtype, args, node.name in cg.requires_grad)
 
 
-def _boundary_bytes(cg, layers) -> list[float]:
-    """Per layer: bytes of non-placeholder values produced before it and consumed from it on."""
-    from .capture import nbytes_of
+def crossing_values(cg, layers) -> list[list[tuple[str, int]]]:
+    """Per cut ``c`` (before layer ``c``, ``0 .. L``): ``(name, layer)`` of every value produced by
+    a layer before ``c`` and consumed at or after it (placeholders excluded), graph order."""
     layer_of = {n: i for i, layer in enumerate(layers) for n in layer.nodes}
-    out = [0.0] * (len(layers) + 1)
+    out: list[list[tuple[str, int]]] = [[] for _ in range(len(layers) + 1)]
     for name, i in layer_of.items():
         users = [layer_of[u.name] for u in cg.node(name).users if u.name in layer_of]
-        for j in range(i + 1, max(users, default=i) + 1):
-            out[j] += nbytes_of(cg.node(name).meta.get("val"))
+        for c in range(i + 1, max(users, default=i) + 1):
+            out[c].append((name, i))
     return out
+
+
+def send_gather_seconds(cg, name: str, spec, mesh) -> float:
+    """A stage sends ``name`` on replicated: all-gathering it from ``spec`` on the stage's mesh,
+    forward (its gradient comes back whole: the backward is a slice)."""
+    from .capture import shape_of
+    val = cg.node(name).meta["val"]
+    return reshard_costs(mesh)(spec, ShardingSpec.replicated(len(shape_of(cg.node(name)))),
+                               () if name in cg.requires_grad else None, tuple(val.shape), val.element_size())
 
 
 @dataclass
 class StageSolution:
-    """The intra-op solution of one stage: its ``Plan``-ready node strategies and cost figures."""
+    """The intra-op solution of one stage: its ``Plan``-ready node strategies and cost figures
+    (seconds per microbatch, bytes per device). ``ilp_memory``: the two parts of the ILP's memory
+    constraint at the optimum, ``(w, a)`` with ``w + act_scale a <= memory_bytes`` (``w`` includes
+    weights an earlier layer placed, which ``weight_bytes`` leaves out)."""
 
     seconds: float
     once_seconds: float
@@ -738,11 +807,13 @@ class StageSolution:
     grad_sync: dict
     collectives: list
     compute_seconds: float
+    ilp_memory: tuple[float, float]
 
 
 def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int = 1, table=None,
                 constraints: dict | None = None, time_limit: float = 30.0,
-                fixed: dict[str, tuple[str, ...]] | None = None, sync_weight: float = 1.0) -> StageSolution:
+                fixed: dict[str, tuple[str, ...]] | None = None, sync_weight: float = 1.0,
+                sends: Sequence[str] = ()) -> StageSolution:
     """Solve the intra-op ILP (section 4) of the subgraph ``names`` on ``mesh``.
 
     The memory constraint counts activations ``act_scale`` times (microbatches in flight).
@@ -754,15 +825,14 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
     ``build_strategies(cg, mesh)`` of the whole graph, reused. A data-parallel gradient
     all-reduce runs once per step, after the last of ``B`` microbatches: the objective, which is
     per microbatch, weighs it ``sync_weight = 1 / B``; the returned ``seconds`` leave it out and
-    ``once_seconds`` holds the bucketed all-reduces.
+    ``once_seconds`` holds the bucketed all-reduces. ``sends``: values later stages consume; the
+    all-gather that sends them on replicated (``send_gather_seconds``) is in the objective.
 
     Raises:
         _Infeasible: nothing fits ``memory_bytes``, or a forced spec leaves no strategy.
     """
     from . import planner
     from .ilp import MemoryBudgetError, SolverError, solve
-    from .resharding import ReshardCosts, is_gradient_sync
-    from .spec import ShardingSpec
     from .strategies import build_strategies
 
     subset = set(names)
@@ -777,7 +847,7 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
     except ValueError as e:
         raise _Infeasible(str(e)) from None
     graph, where = planner.build_cost_graph(cg, table, mesh, nodes=subset)
-    reshard = ReshardCosts(mesh)
+    reshard = reshard_costs(mesh)
     for n in names:  # operands produced in a known spec by an earlier layer: charge their resharding
         if n not in where:
             continue
@@ -792,9 +862,13 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
                 s = ns.strategies[q]
                 graph.costs[where[n].var][p] += reshard(have, s.in_specs[i], s.grad_partial[i], tuple(val.shape),
                                                         val.element_size(), src in cg.param_fqns)
+    for n in sends:
+        for p, q in enumerate(where[n].index):
+            graph.costs[where[n].var][p] += send_gather_seconds(cg, n, table[n].strategies[q].out_specs[0], mesh)
     if sync_weight != 1.0:
         _discount_gradient_sync(cg, table, where, graph, names, reshard, sync_weight)
     weight_vars = {where[p].var for p in names if p in cg.param_fqns or p in cg.buffer_fqns}
+    unscaled = graph.memory
     if act_scale != 1:
         graph.memory = [m if v in weight_vars else [x * act_scale for x in m] for v, m in enumerate(graph.memory)]
     try:
@@ -831,12 +905,15 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
     once = sum(c.seconds for c in collectives if c.node.startswith("gradient bucket"))
     compute = sum(s.compute for s in chosen.values())
     seconds = sol.objective + (1 - sync_weight) * sync_all - sync_deferred
-    return StageSolution(max(seconds, 0.0), once, weights, acts, nodes, grad_sync, collectives, compute)
+    terms = [0.0, 0.0]  # the ILP's memory: sum over weight variables, sum over the others (unscaled)
+    for v, m in enumerate(unscaled):
+        terms[v not in weight_vars] += m[sol.choice[v]]
+    return StageSolution(max(seconds, 0.0), once, weights, acts, nodes, grad_sync, collectives, compute,
+                         tuple(terms))
 
 
 def _discount_gradient_sync(cg, table, where, graph, names, reshard, weight: float) -> None:
     """Scale the gradient-sync part of every parameter edge of the cost graph by ``weight``."""
-    from .resharding import is_gradient_sync
 
     for n in names:
         if n not in where or n not in table:
@@ -883,7 +960,6 @@ def boundary_node_plan(cg, name: str, specs: tuple[str, ...] | None = None):
 def _constrain(cg, table, mesh, constraints: dict) -> None:
     """Force the baselines' choices on a stage's strategy table (``planner.plan`` semantics)."""
     from . import planner
-    from .spec import ShardingSpec
 
     by_fqn = {fqn: ph for ph, fqn in cg.param_fqns.items()}
     forced = set()
@@ -967,7 +1043,7 @@ def plan_pipeline(model, example_inputs, mesh, loss_fn=None, *, targets: tuple =
                   schedule: str = "1f1b", num_microbatches: int | None = None, num_layers: int | None = None,
                   memory_budget: float | None = None, microbatch_candidates: Sequence[int] | None = None,
                   imbalance: float = 4.0, constraints: dict | None = None, time_limit: float = 30.0,
-                  power_of_two: bool = True, progress=None):
+                  power_of_two: bool = True, workers: int | None = None, progress=None):
     """Plan stages, submeshes, microbatches and every stage's intra-op plan (Alpa, section 5).
 
     Args:
@@ -985,6 +1061,8 @@ def plan_pipeline(model, example_inputs, mesh, loss_fn=None, *, targets: tuple =
         constraints: forced choices for every stage (``GraphStageCosts``), for baselines.
         power_of_two: only ``(k, M)`` submeshes with ``k`` a power of two (``submesh_shapes``).
         time_limit: ILP seconds per stage solve.
+        workers: processes that compute the stage costs (``GraphStageCosts.prefetch``); None: one
+            per CPU core available, 1: in this process.
         progress: ``progress(message)`` as planning advances.
 
     Returns:
@@ -1011,6 +1089,7 @@ def plan_pipeline(model, example_inputs, mesh, loss_fn=None, *, targets: tuple =
     cluster = cluster_of(mesh)
     devices = mesh.num_devices
     budget = mesh.memory_bytes if memory_budget is None else memory_budget
+    workers = len(os.sched_getaffinity(0)) if workers is None else workers
     best = None
     tried = {}
     for b in candidates:
@@ -1023,10 +1102,14 @@ def plan_pipeline(model, example_inputs, mesh, loss_fn=None, *, targets: tuple =
                                 max_in_flight=b if schedule == "gpipe" else min(b, len(layers), devices),
                                 constraints=constraints, time_limit=time_limit, num_microbatches=b, schedule=schedule)
         pruned = _balanced(costs, layers, devices, imbalance)
-        say(f"stage DP (B={b}, {len(layers)} layers)")
+        shapes = submesh_shapes(mesh.shape, power_of_two)
+        say(f"stage costs (B={b}, {len(layers)} layers, {len(shapes)} submesh shapes, {workers} workers)")
+        costs.prefetch([(k, i, q) for k in range(len(layers)) for i in range(k + 1, len(layers) + 1) for q in shapes
+                        if pruned.kept(k, i, q)], workers)
+        say(f"stage DP (B={b})")
         try:
             res = stage_dp(len(layers), mesh.shape, pruned, budget, b, num_stages=num_stages, schedule=schedule,
-                           submeshes=submesh_shapes(mesh.shape, power_of_two))
+                           submeshes=shapes)
         except PipelinePlanError as e:
             tried[b] = str(e)
             continue
@@ -1069,13 +1152,15 @@ def _balanced(costs: GraphStageCosts, layers, devices: int, imbalance: float) ->
     more than ``imbalance`` (a single stage on every device is always kept)."""
     total = sum(layer.flops for layer in layers) or 1.0
 
-    def cost(k, i, shape):
+    def kept(k, i, shape):
         share = max(sum(layer.flops for layer in layers[k:i]) / total, 1e-12)
         ratio = shape[0] * shape[1] / devices / share
-        if (k, i) != (0, len(layers)) and not 1 / imbalance <= ratio <= imbalance:
-            return []
-        return costs(k, i, shape)
+        return (k, i) == (0, len(layers)) or 1 / imbalance <= ratio <= imbalance
 
+    def cost(k, i, shape):
+        return costs(k, i, shape) if kept(k, i, shape) else []
+
+    cost.kept = kept
     return cost
 
 
@@ -1090,7 +1175,7 @@ def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budg
     view = stage_view(cg, names)
     if len(st.option.payload) == 2:  # one ILP for the stage (exact mode, or the chain's fallback)
         sol = solve_stage(cg, names, mesh, budget, scale, costs.table(shape, st.start, st.end), constraints,
-                          time_limit, sync_weight=costs.sync_weight)
+                          time_limit, sync_weight=costs.sync_weight, sends=costs.sends(st.start, st.end))
         nodes, grad_sync, collectives, compute = sol.nodes, sol.grad_sync, sol.collectives, sol.compute_seconds
     else:  # the chain of per-layer solutions the DP priced, on this stage's own layers
         fixed: dict[str, tuple[str, ...]] = {}
@@ -1113,17 +1198,8 @@ def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budg
                 comm_seconds=sum(c.seconds for c in collectives),
                 memory_bytes=st.option.weight_bytes + st.in_flight * st.option.act_bytes, fingerprint=cg.fingerprint(),
                 options={"memory_budget": budget, "activation_scale": scale, "mode": costs.mode}, grad_sync=grad_sync)
-    layer_of = {n: j for j, layer in enumerate(layers) for n in layer.nodes}
-
-    def crossing(cut):
-        out = []
-        for name, j in layer_of.items():
-            if j < cut and any(layer_of.get(u.name, -1) >= cut for u in cg.node(name).users):
-                out.append(name)
-        return out
-
     return StagePlan((st.start, st.end), [n for layer in layers[st.start:st.end] for n in layer.nodes],
-                     st.submesh, list(ranks), plan, crossing(st.start) if st.start > 0 else [],
-                     crossing(st.end) if st.end < len(layers) else [], st.option.seconds, st.option.once_seconds,
+                     st.submesh, list(ranks), plan, [n for n, _ in costs.crossing[st.start]],
+                     [n for n, _ in costs.crossing[st.end]], st.option.seconds, st.option.once_seconds,
                      costs.transfer_seconds(st.start, st.submesh), st.option.weight_bytes, st.option.act_bytes,
                      st.in_flight)

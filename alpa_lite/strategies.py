@@ -22,6 +22,7 @@ charged on the edge, by ``resharding.py``, together with the edge's resharding.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 from dataclasses import dataclass, replace
@@ -126,17 +127,26 @@ def kernel_class(node: torch.fx.Node) -> str | None:
 
 def enumerate_strategies(node: torch.fx.Node, sig: OpSignature, mesh: LogicalMesh) -> list[Strategy]:
     """All strategies of ``node`` under ``sig`` whose split dims divide evenly, with costs."""
-    ins = [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
-    in_vals = [n.meta["val"] for n in ins]
-    out_vals = _tensor_vals(node.meta["val"])
-    fl = flops(node, sig)
+    ins = [n.meta["val"] for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    tensors = tuple((tuple(v.shape), v.element_size()) for v in ins + _tensor_vals(node.meta["val"]))
+    key = (tuple(sig.inputs), tuple(sig.outputs), frozenset(sig.fixed), sig.reduce, frozenset(sig.post_reduce))
+    return list(_enumerate(key, tensors, flops(node, sig), kernel_class(node), node.target in FOLLOWER_TARGETS, mesh))
+
+
+@functools.lru_cache(maxsize=4096)
+def _enumerate(sig_key: tuple, tensors: tuple, fl: float, kernel: str | None, follower: bool,
+               mesh: LogicalMesh) -> tuple[Strategy, ...]:
+    """``enumerate_strategies`` from what it depends on (hashable: repeated blocks hit the cache).
+    ``tensors``: ``(shape, itemsize)`` of the tensor operands, then of the results."""
+    sig = OpSignature(list(sig_key[0]), list(sig_key[1]), set(sig_key[2]), sig_key[3], set(sig_key[4]))
     contraction = sig.contraction
+    labels = list(sig.inputs) + list(sig.outputs)
     shardable = [lab for lab in sig.labels if lab not in sig.fixed and not lab.startswith("#")]
     result: dict[tuple, Strategy] = {}
     for assign in _label_assignments(shardable, mesh.shape):
-        in_specs = tuple(_spec(labs, assign) for labs in sig.inputs)
-        out_specs = tuple(_spec(labs, assign) for labs in sig.outputs)
-        if not all(s.divides(tuple(v.shape), mesh.shape) for s, v in zip(in_specs + out_specs, in_vals + out_vals)):
+        specs = tuple(_spec(labs, assign) for labs in labels)
+        in_specs, out_specs = specs[:len(sig.inputs)], specs[len(sig.inputs):]
+        if not all(s.divides(shape, mesh.shape) for s, (shape, _) in zip(specs, tensors)):
             continue
         partial = tuple(sorted(a for lab in contraction for a in assign.get(lab, ())))
         varying = set(partial) | {a for s in out_specs for a in s.axes()}
@@ -147,18 +157,16 @@ def enumerate_strategies(node: torch.fx.Node, sig: OpSignature, mesh: LogicalMes
         for ax in assign.values():
             for a in ax:
                 shards *= mesh.shape[a]
-        local_bytes = sum(_nbytes_local(tuple(v.shape), v.element_size(), s, mesh.shape)
-                          for s, v in zip(in_specs + out_specs, in_vals + out_vals))
-        compute = (1 + BACKWARD_FLOPS_FACTOR) * mesh.compute_cost(fl / shards, local_bytes, kernel_class(node))
-        out_local = sum(_nbytes_local(tuple(v.shape), v.element_size(), s, mesh.shape)
-                        for s, v in zip(out_specs, out_vals))
+        local = [_nbytes_local(shape, itemsize, s, mesh.shape) for s, (shape, itemsize) in zip(specs, tensors)]
+        compute = (1 + BACKWARD_FLOPS_FACTOR) * mesh.compute_cost(fl / shards, sum(local), kernel)
+        out_local = sum(local[len(sig.inputs):])
         comm = mesh.all_reduce_cost(out_local, partial) if partial else 0.0
-        memory = 0.0 if node.target in FOLLOWER_TARGETS else out_local
+        memory = 0.0 if follower else out_local
         key = (in_specs, out_specs, partial)
         if key not in result:
             result[key] = Strategy(_describe(assign), in_specs, out_specs, partial, sig.reduce, grad_partial,
                                    compute, comm, memory)
-    return list(result.values())
+    return tuple(result.values())
 
 
 def replicated_strategy(node: torch.fx.Node, mesh: LogicalMesh) -> Strategy:

@@ -6,7 +6,9 @@ import pytest
 from alpa_lite.ilp import CostGraph, MemoryBudgetError, brute_force, solve
 
 
-def random_graph(seed: int) -> CostGraph:
+def random_graph(seed: int, classes: int | None = None) -> CostGraph:
+    """``classes``: each edge's strategies fall into at most that many classes per end with equal
+    rows (columns), as strategies with the same output (input) spec have."""
     rng = random.Random(seed)
     n = rng.randint(4, 6)
     ks = [rng.randint(1, 4) for _ in range(n)]
@@ -14,7 +16,13 @@ def random_graph(seed: int) -> CostGraph:
                   memory=[[rng.uniform(1, 5) for _ in range(k)] for k in ks])
     for v in range(1, n):  # a connected DAG plus some extra edges
         for u in {rng.randrange(v)} | {u for u in range(v) if rng.random() < 0.3}:
-            g.add_edge(u, v, [[rng.choice([0.0, rng.uniform(0, 8)]) for _ in range(ks[v])] for _ in range(ks[u])])
+            c = classes or max(ks)
+            row_class = [rng.randrange(c) for _ in range(ks[u])]
+            col_class = [rng.randrange(c) for _ in range(ks[v])]
+            value = [[rng.choice([0.0, rng.uniform(0, 8)]) for _ in range(c)] for _ in range(c)]
+            if classes is None:
+                row_class, col_class = list(range(ks[u])), list(range(ks[v]))
+            g.add_edge(u, v, [[value[a][b] for b in col_class] for a in row_class])
     return g
 
 
@@ -25,6 +33,18 @@ def test_ilp_matches_brute_force(seed):
     sol = solve(g)
     assert sol.objective == pytest.approx(exact.objective, rel=1e-6, abs=1e-6)
     assert g.objective(sol.choice) == pytest.approx(sol.objective)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_ilp_with_equal_rows_and_columns_matches_brute_force(seed):
+    """Edges whose matrices repeat rows and columns (the ILP merges them into classes)."""
+    g = random_graph(200 + seed, classes=2)
+    budget = g.min_memory() + 0.5 * (sum(max(m) for m in g.memory) - g.min_memory())
+    for limit in (float("inf"), budget):
+        exact = brute_force(g, limit)
+        sol = solve(g, limit)
+        assert sol.memory <= limit + 1e-9
+        assert sol.objective == pytest.approx(exact.objective, rel=1e-6, abs=1e-6)
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -127,3 +127,53 @@ def test_gpt_planned_into_stages(tmp_path):
     assert [s.ranks for s in back.stages] == [s.ranks for s in p.stages]
     with pytest.raises(PipelinePlanError, match="num_stages=9"):
         plan(model, example, mesh, num_stages=9, num_microbatches=4, num_layers=4)
+
+
+def _tiny_stage_costs(cluster_shape=(2, 2)):
+    from alpa_lite.capture import capture
+    from alpa_lite.stages import GraphStageCosts, cluster_layers, cluster_of
+
+    model, example = build_model("gpt-tiny", 8, 16, device="meta", num_layers=4)
+    cg = capture(model, example)
+    mesh = LogicalMesh(cluster_shape, cluster="a100")
+    return GraphStageCosts(cg, cluster_layers(cg, 4), cluster_of(mesh), mesh.memory_bytes, max_in_flight=4,
+                           num_microbatches=4)
+
+
+def test_ilp_answer_reused_only_when_provably_the_same():
+    """An answer under memory constraint w + s a <= M is reused for (s', M') only when s' >= s,
+    M' <= M and it satisfies the new constraint (or it was infeasible)."""
+    costs = _tiny_stage_costs()
+    calls = []
+
+    def solver(answer, terms):
+        def solve():
+            calls.append(answer)
+            if answer is None:
+                from alpa_lite.stages import _Infeasible
+                raise _Infeasible("no fit")
+            return answer, terms
+        return solve
+
+    assert costs._solve("k", 1, 100.0, solver("A", (40.0, 20.0))) == "A"
+    assert costs._solve("k", 2, 90.0, solver("B", (0.0, 0.0))) == "A"  # 40 + 2 * 20 <= 90: same optimum
+    assert costs._solve("k", 4, 90.0, solver("C", (10.0, 10.0))) == "C"  # 40 + 4 * 20 > 90: solved
+    assert costs._solve("k", 1, 200.0, solver("D", (0.0, 0.0))) == "D"  # looser: solved
+    assert costs._solve("k", 1, 30.0, solver("A", (40.0, 20.0))) == "D"  # D (0 bytes) fits 30 too
+    assert costs._solve("j", 1, 30.0, solver(None, None)) is None
+    assert costs._solve("j", 2, 20.0, solver("E", (0.0, 0.0))) is None  # tighter than an infeasible one
+    assert costs._solve("j", 1, 40.0, solver("F", (0.0, 0.0))) == "F"  # looser than it: solved
+    assert calls == ["A", "C", "D", None, "F"]
+
+
+def test_stage_costs_from_worker_processes_equal_serial():
+    keys = [(k, i, q) for k in range(4) for i in range(k + 1, 5) for q in submesh_shapes((2, 2))]
+    serial, forked = _tiny_stage_costs(), _tiny_stage_costs()
+    serial.prefetch(keys, workers=1)
+    forked.prefetch(keys, workers=2)
+    assert serial.stats["ilp_solves"] == forked.stats["ilp_solves"] > 0
+    for key in keys:
+        a, b = serial(*key), forked(*key)
+        assert [(o.seconds, o.once_seconds, o.weight_bytes, o.act_bytes, o.payload) for o in a] == \
+               [(o.seconds, o.once_seconds, o.weight_bytes, o.act_bytes, o.payload) for o in b]
+    assert any(serial(*key) for key in keys)
