@@ -103,14 +103,12 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
             src = where[ns.inputs[0]]
             src_ns = table[ns.inputs[0]]
             r = ns.input_results[0]
-            index = []
-            for p in src.index:
-                spec = src_ns.strategies[p].out_specs[r]
-                match = [q for q, s in enumerate(ns.strategies) if s.in_specs[0] == spec]
-                if not match:
-                    break
-                index.append(min(match, key=lambda q: ns.strategies[q].cost))
-            else:
+            cheapest: dict[ShardingSpec, int] = {}  # per input spec, the cheapest strategy taking it
+            for q, s in enumerate(ns.strategies):
+                if s.in_specs[0] not in cheapest or s.cost < ns.strategies[cheapest[s.in_specs[0]]].cost:
+                    cheapest[s.in_specs[0]] = q
+            index = [cheapest.get(src_ns.strategies[p].out_specs[r]) for p in src.index]
+            if None not in index:
                 placed = _Var(src.var, index)
         if placed is None and share_layers:
             key = _layer_key(node, counters, sizes)

@@ -148,6 +148,16 @@ class ReshardCosts:
                                        for o in outs]
         return m
 
+    def sync_matrix(self, outs: tuple, ins: tuple, shape, itemsize) -> list[list[float]]:
+        """``matrix(..., parameter=True)`` where the edge is a gradient sync (``is_gradient_sync``),
+        0 elsewhere: the part of a parameter edge that runs once per step, bucketed."""
+        key = ("sync", outs, ins, tuple(shape), itemsize)
+        m = self._matrices.get(key)
+        if m is None:
+            m = self._matrices[key] = [[self(o, spec, gp, shape, itemsize, True) if is_gradient_sync(o, spec, gp) else 0.0
+                                        for spec, gp in ins] for o in outs]
+        return m
+
 
 @functools.lru_cache(maxsize=64)
 def reshard_costs(mesh: LogicalMesh) -> ReshardCosts:

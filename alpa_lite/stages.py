@@ -914,7 +914,6 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
 
 def _discount_gradient_sync(cg, table, where, graph, names, reshard, weight: float) -> None:
     """Scale the gradient-sync part of every parameter edge of the cost graph by ``weight``."""
-
     for n in names:
         if n not in where or n not in table:
             continue
@@ -924,16 +923,11 @@ def _discount_gradient_sync(cg, table, where, graph, names, reshard, weight: flo
                 continue
             val = cg.node(src).meta["val"]
             sv, dv = where[src], where[n]
-            corr = [[0.0] * len(dv.index) for _ in sv.index]
-            for p, qs in enumerate(sv.index):
-                out = table[src].strategies[qs].out_specs[0]
-                for q, qd in enumerate(dv.index):
-                    s = ns.strategies[qd]
-                    if is_gradient_sync(out, s.in_specs[i], s.grad_partial[i]):
-                        corr[p][q] = -(1 - weight) * reshard(out, s.in_specs[i], s.grad_partial[i], tuple(val.shape),
-                                                             val.element_size(), True)
-            if any(any(row) for row in corr):
-                graph.add_edge(sv.var, dv.var, corr)
+            outs = tuple(table[src].strategies[p].out_specs[0] for p in sv.index)
+            ins = tuple((ns.strategies[q].in_specs[i], ns.strategies[q].grad_partial[i]) for q in dv.index)
+            sync = reshard.sync_matrix(outs, ins, tuple(val.shape), val.element_size())
+            if any(any(row) for row in sync):
+                graph.add_edge(sv.var, dv.var, [[-(1 - weight) * c for c in row] for row in sync])
 
 
 def stage_view(cg, names):

@@ -129,11 +129,11 @@ def test_gpt_planned_into_stages(tmp_path):
         plan(model, example, mesh, num_stages=9, num_microbatches=4, num_layers=4)
 
 
-def _tiny_stage_costs(cluster_shape=(2, 2)):
+def _tiny_stage_costs(cluster_shape=(2, 2), batch=8, seq=16):
     from alpa_lite.capture import capture
     from alpa_lite.stages import GraphStageCosts, cluster_layers, cluster_of
 
-    model, example = build_model("gpt-tiny", 8, 16, device="meta", num_layers=4)
+    model, example = build_model("gpt-tiny", batch, seq, device="meta", num_layers=4)
     cg = capture(model, example)
     mesh = LogicalMesh(cluster_shape, cluster="a100")
     return GraphStageCosts(cg, cluster_layers(cg, 4), cluster_of(mesh), mesh.memory_bytes, max_in_flight=4,
@@ -177,3 +177,37 @@ def test_stage_costs_from_worker_processes_equal_serial():
         assert [(o.seconds, o.once_seconds, o.weight_bytes, o.act_bytes, o.payload) for o in a] == \
                [(o.seconds, o.once_seconds, o.weight_bytes, o.act_bytes, o.payload) for o in b]
     assert any(serial(*key) for key in keys)
+
+
+def test_stage_pays_the_gather_of_what_it_sends():
+    """A stage sends its values on replicated: a batch-split value costs one all-gather of the
+    whole value (its gradient comes back whole), a replicated one nothing; the exact stage ILP
+    and the chain both carry it."""
+    from alpa_lite.spec import ShardingSpec
+    from alpa_lite.stages import send_gather_seconds, solve_stage
+
+    costs = _tiny_stage_costs((1, 4), batch=64, seq=256)
+    cg = costs.cg
+    sent = costs.sends(0, 2)
+    layer_of = {n: j for j, layer in enumerate(costs.layers) for n in layer.nodes}
+    assert sent and all(layer_of[n] < 2 and any(layer_of.get(u.name, -1) >= 2 for u in cg.node(n).users)
+                        for n in sent)
+    assert costs.sends(0, 4) == [] and costs.sends(2, 3) != sent
+    mesh = costs.cluster.logical_mesh((1, 4))
+    hidden = next(n for n in sent if len(cg.node(n).meta["val"].shape) == 3)
+    val = cg.node(hidden).meta["val"]
+    nbytes = val.numel() * val.element_size()
+    assert send_gather_seconds(cg, hidden, ShardingSpec.parse("RRR"), mesh) == 0.0
+    assert send_gather_seconds(cg, hidden, ShardingSpec.parse("S1RR"), mesh) == pytest.approx(
+        mesh.all_gather_cost(nbytes, (1,)))
+    names = costs.subset(0, 2)
+    free = solve_stage(cg, names, mesh, mesh.memory_bytes, table=costs.table((1, 4), 0, 2))
+    paid = solve_stage(cg, names, mesh, mesh.memory_bytes, table=costs.table((1, 4), 0, 2), sends=sent)
+    def gathers(sol):
+        return sum(send_gather_seconds(cg, n, ShardingSpec.parse(sol.nodes[n].out_specs[0]), mesh) for n in sent)
+
+    assert gathers(free) > 0  # unpriced, the stage leaves what it sends split
+    # paid is optimal with the gathers, free without them: each bounds the other
+    assert free.seconds - 1e-12 <= paid.seconds - gathers(paid)
+    assert paid.seconds <= free.seconds + gathers(free) + 1e-12
+    assert paid.seconds > free.seconds
