@@ -1,13 +1,16 @@
 """Plan quality: alpa-lite's pipelined plan vs hand-tuned configurations, under one cost model.
 
-For Alpa's GPT-3 suite (OSDI'22, Table 4 / Fig. 7: 350M on 1 GPU ... 39B on 64) on the ``a100``
+For Alpa's three suites (OSDI'22, Table 4 / Fig. 7): GPT-3 (350M on 1 GPU ... 39B on 64),
+GShard MoE (380M on 1 ... 27B on 32) and Wide-ResNet (250M on 1 ... 13B on 64), on the ``a100``
 and ``v100`` cluster presets, the predicted training-step time of
 
 - **alpa-lite**: ``stages.plan_pipeline`` (layer clustering, stage DP, per-stage intra-op ILP);
-- **Megatron grid**: the best ``dp x tp x pp x B`` point (Narayanan et al., SC21): ``pp`` stages
-  of equal layer counts on submeshes of ``D / pp`` devices, each with logical mesh ``(dp, tp)``,
-  the batch split along axis 0, Megatron's column / row / vocab-parallel weights along axis 1,
-  every other weight replicated; 1F1B;
+- **hand-tuned grid**: the best ``dp x tp x pp x B`` point: ``pp`` stages of equal layer counts
+  on submeshes of ``D / pp`` devices, each with logical mesh ``(dp, tp)``, the batch split along
+  axis 0, every weight replicated except, along axis 1, GPT's Megatron column / row /
+  vocab-parallel weights (Narayanan et al., SC21) and, for MoE, the same plus the experts split
+  over their expert dim (expert parallelism, GShard / DeepSpeed-MoE); Wide-ResNet has no tensor
+  parallelism (``tp = 1``: Alpa's PP-DP baseline); 1F1B;
 - **data parallel**: one stage, batch over every device, weights replicated;
 - **ZeRO-3**: one stage, batch over every device, every weight sharded (dim 0) over every device;
 - **equal-layer pipeline**: the best ``pp`` with equal layer counts per stage and ``D / pp``
@@ -18,7 +21,7 @@ clustering, ``stages.GraphStageCosts`` (per-layer intra-op ILPs with forced spec
 baselines) and the same step-time formula ``sum(t_i + o_i) + (B - 1) max t_i`` with 1F1B's
 in-flight memory. A configuration that does not fit the device memory is left out ("-").
 
-Run:  python benchmarks/plan_quality.py [--presets a100,v100] [--models gpt3-350m,...]
+Run:  python benchmarks/plan_quality.py [--suites gpt,moe,wresnet] [--presets a100,v100] [--models ...]
 """
 from __future__ import annotations
 
@@ -26,7 +29,9 @@ import argparse
 import io
 import json
 import math
+import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
@@ -44,14 +49,9 @@ from alpa_lite.stages import (
     plan_pipeline,
 )
 
-SUITE = [("gpt3-350m", (1, 1)), ("gpt3-1.3b", (1, 4)), ("gpt3-2.6b", (1, 8)), ("gpt3-6.7b", (2, 8)),
-         ("gpt3-15b", (4, 8)), ("gpt3-39b", (8, 8))]
-GLOBAL_BATCH = 1024  # Alpa's GPT benchmark (OSDI'22, section 8.1)
-SEQ = 1024
-
-
 def megatron_specs(cg, tp: int) -> dict[str, str]:
-    """Megatron-LM tensor parallelism of the built-in GPT along mesh axis 1 (weights ``[out, in]``)."""
+    """Megatron-LM tensor parallelism of the built-in GPT along mesh axis 1 (weights ``[out, in]``),
+    and for the MoE model its experts split over the expert dim (expert parallelism)."""
     if tp == 1:
         return {}
     specs = {}
@@ -62,7 +62,34 @@ def megatron_specs(cg, tp: int) -> dict[str, str]:
             specs[fqn] = "RS1"  # row parallel
         elif fqn == "wte.weight":
             specs[fqn] = "S1R"  # vocab parallel embedding / head
+        elif fqn.endswith(("ffn.w1", "ffn.w2")):
+            specs[fqn] = "S1RR"  # expert parallel: [experts, in, out]
+        elif fqn.endswith(("ffn.b1", "ffn.b2")):
+            specs[fqn] = "S1R"
     return specs
+
+
+@dataclass(frozen=True)
+class Suite:
+    """One of Alpa's benchmark suites: ``cases`` (model, cluster shape), the global batch, the
+    sequence length (None: not a language model) and the grid's tensor-parallel degrees."""
+
+    title: str
+    cases: tuple[tuple[str, tuple[int, int]], ...]
+    global_batch: int
+    seq: int | None
+    tp_degrees: tuple[int, ...]
+
+
+SUITES = {  # OSDI'22, Table 4 and section 8.1
+    "gpt": Suite("GPT-3", (("gpt3-350m", (1, 1)), ("gpt3-1.3b", (1, 4)), ("gpt3-2.6b", (1, 8)),
+                           ("gpt3-6.7b", (2, 8)), ("gpt3-15b", (4, 8)), ("gpt3-39b", (8, 8))), 1024, 1024, (1, 2, 4, 8)),
+    "moe": Suite("GShard MoE", (("moe-380m", (1, 1)), ("moe-1.3b", (1, 4)), ("moe-2.4b", (1, 8)),
+                                ("moe-10b", (2, 8)), ("moe-27b", (4, 8))), 1024, 1024, (1, 2, 4, 8)),
+    "wresnet": Suite("Wide-ResNet", (("wide-resnet-250m", (1, 1)), ("wide-resnet-1b", (1, 4)),
+                                     ("wide-resnet-2b", (1, 8)), ("wide-resnet-4b", (2, 8)),
+                                     ("wide-resnet-6.8b", (4, 8)), ("wide-resnet-13b", (8, 8))), 1536, None, (1,)),
+}
 
 
 def zero3_specs(cg, shape) -> dict[str, str]:
@@ -101,28 +128,31 @@ def evaluate(costs: GraphStageCosts, num_layers: int, pp: int, devices: int, b: 
     return best
 
 
-def baselines(model, example, cluster_shape, preset, microbatches, num_layers, time_limit):
+def baselines(model, example, suite: Suite, cluster_shape, preset, microbatches, num_layers, time_limit):
     """Best step seconds (and its configuration) of every baseline family."""
     n, m = cluster_shape
     devices = n * m
     mesh = LogicalMesh(cluster_shape, cluster=preset)
     cluster, budget = cluster_of(mesh), mesh.memory_bytes
-    best = {k: (math.inf, None) for k in ("megatron", "data parallel", "zero-3", "equal-layer pipeline")}
+    best = {k: (math.inf, None) for k in ("grid", "data parallel", "zero-3", "equal-layer pipeline")}
 
     def offer(kind, value, config):
         if value is not None and value < best[kind][0]:
             best[kind] = (value, config)
 
     for b in microbatches:
-        size = GLOBAL_BATCH // b
+        size = suite.global_batch // b
         cg = capture(model, tuple(x[:size] for x in example))
         layers = cluster_layers(cg, num_layers)
         L = len(layers)
         free = GraphStageCosts(cg, layers, cluster, budget, max_in_flight=min(b, L, devices), time_limit=time_limit,
                                num_microbatches=b)
-        for pp in [p for p in range(1, min(L, devices) + 1) if L % p == 0 and devices % p == 0]:
+        pps = [p for p in range(1, min(L, devices) + 1) if L % p == 0 and devices % p == 0]
+        free.prefetch([(k * (L // p), (k + 1) * (L // p), submesh_of(devices // p, m)) for p in pps for k in range(p)],
+                      workers=len(os.sched_getaffinity(0)))
+        for pp in pps:
             offer("equal-layer pipeline", evaluate(free, L, pp, devices, b, m), f"pp={pp} B={b}")
-            for tp in (1, 2, 4, 8):
+            for tp in suite.tp_degrees:
                 d = devices // pp
                 if tp > min(d, m) or d % tp:
                     continue
@@ -132,7 +162,7 @@ def baselines(model, example, cluster_shape, preset, microbatches, num_layers, t
                     constraints["batch_axis"] = 0
                 costs = GraphStageCosts(cg, layers, cluster, budget, max_in_flight=min(b, pp), time_limit=time_limit,
                                         constraints=constraints, shapes=lambda sub, s=(dp, tp): [s], num_microbatches=b)
-                offer("megatron", evaluate(costs, L, pp, devices, b, m), f"dp={dp} tp={tp} pp={pp} B={b}")
+                offer("grid", evaluate(costs, L, pp, devices, b, m), f"dp={dp} tp={tp} pp={pp} B={b}")
         shape = submesh_of(devices, m) if devices <= m else (n, m)
         for kind, constraints in (("data parallel", {"batch_axis": "all", "replicate_params": True}),
                                   ("zero-3", {"batch_axis": "all", "replicate_params": True,
@@ -145,48 +175,59 @@ def baselines(model, example, cluster_shape, preset, microbatches, num_layers, t
     return best
 
 
-def run(models, presets, microbatches, num_layers, time_limit, console, out: Path):
+def run(suites, models, presets, microbatches, num_layers, time_limit, console, out: Path):
     rows = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else []
     done = {(r["preset"], r["model"]) for r in rows}
     for preset in presets:
-        for name, shape in SUITE:
-            if name not in models or (preset, name) in done:
-                continue
-            model, example = build_model(name, GLOBAL_BATCH, SEQ, device="meta")
-            t0 = time.perf_counter()
-            try:
-                p = plan_pipeline(model, example, LogicalMesh(shape, cluster=preset), num_layers=num_layers,
-                                  microbatch_candidates=microbatches, time_limit=time_limit)
-                ours, plan_s = p.step_seconds, time.perf_counter() - t0
-                config = (f"{len(p.stages)} stages " + " ".join(f"{s.submesh[0]}x{s.submesh[1]}:{'x'.join(map(str, s.plan.mesh.shape))}"
-                                                                for s in p.stages) + f" B={p.num_microbatches}")
-            except PipelinePlanError as e:
-                ours, plan_s, config = math.inf, time.perf_counter() - t0, f"infeasible: {e}"
-            base = baselines(model, example, shape, preset, microbatches, num_layers, time_limit)
-            row = {"preset": preset, "model": name, "devices": shape[0] * shape[1], "alpa_lite_s": ours,
-                   "alpa_lite_config": config, "plan_time_s": plan_s}
-            for kind, (value, cfg) in base.items():
-                row[kind] = value
-                row[kind + " config"] = cfg
-            rows.append(row)
-            out.with_suffix(".json").write_text(json.dumps(rows, indent=1))  # resumable
-            console.print(f"{preset} {name}: alpa-lite {ours:.4f} s ({config}), plan {plan_s:.1f} s; "
-                          + ", ".join(f"{k} {v[0]:.4f} s ({v[1]})" for k, v in base.items()))
+        for key in suites:
+            suite = SUITES[key]
+            for name, shape in suite.cases:
+                if (models and name not in models) or (preset, name) in done:
+                    continue
+                model, example = build_model(name, suite.global_batch, suite.seq, device="meta")
+                t0 = time.perf_counter()
+                try:
+                    p = plan_pipeline(model, example, LogicalMesh(shape, cluster=preset), num_layers=num_layers,
+                                      microbatch_candidates=microbatches, time_limit=time_limit)
+                    ours, plan_s = p.step_seconds, time.perf_counter() - t0
+                    config = (f"{len(p.stages)} stages " + " ".join(
+                        f"{s.submesh[0]}x{s.submesh[1]}:{'x'.join(map(str, s.plan.mesh.shape))}" for s in p.stages)
+                        + f" B={p.num_microbatches}")
+                except PipelinePlanError as e:
+                    ours, plan_s, config = math.inf, time.perf_counter() - t0, f"infeasible: {e}"
+                base = baselines(model, example, suite, shape, preset, microbatches, num_layers, time_limit)
+                row = {"suite": key, "preset": preset, "model": name, "devices": shape[0] * shape[1],
+                       "alpa_lite_s": ours, "alpa_lite_config": config, "plan_time_s": plan_s}
+                for kind, (value, cfg) in base.items():
+                    row[kind] = value
+                    row[kind + " config"] = cfg
+                rows.append(row)
+                out.with_suffix(".json").write_text(json.dumps(rows, indent=1))  # resumable
+                console.print(f"{preset} {name}: alpa-lite {ours:.4f} s ({config}), plan {plan_s:.1f} s; "
+                              + ", ".join(f"{k} {v[0]:.4f} s ({v[1]})" for k, v in base.items()))
     return rows
 
 
-def table(rows) -> Table:
-    t = Table(title=f"GPT-3 suite, global batch {GLOBAL_BATCH}, seq {SEQ}: predicted step time (s)")
-    for col in ("cluster", "model", "GPUs", "alpa-lite", "Megatron best", "ratio", "data parallel", "ZeRO-3",
+def table(rows, key: str) -> Table:
+    suite = SUITES[key]
+    seq = f", seq {suite.seq}" if suite.seq else ""
+    t = Table(title=f"{suite.title} suite, global batch {suite.global_batch}{seq}: predicted step time (s)")
+    for col in ("cluster", "model", "GPUs", "alpa-lite", "grid best", "ratio", "data parallel", "ZeRO-3",
                 "equal-layer PP", "plan time"):
         t.add_column(col, justify="left" if col in ("cluster", "model") else "right")
     fmt = lambda x: "-" if x is None or not math.isfinite(x) else f"{x:.3f}"
     for r in rows:
-        ratio = r["alpa_lite_s"] / r["megatron"] if math.isfinite(r["megatron"]) else math.nan
-        t.add_row(r["preset"], r["model"], str(r["devices"]), fmt(r["alpa_lite_s"]), fmt(r["megatron"]),
+        if r["suite"] != key:
+            continue
+        ratio = r["alpa_lite_s"] / r["grid"] if math.isfinite(r["grid"]) else math.nan
+        t.add_row(r["preset"], r["model"], str(r["devices"]), fmt(r["alpa_lite_s"]), fmt(r["grid"]),
                   "-" if math.isnan(ratio) else f"{ratio:.3f}x", fmt(r["data parallel"]), fmt(r["zero-3"]),
                   fmt(r["equal-layer pipeline"]), f"{r['plan_time_s']:.1f} s")
     return t
+
+
+KINDS = [("alpa_lite_s", "alpa-lite"), ("grid", "hand-tuned grid best"), ("data parallel", "data parallel"),
+         ("zero-3", "ZeRO-3"), ("equal-layer pipeline", "equal-layer PP")]
 
 
 def plot(rows, path: Path) -> None:
@@ -195,20 +236,20 @@ def plot(rows, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     presets = sorted({r["preset"] for r in rows})
-    fig, axes = plt.subplots(1, len(presets), figsize=(6 * len(presets), 4), squeeze=False)
-    kinds = [("alpa_lite_s", "alpa-lite"), ("megatron", "Megatron best"), ("data parallel", "data parallel"),
-             ("zero-3", "ZeRO-3"), ("equal-layer pipeline", "equal-layer PP")]
-    for ax, preset in zip(axes[0], presets):
-        rs = [r for r in rows if r["preset"] == preset]
-        width = 0.8 / len(kinds)
-        for j, (key, label) in enumerate(kinds):
-            # throughput relative to the best configuration found for the case (1 = the best)
-            vals = [min(r[k] for k, _ in kinds) / r[key] if math.isfinite(r[key]) else 0 for r in rs]
-            ax.bar([i + j * width for i in range(len(rs))], vals, width, label=label)
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rs))])
-        ax.set_xticklabels([f"{r['model'][5:]}\n{r['devices']} GPUs" for r in rs], fontsize=8)
-        ax.set_ylabel("relative throughput (1 = best)")
-        ax.set_title(f"{preset}: predicted throughput, GPT-3 suite")
+    suites = [k for k in SUITES if any(r["suite"] == k for r in rows)]
+    fig, axes = plt.subplots(len(suites), len(presets), figsize=(6 * len(presets), 3.6 * len(suites)), squeeze=False)
+    for row_axes, key in zip(axes, suites):
+        for ax, preset in zip(row_axes, presets):
+            rs = [r for r in rows if r["preset"] == preset and r["suite"] == key]
+            width = 0.8 / len(KINDS)
+            for j, (kind, label) in enumerate(KINDS):
+                # throughput relative to the best configuration found for the case (1 = the best)
+                vals = [min(r[k] for k, _ in KINDS) / r[kind] if math.isfinite(r[kind]) else 0 for r in rs]
+                ax.bar([i + j * width for i in range(len(rs))], vals, width, label=label)
+            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rs))])
+            ax.set_xticklabels([f"{r['model'].split('-')[-1]}\n{r['devices']} GPUs" for r in rs], fontsize=8)
+            ax.set_ylabel("relative throughput (1 = best)")
+            ax.set_title(f"{preset}: predicted throughput, {SUITES[key].title}")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -217,8 +258,9 @@ def plot(rows, path: Path) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--suites", default=",".join(SUITES))
     ap.add_argument("--presets", default="a100,v100")
-    ap.add_argument("--models", default=",".join(n for n, _ in SUITE))
+    ap.add_argument("--models", default="", help="only these models of the suites (default: all)")
     ap.add_argument("--microbatches", default="16,32,64", help="candidate microbatch counts B")
     ap.add_argument("--layers", type=int, default=8, help="layers L of the clustering")
     ap.add_argument("--time-limit", type=float, default=30.0, help="ILP seconds per solve")
@@ -233,17 +275,17 @@ def main():
     if args.report_only:
         rows = json.loads(out.with_suffix(".json").read_text())
     else:
-        rows = run(args.models.split(","), args.presets.split(","), [int(b) for b in args.microbatches.split(",")],
-                   args.layers, args.time_limit, console, out)
-    console.print(table(rows))
-    plot(rows, out.with_suffix(".png"))
+        rows = run(args.suites.split(","), [m for m in args.models.split(",") if m], args.presets.split(","),
+                   [int(b) for b in args.microbatches.split(",")], args.layers, args.time_limit, console, out)
     record = Console(record=True, width=160, file=io.StringIO())
-    record.print(table(rows))
-    text = record.export_text()
+    for key in SUITES:
+        if any(r["suite"] == key for r in rows):
+            console.print(table(rows, key))
+            record.print(table(rows, key))
+    plot(rows, out.with_suffix(".png"))
     md = out.with_suffix(".md")
     head = md.read_text().split("<!-- table -->")[0] if md.exists() else "# Plan quality\n\n"
-    md.write_text(head + "<!-- table -->\n```\n" + text + "```\n")
-
+    md.write_text(head + "<!-- table -->\n```\n" + record.export_text() + "```\n")
 
 if __name__ == "__main__":
     main()
