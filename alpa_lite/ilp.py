@@ -104,8 +104,8 @@ def _solver(time_limit: float, name: str):
     if name == "highs" or (name == "auto" and "HiGHS" in pulp.listSolvers(onlyAvailable=True)):
         return pulp.HiGHS(msg=False, timeLimit=time_limit, threads=1, random_seed=0)
     # CBC's primal heuristics cost more than they save on these small problems (3x on the
-    # per-layer ILPs of GPT-3 39B); branch and bound alone still proves the optimum
-    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, threads=1,
+    # per-layer ILPs of GPT-3 39B): branch and bound from the feasible start ``solve`` gives
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, threads=1, warmStart=True,
                              options=["randomSeed 1", "randomCbcSeed 1", "heuristicsOnOff off"])
 
 
@@ -180,6 +180,12 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
         terms = [(x, m / unit) for mem, xs in zip(graph.memory, s) if xs is not None for x, m in zip(xs, mem) if m]
         prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(terms), pulp.LpConstraintLE,
                                              rhs=(memory_budget - fixed) / unit), "memory")
+        # a feasible start: each variable's least-memory strategy (memory has no edge terms)
+        for mem, xs in zip(graph.memory, s):
+            if xs is not None:
+                least = min(range(len(xs)), key=mem.__getitem__)
+                for p, x in enumerate(xs):
+                    x.setInitialValue(1 if p == least else 0)
     status = prob.solve(_solver(time_limit, solver))
     if pulp.LpStatus[status] not in ("Optimal",) and prob.sol_status not in (pulp.LpSolutionIntegerFeasible,):
         raise SolverError(f"ILP solver status {pulp.LpStatus[status]} ({len(graph.costs)} variables, "
