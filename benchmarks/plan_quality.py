@@ -216,9 +216,9 @@ def table(rows, key: str) -> Table:
                 "equal-layer PP", "plan time"):
         t.add_column(col, justify="left" if col in ("cluster", "model") else "right")
     fmt = lambda x: "-" if x is None or not math.isfinite(x) else f"{x:.3f}"
-    for r in rows:
-        if r["suite"] != key:
-            continue
+    order = {name: i for i, (name, _) in enumerate(suite.cases)}
+    for r in sorted((r for r in rows if r["suite"] == key),
+                    key=lambda r: (r["preset"], order.get(r["model"].split()[0], 0), r["model"])):
         ratio = r["alpa_lite_s"] / r["grid"] if math.isfinite(r["grid"]) else math.nan
         t.add_row(r["preset"], r["model"], str(r["devices"]), fmt(r["alpa_lite_s"]), fmt(r["grid"]),
                   "-" if math.isnan(ratio) else f"{ratio:.3f}x", fmt(r["data parallel"]), fmt(r["zero-3"]),
@@ -250,7 +250,7 @@ def plot(rows, path: Path) -> None:
             ax.set_xticklabels([f"{r['model'].split('-')[-1]}\n{r['devices']} GPUs" for r in rs], fontsize=8)
             ax.set_ylabel("relative throughput (1 = best)")
             ax.set_title(f"{preset}: predicted throughput, {SUITES[key].title}")
-    axes[0][0].legend(fontsize=7)
+    axes[0][0].legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
