@@ -208,6 +208,13 @@ def run(suites, models, presets, microbatches, num_layers, time_limit, console, 
     return rows
 
 
+def suite_rows(rows, key: str, preset: str | None = None) -> list[dict]:
+    """The rows of suite ``key`` (and ``preset``), by preset, then in the suite's case order."""
+    order = {name: i for i, (name, _) in enumerate(SUITES[key].cases)}
+    return sorted((r for r in rows if r["suite"] == key and preset in (None, r["preset"])),
+                  key=lambda r: (r["preset"], order.get(r["model"].split()[0], 0), r["model"]))
+
+
 def table(rows, key: str) -> Table:
     suite = SUITES[key]
     seq = f", seq {suite.seq}" if suite.seq else ""
@@ -216,9 +223,7 @@ def table(rows, key: str) -> Table:
                 "equal-layer PP", "plan time"):
         t.add_column(col, justify="left" if col in ("cluster", "model") else "right")
     fmt = lambda x: "-" if x is None or not math.isfinite(x) else f"{x:.3f}"
-    order = {name: i for i, (name, _) in enumerate(suite.cases)}
-    for r in sorted((r for r in rows if r["suite"] == key),
-                    key=lambda r: (r["preset"], order.get(r["model"].split()[0], 0), r["model"])):
+    for r in suite_rows(rows, key):
         ratio = r["alpa_lite_s"] / r["grid"] if math.isfinite(r["grid"]) else math.nan
         t.add_row(r["preset"], r["model"], str(r["devices"]), fmt(r["alpa_lite_s"]), fmt(r["grid"]),
                   "-" if math.isnan(ratio) else f"{ratio:.3f}x", fmt(r["data parallel"]), fmt(r["zero-3"]),
@@ -240,7 +245,7 @@ def plot(rows, path: Path) -> None:
     fig, axes = plt.subplots(len(suites), len(presets), figsize=(6 * len(presets), 3.6 * len(suites)), squeeze=False)
     for row_axes, key in zip(axes, suites):
         for ax, preset in zip(row_axes, presets):
-            rs = [r for r in rows if r["preset"] == preset and r["suite"] == key]
+            rs = suite_rows(rows, key, preset)
             width = 0.8 / len(KINDS)
             for j, (kind, label) in enumerate(KINDS):
                 # throughput relative to the best configuration found for the case (1 = the best)
