@@ -49,6 +49,9 @@ def cmd_plan(args) -> int:
     if args.memory_budget is not None and not args.memory_budget > 0:
         raise ValueError(f"--memory-budget must be a positive number of GiB, got {args.memory_budget}")
     budget = None if args.memory_budget is None else args.memory_budget * 2**30
+    for out in (args.json, args.schedule_chart):  # fail before planning, not after
+        if out and not Path(out).resolve().parent.is_dir():
+            raise ValueError(f"cannot write {out}: the directory {Path(out).parent} does not exist")
     with console.status("capturing") as status, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
         pipelined = {} if args.pipeline is None else dict(

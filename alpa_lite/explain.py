@@ -43,12 +43,23 @@ def summary_table(plan: Plan, title: str = "plan") -> Table:
     t.add_row("mesh", f"{m.shape[0]}x{m.shape[1]} ({m.cluster}): alpha "
                       f"{', '.join(_seconds(a) for a in m.mesh_alpha)}; bandwidth "
                       f"{', '.join(_rate(1 / b) for b in m.mesh_beta)} (axis 0, axis 1)")
+    budget = plan.options.get("memory_budget") or m.memory_bytes
+    st = plan.stats
+    if plan.stages:  # stages overlap in time: the step is the pipeline formula, not a sum
+        n = len(plan.stages)
+        t.add_row("step time (predicted)", f"{_seconds(plan.step_seconds)}: {n} stage{'s' if n != 1 else ''}, "
+                                           f"{plan.num_microbatches} microbatches ({plan.schedule}), bubble "
+                                           f"{plan.bubble_fraction:.1%}")
+        t.add_row("memory per device", f"{_bytes(plan.memory_bytes)} (the fullest stage) of a {_bytes(budget)} budget")
+        t.add_row("collectives (stage plans)", str(sum(len(s.plan.collectives) for s in plan.stages)))
+        if st:
+            t.add_row("planning time", f"{st.get('total_s', 0):.2f} s ({st.get('ilp_solves')} stage ILPs solved, "
+                                       f"{st.get('cache_hits')} answers reused, {st.get('layers')} layers)")
+        return t
     t.add_row("step time (predicted)", f"{_seconds(plan.step_seconds)} = compute {_seconds(plan.compute_seconds)}"
                                        f" + communication {_seconds(plan.comm_seconds)}")
-    budget = plan.options.get("memory_budget") or m.memory_bytes
     t.add_row("memory per device", f"{_bytes(plan.memory_bytes)} of a {_bytes(budget)} budget")
     t.add_row("collectives per step", str(len(plan.collectives)))
-    st = plan.stats
     if st:
         t.add_row("graph / ILP", f"{st.get('nodes')} nodes -> {st.get('ilp_variables')} variables, "
                                  f"{st.get('ilp_edges')} edges ({st.get('ilp_strategy_vars')} + "

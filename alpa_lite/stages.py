@@ -1114,17 +1114,21 @@ def plan_pipeline(model, example_inputs, mesh, loss_fn=None, *, targets: tuple =
         costs.prefetch([(k, i, q) for k in range(len(layers)) for i in range(k + 1, len(layers) + 1) for q in shapes
                         if pruned.kept(k, i, q)], workers)
         say(f"stage DP (B={b})")
-        try:
-            res = stage_dp(len(layers), mesh.shape, pruned, budget, b, num_stages=num_stages, schedule=schedule,
-                           submeshes=shapes)
-        except PipelinePlanError as e:
-            tried[b] = str(e)
+        res = None
+        for cost in (pruned, costs):  # the FLOPs-balance pruning may leave no way to make num_stages
+            try:
+                res = stage_dp(len(layers), mesh.shape, cost, budget, b, num_stages=num_stages, schedule=schedule,
+                               submeshes=shapes)
+                break
+            except PipelinePlanError as e:
+                tried[b] = str(e)
+        if res is None:
             continue
         tried[b] = res.objective
         if best is None or res.objective < best[0].objective:
             best = (res, cg, layers, costs)
     if best is None:
-        raise PipelinePlanError(f"no pipeline plan for microbatch counts {candidates}: {tried}")
+        raise PipelinePlanError("no pipeline plan: " + "; ".join(f"B={k}: {v}" for k, v in tried.items()))
     res, cg, layers, costs = best
     say("stage plans")
     ranks = place_submeshes([s.submesh for s in res.stages], mesh.shape)

@@ -42,6 +42,8 @@ def test_plan_bad_input_is_one_clear_line():
     assert r.returncode == 2 and "cannot read plan file" in r.stderr
     r = alpa_lite("plan", "mlp", "--explain", "linear_9")
     assert r.returncode == 2 and "close: linear" in r.stderr and "step time" not in r.stdout
+    r = alpa_lite("plan", "mlp", "--json", "/nonexistent/dir/plan.json")  # refused before planning
+    assert r.returncode == 2 and "/nonexistent/dir does not exist" in r.stderr and "step time" not in r.stdout
 
 
 def test_train_main_job(tmp_path):
@@ -82,4 +84,6 @@ def test_plan_pipeline_prints_stages_and_saves_a_chart(tmp_path):
                   "--schedule", "gpipe", "--schedule-chart", str(chart))
     assert r.returncode == 0, r.stderr[-2000:]
     assert "pipeline: 2 stages, gpipe" in r.stdout and "bubble" in r.stdout
+    # the summary gives the pipeline's step (stages overlap: no compute + communication sum)
+    assert "2 stages, 4 microbatches (gpipe), bubble" in r.stdout and "communication" not in r.stdout
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -129,6 +129,14 @@ def test_gpt_planned_into_stages(tmp_path):
         plan(model, example, mesh, num_stages=9, num_microbatches=4, num_layers=4)
 
 
+def test_stage_count_reachable_only_without_the_balance_pruning():
+    """gpt-tiny's layers are far from equal in FLOPs: 4 stages on 4 devices exist only among the
+    (range, submesh) pairs the FLOPs-balance pruning drops; the planner then uses them all."""
+    model, example = build_model("gpt-tiny", 8, None, device="meta")
+    p = plan(model, example, LogicalMesh((1, 4), cluster="a100"), num_stages=4, num_microbatches=4)
+    assert len(p.stages) == 4 and sorted(r for s in p.stages for r in s.ranks) == [0, 1, 2, 3]
+
+
 def _tiny_stage_costs(cluster_shape=(2, 2), batch=8, seq=16):
     from alpa_lite.capture import capture
     from alpa_lite.stages import GraphStageCosts, cluster_layers, cluster_of

@@ -33,7 +33,8 @@ def stages_table(plan: Plan):
 
     _require_stages(plan)
     layers = getattr(plan, "layers", None)
-    t = Table(title=f"pipeline: {len(plan.stages)} stages, {plan.schedule}, {plan.num_microbatches} microbatches",
+    n = len(plan.stages)
+    t = Table(title=f"pipeline: {n} stage{'s' if n != 1 else ''}, {plan.schedule}, {plan.num_microbatches} microbatches",
               caption=f"predicted step {_ms(plan.step_seconds)}, bubble {plan.bubble_fraction:.1%}")
     for col in ("stage", "layers", "modules", "submesh", "ranks", "logical mesh", "t / microbatch", "transfer",
                 "once / step", "memory", "in flight"):
