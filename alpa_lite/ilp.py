@@ -14,8 +14,8 @@ Strategies of ``u`` whose rows of ``R_uv`` are equal (the same output spec, seen
 strategies of ``v`` with equal columns (the same input spec), need not be told apart on that edge:
 ``e_uv`` runs over classes of equal rows and columns, with ``s_u[p]`` summed over a row class
 (``s_v[q]`` over a column class) in the linearization. One row or column class makes the edge
-linear in the other end's ``s``: no ``e`` at all. The optimum is unchanged; the LP shrinks several
-fold on real graphs.
+linear in the other end's ``s``: no ``e`` at all. The optimum is unchanged; on GPT-3 39B's
+per-layer stage ILPs the columns drop by about a quarter.
 
 This module knows nothing about torch: the planner builds the ``CostGraph``. Memory has no
 edge terms, so the least memory any solution needs is ``sum_v min_p m_v[p]``; a budget below
