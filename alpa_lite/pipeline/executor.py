@@ -40,7 +40,7 @@ from ..runtime.collectives import (
     run_step,
 )
 from ..runtime.executor import LocalExecutor
-from ..runtime.init import materialize_shards
+from ..runtime.init import local_shards
 from ..spec import ShardingSpec
 from ..stages import stage_view
 from .schedules import get_schedule
@@ -116,9 +116,8 @@ class PipelineTrainer:
         self.view = stage_view(captured, list(self.sp.plan.nodes))
         self.executor = LocalExecutor(self.view, self.sp.plan, self.groups, self.device)
         self.tied_groups = self._tied_groups(rank)
-        self.params: dict[str, torch.nn.Parameter] = {}
-        self.buffers: dict[str, torch.Tensor] = {}
-        self._materialize(model, seed, init_fn)
+        self.params, self.buffers = local_shards(model, self.view, self.sp.plan, self.groups, self.device, seed,
+                                                 init_fn)
         self.buckets = gradient_buckets(self.view, self.sp.plan.nodes, self.sp.plan.grad_sync, self.groups.shape,
                                         self.sp.plan.bucket_bytes)
         self.optimizer = optimizer(list(self.params.values()))
@@ -166,17 +165,6 @@ class PipelineTrainer:
     # ---------------------------------------------------------------- parameters
     def _spec(self, placeholder: str) -> ShardingSpec:
         return ShardingSpec.parse(self.sp.plan.nodes[placeholder].out_specs[0])
-
-    def _materialize(self, model, seed, init_fn):
-        by_fqn = {fqn: ph for ph, fqn in {**self.view.param_fqns, **self.view.buffer_fqns}.items()}
-        materialize_shards(model, by_fqn, lambda fqn, full: self._keep(by_fqn[fqn], fqn, full), seed, init_fn)
-
-    def _keep(self, placeholder, fqn, full: torch.Tensor):
-        shard = local_slice(full.detach(), self._spec(placeholder), self.groups).to(self.device).clone()
-        if placeholder in self.view.param_fqns:
-            self.params[fqn] = torch.nn.Parameter(shard)
-        else:
-            self.buffers[fqn] = shard
 
     # ---------------------------------------------------------------- point to point
     def _meta(self, name: str):

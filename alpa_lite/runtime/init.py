@@ -14,6 +14,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from ..spec import ShardingSpec
+from .collectives import local_slice
+
 
 def module_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
@@ -97,3 +100,24 @@ def materialize_shards(model: torch.nn.Module, wanted: dict[str, str], take: Cal
             for key, t in table.items():
                 if t is not None:
                     table[key] = t.to("meta")
+
+
+def local_shards(model: torch.nn.Module, cg, plan, groups, device, seed: int = 0,
+                 init_fn: Callable | None = None) -> tuple[dict[str, torch.nn.Parameter], dict[str, torch.Tensor]]:
+    """This rank's shards of the parameters and buffers of ``cg`` (the whole graph, or a stage's
+    view of it) in the specs ``plan`` gives them: ``(FQN -> Parameter, FQN -> buffer)``, built
+    with ``materialize_shards``."""
+    params: dict[str, torch.nn.Parameter] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    by_fqn = {fqn: ph for ph, fqn in {**cg.param_fqns, **cg.buffer_fqns}.items()}
+
+    def take(fqn: str, full: torch.Tensor) -> None:
+        spec = ShardingSpec.parse(plan.nodes[by_fqn[fqn]].out_specs[0])
+        shard = local_slice(full.detach(), spec, groups).to(device).clone()
+        if by_fqn[fqn] in cg.param_fqns:
+            params[fqn] = torch.nn.Parameter(shard)
+        else:
+            buffers[fqn] = shard
+
+    materialize_shards(model, by_fqn, take, seed, init_fn)
+    return params, buffers

@@ -26,7 +26,7 @@ from ..resharding import forward_steps
 from ..spec import ShardingSpec
 from .collectives import COUNTS, MeshGroups, all_reduce_bucket, local_slice, run_step
 from .executor import LocalExecutor
-from .init import materialize_shards
+from .init import local_shards
 
 
 def _device() -> torch.device:
@@ -79,26 +79,13 @@ class ParallelTrainer:
         self.groups = MeshGroups(tuple(device_mesh.mesh.shape), coord, groups, flat)
         self.buckets = gradient_buckets(captured, plan.nodes, plan.grad_sync, self.groups.shape, plan.bucket_bytes)
         self.executor = LocalExecutor(captured, plan, self.groups, self.device)
-        self.params: dict[str, torch.nn.Parameter] = {}
-        self.buffers: dict[str, torch.Tensor] = {}
-        self._materialize(model, seed, init_fn)
+        self.params, self.buffers = local_shards(model, captured, plan, self.groups, self.device, seed, init_fn)
         self.optimizer = optimizer(list(self.params.values()))
         self.timer: StepTimer | None = None  # set by parallelize(..., report=True)
 
     # ---------------------------------------------------------------- parameters
     def _spec(self, placeholder: str) -> ShardingSpec:
         return ShardingSpec.parse(self.plan.nodes[placeholder].out_specs[0])
-
-    def _materialize(self, model, seed, init_fn):
-        by_fqn = {fqn: ph for ph, fqn in {**self.cg.param_fqns, **self.cg.buffer_fqns}.items()}
-        materialize_shards(model, by_fqn, lambda fqn, full: self._keep(by_fqn[fqn], fqn, full), seed, init_fn)
-
-    def _keep(self, placeholder, fqn, full: torch.Tensor):
-        shard = local_slice(full.detach(), self._spec(placeholder), self.groups).to(self.device).clone()
-        if placeholder in self.cg.param_fqns:
-            self.params[fqn] = torch.nn.Parameter(shard)
-        else:
-            self.buffers[fqn] = shard
 
     def _placeholder_values(self, batch) -> dict[str, torch.Tensor]:
         env = {ph: self.params[fqn] for ph, fqn in self.cg.param_fqns.items()}
