@@ -4,13 +4,13 @@
 "Alpa", OSDI 2022, section 4) for a ``LogicalMesh``; ``Plan`` holds it. ``parallelize(model,
 mesh, example_inputs)`` runs one as SPMD training on the ranks of a torchrun job.
 """
-from .capture import CaptureError
-from .ilp import MemoryBudgetError
-from .mesh import PRESETS, ClusterSpec, LogicalMesh, get_cluster
-from .plan import Plan, PlanError
-from .planner import plan
+from .core.capture import CaptureError
+from .compiler.ilp import MemoryBudgetError
+from .core.mesh import PRESETS, ClusterSpec, LogicalMesh, get_cluster
+from .core.plan import Plan, PlanError
+from .compiler.planner import plan
 from .runtime import parallelize
-from .spec import ShardingSpec
+from .core.spec import ShardingSpec
 
 __all__ = ["CaptureError", "ClusterSpec", "LogicalMesh", "MemoryBudgetError", "PRESETS", "Plan", "PlanError",
            "ShardingSpec", "get_cluster", "parallelize", "plan"]

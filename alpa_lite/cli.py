@@ -10,7 +10,7 @@ from rich.console import Console
 
 
 def _plan_args(p: argparse.ArgumentParser) -> None:
-    from .models import MODEL_NAMES
+    from .zoo.models import MODEL_NAMES
     p.add_argument("model", help=f"built-in model ({', '.join(MODEL_NAMES)}) or module:callable "
                                  "returning (model, example_inputs)")
     p.add_argument("--mesh", default="1x4", help="logical mesh shape, e.g. 2x4 (default 1x4)")
@@ -36,10 +36,10 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
 def cmd_plan(args) -> int:
     import torch  # noqa: F401  (import before rich status so the spinner is not stuck on import)
 
-    from .explain import collective_table, node_table, param_table, summary_table
-    from .mesh import LogicalMesh, get_cluster, parse_mesh_shape
-    from .models import build_model
-    from .planner import plan
+    from .tools.explain import collective_table, node_table, param_table, summary_table
+    from .core.mesh import LogicalMesh, get_cluster, parse_mesh_shape
+    from .zoo.models import build_model
+    from .compiler.planner import plan
 
     console = Console(width=None if sys.stdout.isatty() else 140)
     shape = parse_mesh_shape(args.mesh)
@@ -71,7 +71,7 @@ def cmd_plan(args) -> int:
     if result.collectives:
         console.print(collective_table(result))
     if result.stages:
-        from .pipeline.display import schedule_chart, stages_table
+        from .tools.display import schedule_chart, stages_table
         console.print(stages_table(result))
         if args.schedule_chart:
             console.print(f"schedule chart written to {schedule_chart(result, args.schedule_chart)}")
@@ -84,7 +84,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from .launch import torchrun
+    from .runtime.launch import torchrun
 
     if not args.target:
         print("alpa-lite run: give a script (and its arguments) to run on every rank", file=sys.stderr)
@@ -103,7 +103,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    from .profile import run
+    from .tools.profile import run
 
     return run(args)
 
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     t = sub.add_parser("train", help="train a GPT on tinyshakespeare with the auto plan on N CPU processes")
     train_args(t)
     t.set_defaults(func=cmd_train)
-    from .profile import add_arguments as profile_args
+    from .tools.profile import add_arguments as profile_args
     f = sub.add_parser("profile", help="measure collectives and compute; write a cluster JSON")
     profile_args(f)
     f.set_defaults(func=cmd_profile)

@@ -1,6 +1,6 @@
 """``alpa-lite train``: the main job. Plan and train a GPT on tinyshakespeare on N CPU processes.
 
-Run outside torchrun, it relaunches itself with ``torchrun`` (``alpa_lite.launch.torchrun``).
+Run outside torchrun, it relaunches itself with ``torchrun`` (``alpa_lite.runtime.launch.torchrun``).
 On every rank: build the model (same seed everywhere), plan it with the auto planner (rank 0
 plans, the plan is broadcast), train with AdamW on character-level text, and on rank 0 print the
 plan, a progress bar with loss and step time, and write ``plan.json``, ``log.jsonl`` (one record
@@ -46,11 +46,11 @@ def _worker(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from .data import batches, load_tokens
-    from .explain import collective_table, param_table, summary_table
-    from .launch import init_distributed
-    from .mesh import parse_mesh_shape
-    from .models import build_model
+    from .zoo.data import batches, load_tokens
+    from .tools.explain import collective_table, param_table, summary_table
+    from .runtime.launch import init_distributed
+    from .core.mesh import parse_mesh_shape
+    from .zoo.models import build_model
     from .runtime import parallelize
 
     init_distributed(120)
@@ -110,9 +110,9 @@ def main(args) -> int:
     """Entry of ``alpa-lite train``: relaunch under torchrun unless already a rank."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _worker(args)
-    from .launch import torchrun
-    from .mesh import parse_mesh_shape
-    from .plan import Plan
+    from .runtime.launch import torchrun
+    from .core.mesh import parse_mesh_shape
+    from .core.plan import Plan
 
     n0, n1 = parse_mesh_shape(args.mesh)  # bad input fails here, once, not on every rank
     if n0 * n1 != args.nproc:

@@ -5,7 +5,7 @@
 
 1. Profile the cluster (``alpa-lite profile`` machinery, 4 gloo ranks) once per logical mesh
    shape the plans use (2x2 and 1x4) and merge the results into one cluster JSON.
-2. Launch 4 ranks (``alpa_lite.launch.torchrun``); each plans (on rank 0, with a
+2. Launch 4 ranks (``alpa_lite.runtime.launch.torchrun``); each plans (on rank 0, with a
    ``LogicalMesh`` from the calibrated cluster) and runs every plan with
    ``parallelize(..., report=True)``: warm-up steps, then timed steps, one step of every plan
    per round (a step's time is the slowest rank's; a plan's is the median of its steps).
@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from alpa_lite.report import relative_error, spearman  # noqa: E402
+from alpa_lite.tools.report import relative_error, spearman  # noqa: E402
 
 MESHES = ("2x2", "1x4")
 PROFILE_REPEATS = 10  # timings per collective point (the profile's CPU default is 5): steadier curves
@@ -91,15 +91,15 @@ def plans(params: dict[str, tuple[int, ...]]) -> dict[str, dict]:
 
 
 def worker(args) -> int:
-    """One rank: run every plan, timed by ``alpa_lite.report.StepTimer`` (what
+    """One rank: run every plan, timed by ``alpa_lite.tools.report.StepTimer`` (what
     ``parallelize(..., report=True)`` uses inside the trainer; here outside it, as the pipelined
     trainer has no report hook); rank 0 writes ``{name: record}``."""
     import torch
     import torch.distributed as dist
 
-    from alpa_lite.launch import init_distributed
-    from alpa_lite.models import build_model
-    from alpa_lite.report import StepTimer
+    from alpa_lite.runtime.launch import init_distributed
+    from alpa_lite.zoo.models import build_model
+    from alpa_lite.tools.report import StepTimer
     from alpa_lite.runtime import parallelize
 
     init_distributed(300)
@@ -163,8 +163,8 @@ def wait_for_idle(max_wait_s: float, busy_below: float = 0.15) -> float:
 
 def profile_cluster(path: Path, use_curves: bool) -> None:
     """Profile each mesh shape of ``MESHES`` on 4 ranks and merge them into one cluster file."""
-    from alpa_lite.mesh import ClusterSpec
-    from alpa_lite.profile import run
+    from alpa_lite.core.mesh import ClusterSpec
+    from alpa_lite.tools.profile import run
 
     merged = None
     with tempfile.TemporaryDirectory(prefix="cost-fidelity-") as tmp:
@@ -196,8 +196,8 @@ def ablation(records: dict, cluster_path: Path, model, example, plan_options: di
     import dataclasses
     import warnings
 
-    from alpa_lite.mesh import ClusterSpec, get_cluster
-    from alpa_lite.planner import plan
+    from alpa_lite.core.mesh import ClusterSpec, get_cluster
+    from alpa_lite.compiler.planner import plan
 
     calibrated = ClusterSpec.load(cluster_path)
     variants = {"calibrated": calibrated, "fits, no curves": dataclasses.replace(calibrated, use_curves=False),
@@ -307,8 +307,8 @@ def main(argv=None) -> int:
     if args.worker:
         return worker(args)
 
-    from alpa_lite.launch import torchrun
-    from alpa_lite.models import build_model
+    from alpa_lite.runtime.launch import torchrun
+    from alpa_lite.zoo.models import build_model
 
     docs = Path(args.docs)
     docs.mkdir(parents=True, exist_ok=True)

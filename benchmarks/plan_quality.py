@@ -37,10 +37,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from alpa_lite.capture import capture
-from alpa_lite.mesh import LogicalMesh, get_cluster
-from alpa_lite.models import build_model
-from alpa_lite.stages import (
+from alpa_lite.core.capture import capture
+from alpa_lite.core.mesh import LogicalMesh, get_cluster
+from alpa_lite.zoo.models import build_model
+from alpa_lite.compiler.stages import (
     GraphStageCosts,
     PipelinePlanError,
     cluster_layers,

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from alpa_lite import LogicalMesh, plan
-from alpa_lite.models import build_model, count_parameters
+from alpa_lite.zoo.models import build_model, count_parameters
 
 CASES = [  # (model, mesh, global batch)
     ("gpt3-125m", (1, 2), 16), ("gpt3-350m", (1, 4), 16), ("gpt3-1.3b", (1, 8), 32), ("gpt3-2.6b", (2, 4), 32),

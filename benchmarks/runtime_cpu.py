@@ -84,8 +84,8 @@ def worker(args) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from alpa_lite.launch import init_distributed
-    from alpa_lite.models import build_model
+    from alpa_lite.runtime.launch import init_distributed
+    from alpa_lite.zoo.models import build_model
     from alpa_lite.runtime import parallelize
 
     init_distributed(300)
@@ -162,7 +162,7 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from alpa_lite.launch import torchrun
+    from alpa_lite.runtime.launch import torchrun
 
     result = Path(args.out).with_suffix(".json")
     argv = [a for a in sys.argv[1:]]

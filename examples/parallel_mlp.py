@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import alpa_lite
-from alpa_lite.models import build_model
+from alpa_lite.zoo.models import build_model
 
 
 def main():

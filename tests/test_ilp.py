@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from alpa_lite.ilp import CostGraph, MemoryBudgetError, brute_force, solve
+from alpa_lite.compiler.ilp import CostGraph, MemoryBudgetError, brute_force, solve
 
 
 def random_graph(seed: int, classes: int | None = None) -> CostGraph:

@@ -1,4 +1,4 @@
-"""alpa_lite.launch: torchrun wrapper and process-group init (2 gloo ranks on CPU)."""
+"""alpa_lite.runtime.launch: torchrun wrapper and process-group init (2 gloo ranks on CPU)."""
 from __future__ import annotations
 
 import json
@@ -8,13 +8,13 @@ import time
 
 import pytest
 
-from alpa_lite.launch import init_distributed, torchrun
+from alpa_lite.runtime.launch import init_distributed, torchrun
 
 WORKER = textwrap.dedent("""
     import json, os, signal, sys, time
     from pathlib import Path
     import torch, torch.distributed as dist
-    from alpa_lite.launch import init_distributed
+    from alpa_lite.runtime.launch import init_distributed
 
     mode, out, timeout_s = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
     init_distributed(timeout_s=timeout_s)

@@ -1,4 +1,4 @@
-"""The model zoo (alpa_lite.models) and the tinyshakespeare data (alpa_lite.data)."""
+"""The model zoo (alpa_lite.zoo.models) and the tinyshakespeare data (alpa_lite.zoo.data)."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from alpa_lite import data
-from alpa_lite.models import (
+from alpa_lite.zoo.models import (
     HF_MODEL_NAMES,
     MODEL_NAMES,
     GPT,

@@ -11,16 +11,10 @@ import pytest
 from rich.console import Console
 
 from alpa_lite import LogicalMesh, plan
-from alpa_lite.launch import torchrun
-from alpa_lite.models import build_model
-from alpa_lite.pipeline import (
-    GPipe,
-    OneFOneB,
-    get_schedule,
-    schedule_chart,
-    simulate,
-    stages_table,
-)
+from alpa_lite.runtime.launch import torchrun
+from alpa_lite.zoo.models import build_model
+from alpa_lite.core.schedules import GPipe, OneFOneB, get_schedule, simulate
+from alpa_lite.tools.display import schedule_chart, stages_table
 
 WORKER = str(Path(__file__).parent / "workers" / "pipeline_equivalence.py")
 

@@ -7,9 +7,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from alpa_lite import LogicalMesh, Plan, plan
-from alpa_lite.capture import CaptureError
-from alpa_lite.ilp import MemoryBudgetError
-from alpa_lite.plan import PlanError
+from alpa_lite.core.capture import CaptureError
+from alpa_lite.compiler.ilp import MemoryBudgetError
+from alpa_lite.core.plan import PlanError
 
 UNIT = dict(mesh_alpha=(1, 1), mesh_beta=(1, 1), cluster="unit")
 

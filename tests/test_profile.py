@@ -1,4 +1,4 @@
-"""alpa_lite.profile (alpha-beta fits, `alpa-lite profile`) and the cluster-file / curve parts of mesh.py."""
+"""alpa_lite.tools.profile (alpha-beta fits, `alpa-lite profile`) and the cluster-file / curve parts of mesh.py."""
 from __future__ import annotations
 
 import argparse
@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from alpa_lite.mesh import ClusterSpec, Link, LogicalMesh, bytes_factor, interpolate_curve
-from alpa_lite.profile import (FitResult, add_arguments, effective_bytes, fit_alpha_beta, mesh_groups,
+from alpa_lite.core.mesh import ClusterSpec, Link, LogicalMesh, bytes_factor, interpolate_curve
+from alpa_lite.tools.profile import (FitResult, add_arguments, effective_bytes, fit_alpha_beta, mesh_groups,
                                parse_size, run)
 
 SIZES = [4096 * 4**i for i in range(6)]  # 4 KiB .. 4 MiB
@@ -298,9 +298,9 @@ def test_profile_two_processes(tmp_path):
 
 
 def test_strategies_price_kernel_classes_and_the_optimizer_update():
-    from alpa_lite.capture import capture
-    from alpa_lite.models import build_model
-    from alpa_lite.strategies import ADAM_UPDATE_BYTES_FACTOR, BACKWARD_FLOPS_FACTOR, build_strategies, kernel_class
+    from alpa_lite.core.capture import capture
+    from alpa_lite.zoo.models import build_model
+    from alpa_lite.compiler.strategies import ADAM_UPDATE_BYTES_FACTOR, BACKWARD_FLOPS_FACTOR, build_strategies, kernel_class
 
     model, example = build_model("gpt-tiny", 4, 16, device="meta")
     cg = capture(model, example)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from alpa_lite import LogicalMesh, ShardingSpec
-from alpa_lite.resharding import ReshardCosts, backward_steps, forward_steps
+from alpa_lite.core.resharding import ReshardCosts, backward_steps, forward_steps
 from alpa_lite.runtime.collectives import MeshGroups, local_slice
 
 MESH = (2, 2)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from alpa_lite.launch import torchrun
+from alpa_lite.runtime.launch import torchrun
 
 WORKER = str(Path(__file__).parent / "workers" / "equivalence.py")
 

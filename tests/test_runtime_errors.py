@@ -5,7 +5,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from alpa_lite.launch import torchrun
+from alpa_lite.runtime.launch import torchrun
 
 WORKER = str(Path(__file__).parent / "workers" / "bad_input.py")
 

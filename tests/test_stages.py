@@ -5,8 +5,8 @@ import random
 import pytest
 
 from alpa_lite import LogicalMesh, Plan, plan
-from alpa_lite.models import build_model
-from alpa_lite.stages import (
+from alpa_lite.zoo.models import build_model
+from alpa_lite.compiler.stages import (
     PipelinePlanError,
     StageOption,
     bubble_fraction,
@@ -138,8 +138,8 @@ def test_stage_count_reachable_only_without_the_balance_pruning():
 
 
 def _tiny_stage_costs(cluster_shape=(2, 2), batch=8, seq=16):
-    from alpa_lite.capture import capture
-    from alpa_lite.stages import GraphStageCosts, cluster_layers, cluster_of
+    from alpa_lite.core.capture import capture
+    from alpa_lite.compiler.stages import GraphStageCosts, cluster_layers, cluster_of
 
     model, example = build_model("gpt-tiny", batch, seq, device="meta", num_layers=4)
     cg = capture(model, example)
@@ -158,7 +158,7 @@ def test_ilp_answer_reused_only_when_provably_the_same():
         def solve():
             calls.append(answer)
             if answer is None:
-                from alpa_lite.stages import _Infeasible
+                from alpa_lite.compiler.stages import _Infeasible
                 raise _Infeasible("no fit")
             return answer, terms
         return solve
@@ -191,8 +191,8 @@ def test_stage_pays_the_gather_of_what_it_sends():
     """A stage sends its values on replicated: a batch-split value costs one all-gather of the
     whole value (its gradient comes back whole), a replicated one nothing; the exact stage ILP
     and the chain both carry it."""
-    from alpa_lite.spec import ShardingSpec
-    from alpa_lite.stages import send_gather_seconds, solve_stage
+    from alpa_lite.core.spec import ShardingSpec
+    from alpa_lite.compiler.stages import send_gather_seconds, solve_stage
 
     costs = _tiny_stage_costs((1, 4), batch=64, seq=256)
     cg = costs.cg

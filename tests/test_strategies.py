@@ -8,9 +8,9 @@ import torch
 import torch.nn as nn
 
 from alpa_lite import LogicalMesh, plan
-from alpa_lite.capture import capture
-from alpa_lite.models import build_model
-from alpa_lite.strategies import build_strategies
+from alpa_lite.core.capture import capture
+from alpa_lite.zoo.models import build_model
+from alpa_lite.compiler.strategies import build_strategies
 
 MESH = LogicalMesh((2, 2), mesh_alpha=(1e-5, 1e-5), mesh_beta=(1e-9, 2e-9), peak_flops=1e12,
                    mem_bandwidth=1e15, memory_bytes=1e12)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..resharding import Step, backward_steps, forward_steps
-from ..spec import ShardingSpec
+from ..core.resharding import Step, backward_steps, forward_steps
+from ..core.spec import ShardingSpec
 
 COUNTS: Counter = Counter()
 SECONDS: Counter = Counter()

@@ -16,9 +16,9 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from ..capture import CapturedGraph
-from ..plan import NodePlan, Plan
-from ..spec import ShardingSpec
+from ..core.capture import CapturedGraph
+from ..core.plan import NodePlan, Plan
+from ..core.spec import ShardingSpec
 from .collectives import AllReducePartial, MeshGroups, reshard
 
 aten = torch.ops.aten

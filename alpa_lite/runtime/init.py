@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ..spec import ShardingSpec
+from ..core.spec import ShardingSpec
 from .collectives import local_slice
 
 

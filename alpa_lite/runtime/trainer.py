@@ -16,14 +16,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..capture import capture
-from ..launch import init_distributed
-from ..mesh import LogicalMesh
-from ..plan import Plan, PlanError
-from ..planner import gradient_buckets, plan as make_plan
-from ..report import REPORT_JSON_ENV, StepTimer, print_report, report_requested, write_record
-from ..resharding import forward_steps
-from ..spec import ShardingSpec
+from ..core.capture import capture
+from .launch import init_distributed
+from ..core.mesh import LogicalMesh
+from ..core.plan import Plan, PlanError
+from ..compiler.planner import gradient_buckets, plan as make_plan
+from ..tools.report import REPORT_JSON_ENV, StepTimer, print_report, report_requested, write_record
+from ..core.resharding import forward_steps
+from ..core.spec import ShardingSpec
 from .collectives import COUNTS, MeshGroups, all_reduce_bucket, local_slice, run_step
 from .executor import LocalExecutor
 from .init import local_shards
@@ -126,14 +126,14 @@ class ParallelTrainer:
         return loss
 
     def report(self, json_path: str | Path | None = None, name: str = "", console=None, show: bool = True) -> dict:
-        """Predicted vs measured step and collective times (``alpa_lite.report``); call on every rank.
+        """Predicted vs measured step and collective times (``alpa_lite.tools.report``); call on every rank.
 
         Rank 0 prints the tables (to ``console``, a rich ``Console``) unless ``show`` is False, and
         writes the record to ``json_path`` when given. ``step()`` calls this by itself once
         ``report_steps`` steps have been timed (``json_path`` from ``ALPA_LITE_REPORT_JSON``).
 
         Returns:
-            the record of ``alpa_lite.report.make_record`` (JSON-able), on every rank.
+            the record of ``alpa_lite.tools.report.make_record`` (JSON-able), on every rank.
 
         Raises:
             RuntimeError: the trainer was built without ``report=True`` / ``ALPA_LITE_REPORT=1``.
@@ -224,7 +224,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs, loss_fn=None, *, t
             prints by itself after ``report_steps`` timed steps (None: only when asked).
         plan_options: passed to ``alpa_lite.plan`` (``force_data_parallel``, ``param_specs`` ...;
             ``pipeline="auto" | K``, ``num_stages``, ``schedule``, ``num_microbatches`` plan a pipeline,
-            and a plan with stages returns an ``alpa_lite.pipeline.PipelineTrainer``).
+            and a plan with stages returns an ``alpa_lite.runtime.pipeline.PipelineTrainer``).
 
     Raises:
         ValueError: the mesh does not match the world size.
@@ -245,8 +245,8 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs, loss_fn=None, *, t
         plan = Plan.from_json(box[0])
     elif not isinstance(plan, Plan):
         plan = Plan.from_json(plan)
-    if plan.stages:  # a pipelined plan: stages on submeshes (alpa_lite.pipeline)
-        from ..pipeline.executor import pipeline_trainer
+    if plan.stages:  # a pipelined plan: stages on submeshes (alpa_lite.runtime.pipeline)
+        from .pipeline import pipeline_trainer
         return pipeline_trainer(model, tuple(example_inputs), loss_fn, targets, plan, optimizer, seed, init_fn,
                                 timeout_s)
     if plan.fingerprint != captured.fingerprint():

@@ -6,8 +6,8 @@ import os
 import torch.distributed as dist
 
 from alpa_lite import LogicalMesh, plan
-from alpa_lite.launch import init_distributed
-from alpa_lite.models import build_model
+from alpa_lite.runtime.launch import init_distributed
+from alpa_lite.zoo.models import build_model
 from alpa_lite.runtime import parallelize
 
 

@@ -9,8 +9,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from alpa_lite.launch import init_distributed
-from alpa_lite.models import build_model
+from alpa_lite.runtime.launch import init_distributed
+from alpa_lite.zoo.models import build_model
 from alpa_lite.runtime import parallelize
 from single_process import reference
 

@@ -85,8 +85,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .resharding import is_gradient_sync, reshard_costs
-from .spec import ShardingSpec
+from ..core.resharding import is_gradient_sync, reshard_costs
+from ..core.spec import ShardingSpec
 
 SCHEDULES = ("1f1b", "gpipe")
 BACKWARD_SHARE = 2 / 3  # backward's share of a stage's forward + backward time (2x the forward FLOPs)
@@ -396,7 +396,7 @@ def cluster_layers(cg, num_layers: int | None = None, max_layers: int = 16) -> l
     """
     import torch
 
-    from .capture import nbytes_of
+    from ..core.capture import nbytes_of
 
     nodes = [n for n in cg.graph.nodes if n.op == "call_function"]
     position = {n.name: i for i, n in enumerate(nodes)}
@@ -559,7 +559,7 @@ class GraphStageCosts:
         """Receiving the stage's inputs and returning their gradients, ``2 (alpha + bytes beta)``
         over the inter-node link (intra-node on a one-node cluster): every receiving device gets
         the full values from its own sender (``pipeline/executor.py``)."""
-        from .capture import nbytes_of
+        from ..core.capture import nbytes_of
         nbytes = sum(nbytes_of(self.cg.node(n).meta["val"]) for n, _ in self.crossing[start])
         if nbytes == 0:
             return 0.0
@@ -644,7 +644,7 @@ class GraphStageCosts:
     def table(self, shape: tuple[int, int], start: int = 0, end: int | None = None) -> dict:
         """``build_strategies`` on logical mesh ``shape`` of the nodes of layers ``[start, end)``
         (default all), built once per layer."""
-        from .mesh import LogicalMesh
+        from ..core.mesh import LogicalMesh
         from .strategies import build_strategies
 
         if self._context is None:  # batch dims of every node, on a trivial mesh
@@ -766,7 +766,7 @@ class _Infeasible(Exception):
 
 
 def _node_signature(node, cg) -> tuple:
-    from .capture import shape_of
+    from ..core.capture import shape_of
     val = node.meta.get("val")
     dtype = str(getattr(val, "dtype", type(val).__name__))
     kind = ("param" if node.name in cg.param_fqns else "buffer" if node.name in cg.buffer_fqns
@@ -793,7 +793,7 @@ def crossing_values(cg, layers) -> list[list[tuple[str, int]]]:
 def send_gather_seconds(cg, name: str, spec, mesh) -> float:
     """A stage sends ``name`` on replicated: all-gathering it from ``spec`` on the stage's mesh,
     forward (its gradient comes back whole: the backward is a slice)."""
-    from .capture import shape_of
+    from ..core.capture import shape_of
     val = cg.node(name).meta["val"]
     return reshard_costs(mesh)(spec, ShardingSpec.replicated(len(shape_of(cg.node(name)))),
                                () if name in cg.requires_grad else None, tuple(val.shape), val.element_size())
@@ -948,13 +948,13 @@ def stage_view(cg, names):
 
 def boundary_spec(cg, name: str) -> str:
     """The spec a value crossing between stages travels in: replicated."""
-    from .capture import shape_of
+    from ..core.capture import shape_of
     return "R" * len(shape_of(cg.node(name)) or ())
 
 
 def boundary_node_plan(cg, name: str, specs: tuple[str, ...] | None = None):
     """The ``NodePlan`` of a value a stage receives: in ``specs`` (default ``boundary_spec``)."""
-    from .plan import NodePlan
+    from ..core.plan import NodePlan
     return NodePlan("boundary", (), tuple(specs) if specs else (boundary_spec(cg, name),))
 
 
@@ -997,7 +997,7 @@ DEFAULT_MICROBATCHES = (4, 8, 16, 32, 64)
 def cluster_of(mesh):
     """The ``ClusterSpec`` an ``N x M`` ``LogicalMesh`` describes: N nodes (axis 0 links between
     them) of M devices (axis 1 links inside)."""
-    from .mesh import ClusterSpec, Link
+    from ..core.mesh import ClusterSpec, Link
     return ClusterSpec(mesh.cluster, mesh.shape[0], mesh.shape[1], mesh.peak_flops, mesh.mem_bandwidth,
                        mesh.memory_bytes, intra_node=Link(mesh.mesh_alpha[1], max(mesh.mesh_beta[1], 1e-30)),
                        inter_node=Link(mesh.mesh_alpha[0], max(mesh.mesh_beta[0], 1e-30)))
@@ -1077,8 +1077,8 @@ def plan_pipeline(model, example_inputs, mesh, loss_fn=None, *, targets: tuple =
         PipelinePlanError: impossible stage counts (the message gives the limits), a batch that
             ``num_microbatches`` does not divide, or nothing fits memory.
     """
-    from .capture import capture
-    from .plan import Plan
+    from ..core.capture import capture
+    from ..core.plan import Plan
 
     say = progress or (lambda message: None)
     _check_schedule(schedule)
@@ -1178,7 +1178,7 @@ def _balanced(costs: GraphStageCosts, layers, devices: int, imbalance: float) ->
 def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budget, time_limit, constraints):
     """Re-solve a chosen stage on its own nodes and wrap it as a ``StagePlan``."""
     from . import planner
-    from .plan import Plan, StagePlan
+    from ..core.plan import Plan, StagePlan
 
     names = costs.subset(st.start, st.end)
     shape, scale = st.option.payload[:2]

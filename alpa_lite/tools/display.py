@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..plan import Plan
-from ..stages import BACKWARD_SHARE
-from .schedules import get_schedule, simulate
+from ..core.plan import Plan
+from ..compiler.stages import BACKWARD_SHARE
+from ..core.schedules import get_schedule, simulate
 
 
 def _require_stages(plan: Plan) -> None:

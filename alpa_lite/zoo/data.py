@@ -1,6 +1,6 @@
 """Training data: the character-level tinyshakespeare corpus.
 
-``alpa_lite/data/tinyshakespeare.txt`` (1,115,394 bytes, 65 distinct characters) is the
+``alpa_lite/zoo/data/tinyshakespeare.txt`` (1,115,394 bytes, 65 distinct characters) is the
 "tiny shakespeare" text of the char-rnn project (Karpathy, ``data/tinyshakespeare/input.txt``),
 public-domain text of Shakespeare's plays, shipped as package data.
 
@@ -27,7 +27,7 @@ DATA_FILE = "tinyshakespeare.txt"
 
 def _data_path(name: str) -> Path | None:
     try:
-        p = resources.files("alpa_lite").joinpath("data", name)
+        p = resources.files("alpa_lite.zoo").joinpath("data", name)
         if p.is_file():
             return Path(str(p))
     except Exception:  # namespace package, zipped install, ...: fall back to the path below
@@ -37,10 +37,10 @@ def _data_path(name: str) -> Path | None:
 
 
 def load_text(name: str = DATA_FILE) -> str:
-    """The packaged corpus ``alpa_lite/data/<name>`` as a string (UTF-8)."""
+    """The packaged corpus ``alpa_lite/zoo/data/<name>`` as a string (UTF-8)."""
     path = _data_path(name)
     if path is None:
-        raise FileNotFoundError(f"packaged data file alpa_lite/data/{name} not found; reinstall alpa-lite")
+        raise FileNotFoundError(f"packaged data file alpa_lite/zoo/data/{name} not found; reinstall alpa-lite")
     return path.read_text(encoding="utf-8")
 
 

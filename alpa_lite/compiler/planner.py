@@ -19,12 +19,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .capture import CapturedGraph, capture
+from ..core.capture import CapturedGraph, capture
 from .ilp import CostGraph, solve
-from .mesh import LogicalMesh
-from .plan import Collective, NodePlan, Plan
-from .resharding import backward_steps, forward_steps, is_gradient_sync, reshard_costs, step_cost
-from .spec import ShardingSpec
+from ..core.mesh import LogicalMesh
+from ..core.plan import Collective, NodePlan, Plan
+from ..core.resharding import backward_steps, forward_steps, is_gradient_sync, reshard_costs, step_cost
+from ..core.spec import ShardingSpec
 from .strategies import NodeStrategies, Strategy, build_strategies
 
 

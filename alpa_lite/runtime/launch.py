@@ -40,7 +40,7 @@ def init_distributed(timeout_s: float = 120.0) -> None:
     missing = [k for k in _TORCHRUN_ENV if k not in os.environ]
     if missing:
         raise RuntimeError(f"init_distributed: not started by torchrun (missing env var(s) {', '.join(missing)}); "
-                           "launch with alpa_lite.launch.torchrun or `torchrun --nproc-per-node N ...`")
+                           "launch with alpa_lite.runtime.launch.torchrun or `torchrun --nproc-per-node N ...`")
     cuda = torch.cuda.is_available()
     if cuda:
         local_rank = int(os.environ["LOCAL_RANK"])

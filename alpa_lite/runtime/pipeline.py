@@ -29,21 +29,21 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..plan import Plan, PlanError
-from ..planner import gradient_buckets
-from ..resharding import forward_steps
-from ..runtime.collectives import (
+from ..core.plan import Plan, PlanError
+from ..compiler.planner import gradient_buckets
+from ..core.resharding import forward_steps
+from .collectives import (
     MeshGroups,
     all_reduce_bucket,
     local_slice,
     reshard,
     run_step,
 )
-from ..runtime.executor import LocalExecutor
-from ..runtime.init import local_shards
-from ..spec import ShardingSpec
-from ..stages import stage_view
-from .schedules import get_schedule
+from .executor import LocalExecutor
+from .init import local_shards
+from ..core.spec import ShardingSpec
+from ..compiler.stages import stage_view
+from ..core.schedules import get_schedule
 
 
 def _device() -> torch.device:
@@ -359,7 +359,7 @@ def pipeline_trainer(model, example_inputs: tuple, loss_fn, targets: tuple, plan
                      init_fn, timeout_s: float = 120.0) -> PipelineTrainer:
     """``parallelize``'s path for a plan with stages: capture one microbatch and build the trainer
     (``optimizer`` None: AdamW(lr=1e-3))."""
-    from ..capture import capture
+    from ..core.capture import capture
 
     b = plan.num_microbatches
     batch = int(example_inputs[0].shape[0])

@@ -30,10 +30,10 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx
 
-from .capture import CapturedGraph, nbytes_of
-from .mesh import LogicalMesh
+from ..core.capture import CapturedGraph, nbytes_of
+from ..core.mesh import LogicalMesh
 from .ops import FOLLOWER_TARGETS, OpSignature, flops, signature
-from .spec import ShardingSpec
+from ..core.spec import ShardingSpec
 
 BACKWARD_FLOPS_FACTOR = 2.0
 aten = torch.ops.aten

@@ -1,13 +1,13 @@
 """``alpa-lite profile``: measure a cluster and write a cluster JSON for the planner.
 
-The parent process (:func:`run`) starts ``nproc`` ranks with :func:`alpa_lite.launch.torchrun`;
+The parent process (:func:`run`) starts ``nproc`` ranks with :func:`alpa_lite.runtime.launch.torchrun`;
 each rank runs this module with ``--worker``. For the logical mesh ``(n0, n1)`` over the ranks
 (rank ``r`` sits at ``(r // n1, r % n1)``: axis-1 groups are the rows ``i*n1 .. i*n1+n1-1``,
 axis-0 groups the columns) the workers measure:
 
 - every collective (all-reduce, all-gather, reduce-scatter, all-to-all) on each mesh axis of
   size > 1, and on the whole world (``"01"``) when both axes are > 1, over a sweep of sizes
-  ``B``. ``B`` means what the cost methods of :class:`~alpa_lite.mesh.LogicalMesh` mean: the
+  ``B``. ``B`` means what the cost methods of :class:`~alpa_lite.core.mesh.LogicalMesh` mean: the
   all-reduced tensor, the all-gather result, the reduce-scatter input, the per-device
   all-to-all buffer. All groups of an axis run at once, as they would in an SPMD step. The
   calls are the ones the runtime issues (``runtime/collectives.run_step``: the list forms of
@@ -28,12 +28,12 @@ axis-0 groups the columns) the workers measure:
   CPU cores this includes the stragglers that the scheduler makes; a single call per rank would
   be dominated by noise;
 - the same way, the FLOP/s of the kernel classes that run far below the matmul peak
-  (:data:`alpa_lite.mesh.KERNEL_CLASSES`): causal scaled-dot-product attention and a GELU, each
+  (:data:`alpa_lite.core.mesh.KERNEL_CLASSES`): causal scaled-dot-product attention and a GELU, each
   forward plus backward (``kernel_flops`` of the cluster file);
 
 Each curve is fitted by :func:`fit_alpha_beta` to the alpha-beta model of
-:mod:`alpa_lite.mesh` (Thakur et al., IJHPCA 2005; Alpa, OSDI'22, section 4.2). Rank 0 writes a
-:class:`~alpa_lite.mesh.ClusterSpec` whose ``mesh_links["n0xn1"]`` holds the per-axis all-reduce
+:mod:`alpa_lite.core.mesh` (Thakur et al., IJHPCA 2005; Alpa, OSDI'22, section 4.2). Rank 0 writes a
+:class:`~alpa_lite.core.mesh.ClusterSpec` whose ``mesh_links["n0xn1"]`` holds the per-axis all-reduce
 fits, and a ``measurements`` section with every fit and raw curve; ``--use-curves`` makes the
 planner interpolate those curves instead of the fits (``"use_curves": true``).
 """
@@ -56,7 +56,7 @@ from pathlib import Path
 
 import numpy as np
 
-from alpa_lite.mesh import COLLECTIVES, ClusterSpec, Link, bytes_factor, parse_mesh_shape
+from alpa_lite.core.mesh import COLLECTIVES, ClusterSpec, Link, bytes_factor, parse_mesh_shape
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 CPU_SIZES = tuple(4 * KiB * 4**i for i in range(6))      # 4 KiB .. 4 MiB, x4 steps
@@ -94,7 +94,7 @@ def effective_bytes(kind: str, n: int, nbytes: float) -> float:
     """Bytes a device moves per unit ``beta`` in collective ``kind`` on ``n`` devices.
 
     ``2 (n-1)/n * B`` for all-reduce, ``(n-1)/n * B`` for all-gather, reduce-scatter and
-    all-to-all (:func:`alpa_lite.mesh.bytes_factor`), ``B`` for send-recv.
+    all-to-all (:func:`alpa_lite.core.mesh.bytes_factor`), ``B`` for send-recv.
     """
     return float(nbytes) if kind == P2P else bytes_factor(kind, n) * float(nbytes)
 
@@ -217,7 +217,7 @@ def _worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from alpa_lite.launch import init_distributed
+    from alpa_lite.runtime.launch import init_distributed
 
     init_distributed(timeout_s=args.coll_timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -303,7 +303,7 @@ def _worker(args: argparse.Namespace) -> int:
     # Kernel classes far below the matmul peak (mesh.KERNEL_CLASSES), forward + backward like a
     # training step; their FLOPs count as ops.flops counts them, times (1 + BACKWARD_FLOPS_FACTOR)
     # as strategies.py charges them.
-    from alpa_lite.strategies import BACKWARD_FLOPS_FACTOR
+    from alpa_lite.compiler.strategies import BACKWARD_FLOPS_FACTOR
 
     b_, h_, s_, d_ = (8, 16, 1024, 128) if cuda else (4, 4, 128, 64)
     q, k, v = (torch.randn(b_, h_, s_, d_, device=dev, dtype=mm_dtype, requires_grad=True) for _ in range(3))
@@ -464,7 +464,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _worker_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m alpa_lite.profile --worker")
+    p = argparse.ArgumentParser(prog="python -m alpa_lite.tools.profile --worker")
     p.add_argument("--worker", action="store_true")
     p.add_argument("--mesh", required=True)
     p.add_argument("--out", required=True)
@@ -489,7 +489,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from alpa_lite.launch import torchrun
+    from alpa_lite.runtime.launch import torchrun
 
     console = Console()
     try:
@@ -515,7 +515,7 @@ def run(args: argparse.Namespace) -> int:
 
     with tempfile.TemporaryDirectory(prefix="alpa-lite-profile-") as tmp:
         progress_file, log_file = Path(tmp, "progress.json"), Path(tmp, "ranks.log")
-        target = ["-m", "alpa_lite.profile", "--worker", "--mesh", f"{shape[0]}x{shape[1]}", "--out", str(out),
+        target = ["-m", "alpa_lite.tools.profile", "--worker", "--mesh", f"{shape[0]}x{shape[1]}", "--out", str(out),
                   "--progress", str(progress_file), "--coll-timeout", str(max(30.0, min(timeout, 300.0)))]
         if sizes:
             target += ["--sizes", *map(str, sizes)]
@@ -601,7 +601,7 @@ def print_report(spec: ClusterSpec, console=None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m alpa_lite.profile [options]``: the profile command; ``--worker``: one rank."""
+    """``python -m alpa_lite.tools.profile [options]``: the profile command; ``--worker``: one rank."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--worker" in argv:
         return _worker(_worker_parser().parse_args(argv))

@@ -33,8 +33,8 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from .mesh import COLLECTIVES
-from .plan import Plan
+from ..core.mesh import COLLECTIVES
+from ..core.plan import Plan
 
 REPORT_ENV = "ALPA_LITE_REPORT"
 REPORT_JSON_ENV = "ALPA_LITE_REPORT_JSON"
@@ -246,7 +246,7 @@ class StepTimer:
         """Wrap one training step; it is timed once ``warmup`` steps have passed."""
         import torch.distributed as dist
 
-        from .runtime import collectives
+        from ..runtime import collectives
 
         self.steps += 1
         if self.steps <= self.warmup:

@@ -10,7 +10,7 @@ from collections import defaultdict
 
 from rich.table import Table
 
-from .plan import Plan
+from ..core.plan import Plan
 
 
 def _seconds(s: float) -> str:
@@ -109,7 +109,7 @@ def collective_table(plan: Plan) -> Table:
 def node_table(plan: Plan, node: str) -> Table:
     """Every candidate strategy of one graph node (or parameter FQN) with its cost terms, the
     chosen one marked: "why this?" for a single op. Needs a plan made in this process."""
-    from .strategies import build_strategies
+    from ..compiler.strategies import build_strategies
 
     cg = getattr(plan, "captured", None)
     if cg is None:
