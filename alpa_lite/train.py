@@ -51,7 +51,7 @@ def _worker(args) -> int:
     from .runtime.launch import init_distributed
     from .core.mesh import parse_mesh_shape
     from .zoo.models import build_model
-    from .runtime import parallelize
+    from .api import parallelize
 
     init_distributed(120)
     rank = dist.get_rank()

@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from alpa_lite.tools.report import relative_error, spearman  # noqa: E402
+from alpa_lite.runtime.report import relative_error, spearman  # noqa: E402
 
 MESHES = ("2x2", "1x4")
 PROFILE_REPEATS = 10  # timings per collective point (the profile's CPU default is 5): steadier curves
@@ -91,7 +91,7 @@ def plans(params: dict[str, tuple[int, ...]]) -> dict[str, dict]:
 
 
 def worker(args) -> int:
-    """One rank: run every plan, timed by ``alpa_lite.tools.report.StepTimer`` (what
+    """One rank: run every plan, timed by ``alpa_lite.runtime.report.StepTimer`` (what
     ``parallelize(..., report=True)`` uses inside the trainer; here outside it, as the pipelined
     trainer has no report hook); rank 0 writes ``{name: record}``."""
     import torch
@@ -99,8 +99,8 @@ def worker(args) -> int:
 
     from alpa_lite.runtime.launch import init_distributed
     from alpa_lite.zoo.models import build_model
-    from alpa_lite.tools.report import StepTimer
-    from alpa_lite.runtime import parallelize
+    from alpa_lite.runtime.report import StepTimer
+    from alpa_lite import parallelize
 
     init_distributed(300)
     # The model on meta (each rank initializes its own shards), as the parent plans it: capturing a

@@ -86,7 +86,7 @@ def worker(args) -> None:
 
     from alpa_lite.runtime.launch import init_distributed
     from alpa_lite.zoo.models import build_model
-    from alpa_lite.runtime import parallelize
+    from alpa_lite import parallelize
 
     init_distributed(300)
     n = dist.get_world_size()

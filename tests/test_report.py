@@ -1,4 +1,4 @@
-"""alpa_lite.tools.report: predicted-vs-measured records, the timing hook, and the Spearman helper."""
+"""alpa_lite.runtime.report: predicted-vs-measured records, the timing hook, and the Spearman helper."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ from alpa_lite.runtime.launch import torchrun
 from alpa_lite.core.mesh import LogicalMesh
 from alpa_lite.zoo.models import build_model
 from alpa_lite.compiler.planner import plan
-from alpa_lite.tools.report import (StepTimer, make_record, predicted_collectives, print_report, relative_error,
+from alpa_lite.runtime.report import (StepTimer, make_record, predicted_collectives, print_report, relative_error,
                               report_requested, spearman)
 
 WORKER = str(Path(__file__).parent / "workers" / "report_run.py")

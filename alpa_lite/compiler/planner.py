@@ -22,7 +22,7 @@ import torch
 from ..core.capture import CapturedGraph, capture
 from .ilp import CostGraph, solve
 from ..core.mesh import LogicalMesh
-from ..core.plan import Collective, NodePlan, Plan
+from ..core.plan import Collective, NodePlan, Plan, gradient_buckets
 from ..core.resharding import backward_steps, forward_steps, is_gradient_sync, reshard_costs, step_cost
 from ..core.spec import ShardingSpec
 from .strategies import NodeStrategies, Strategy, build_strategies
@@ -164,27 +164,6 @@ def defer_gradient_sync(cg: CapturedGraph, nodes: dict[str, NodePlan]) -> dict[s
     return deferred
 
 
-def gradient_buckets(cg: CapturedGraph, nodes: dict[str, NodePlan], grad_sync: dict[str, tuple[int, ...]],
-                     mesh_shape, bucket_bytes: float) -> list[tuple[tuple[int, ...], list[str]]]:
-    """Buckets of deferred gradients: ``(axes, [parameter placeholders])`` in graph order, each at
-    most ``bucket_bytes`` of local gradient (a larger single gradient is its own bucket)."""
-    buckets: list[tuple[tuple[int, ...], list[str]]] = []
-    for axes in sorted(set(grad_sync.values())):
-        size = math.inf
-        for ph in (p for p in cg.param_fqns if grad_sync.get(p) == axes):
-            nbytes = _local_bytes(cg.node(ph).meta["val"], nodes[ph].out_specs[0], mesh_shape)
-            if size + nbytes > bucket_bytes:
-                buckets.append((axes, []))
-                size = 0
-            buckets[-1][1].append(ph)
-            size += nbytes
-    return buckets
-
-
-def _local_bytes(val, spec: str, mesh_shape) -> int:
-    return val.element_size() * math.prod(ShardingSpec.parse(spec).local_shape(tuple(val.shape), mesh_shape))
-
-
 def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: LogicalMesh,
                      grad_sync: dict[str, tuple[int, ...]] | None = None,
                      bucket_bytes: float = 25 * 2**20) -> list[Collective]:
@@ -266,18 +245,6 @@ def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None
         ValueError: a forced spec does not divide its tensor, or names no parameter.
         MemoryBudgetError: nothing fits the budget (the message gives the minimum needed).
     """
-    if pipeline is not None or num_stages is not None:
-        from .stages import plan_pipeline
-        if pipeline not in (None, "auto") and num_stages is None:
-            if not str(pipeline).isdigit():
-                raise ValueError(f"pipeline must be 'auto' or a number of stages, got {pipeline!r}")
-            num_stages = int(pipeline)
-        constraints = {"param_specs": param_specs, "batch_axis": "all" if force_data_parallel else batch_axis,
-                       "replicate_params": force_data_parallel}
-        return plan_pipeline(model, example_inputs, mesh, loss_fn, targets=targets, num_stages=num_stages,
-                             schedule=schedule, num_microbatches=num_microbatches, num_layers=num_layers,
-                             memory_budget=memory_budget, progress=progress, time_limit=time_limit,
-                             constraints={k: v for k, v in constraints.items() if v is not None and v is not False})
     say = progress or (lambda stage: None)
     stats = {}
     t0 = time.perf_counter()

@@ -86,6 +86,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..core.resharding import is_gradient_sync, reshard_costs
+from ..core.capture import stage_view
 from ..core.spec import ShardingSpec
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -935,15 +936,6 @@ def _discount_gradient_sync(cg, table, where, graph, names, reshard, weight: flo
             sync = reshard.sync_matrix(outs, ins, tuple(val.shape), val.element_size())
             if any(any(row) for row in sync):
                 graph.add_edge(sv.var, dv.var, [[-(1 - weight) * c for c in row] for row in sync])
-
-
-def stage_view(cg, names):
-    """``cg`` with only the parameters, buffers and inputs among ``names`` (one stage's share)."""
-    keep = set(names)
-    return replace(cg, param_fqns={k: v for k, v in cg.param_fqns.items() if k in keep},
-                   buffer_fqns={k: v for k, v in cg.buffer_fqns.items() if k in keep},
-                   input_names=[n for n in cg.input_names if n in keep],
-                   buffer_mutations={k: v for k, v in cg.buffer_mutations.items() if k in keep})
 
 
 def boundary_spec(cg, name: str) -> str:

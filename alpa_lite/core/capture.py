@@ -8,7 +8,7 @@ allocating weights, so a 39B-parameter model plans on a laptop.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx
@@ -180,3 +180,12 @@ def _tracked_by_autograd(gm: torch.fx.GraphModule, params: set[str]) -> set[str]
 def _is_op(target) -> bool:
     import operator
     return isinstance(target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)) or target is operator.getitem
+
+
+def stage_view(cg, names):
+    """``cg`` with only the parameters, buffers and inputs among ``names`` (one stage's share)."""
+    keep = set(names)
+    return replace(cg, param_fqns={k: v for k, v in cg.param_fqns.items() if k in keep},
+                   buffer_fqns={k: v for k, v in cg.buffer_fqns.items() if k in keep},
+                   input_names=[n for n in cg.input_names if n in keep],
+                   buffer_mutations={k: v for k, v in cg.buffer_mutations.items() if k in keep})

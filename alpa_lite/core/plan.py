@@ -7,6 +7,7 @@ time (compute / communication) and memory per device.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -245,3 +246,24 @@ def _pipeline_fields(d: dict | None) -> tuple:
         return [], None, 1, 0.0, 0.0
     return ([StagePlan.from_dict(s) for s in d["stages"]], str(d["schedule"]), int(d["num_microbatches"]),
             float(d["bubble_fraction"]), float(d["pipeline_seconds"]))
+
+
+def gradient_buckets(cg, nodes: dict[str, NodePlan], grad_sync: dict[str, tuple[int, ...]],
+                     mesh_shape, bucket_bytes: float) -> list[tuple[tuple[int, ...], list[str]]]:
+    """Buckets of deferred gradients: ``(axes, [parameter placeholders])`` in graph order, each at
+    most ``bucket_bytes`` of local gradient (a larger single gradient is its own bucket)."""
+    buckets: list[tuple[tuple[int, ...], list[str]]] = []
+    for axes in sorted(set(grad_sync.values())):
+        size = math.inf
+        for ph in (p for p in cg.param_fqns if grad_sync.get(p) == axes):
+            nbytes = _local_bytes(cg.node(ph).meta["val"], nodes[ph].out_specs[0], mesh_shape)
+            if size + nbytes > bucket_bytes:
+                buckets.append((axes, []))
+                size = 0
+            buckets[-1][1].append(ph)
+            size += nbytes
+    return buckets
+
+
+def _local_bytes(val, spec: str, mesh_shape) -> int:
+    return val.element_size() * math.prod(ShardingSpec.parse(spec).local_shape(tuple(val.shape), mesh_shape))

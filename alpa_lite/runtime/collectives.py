@@ -33,7 +33,8 @@ def set_timing(enabled: bool) -> None:
     _timing = bool(enabled)
 
 
-def _sync() -> None:
+def synchronize_device() -> None:
+    """Wait for the device's queued kernels (CUDA); a no-op on CPU."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
 
@@ -45,10 +46,10 @@ def _issued(kind: str, phase: str):
     if not _timing:
         yield
         return
-    _sync()
+    synchronize_device()
     t0 = time.perf_counter()
     yield
-    _sync()
+    synchronize_device()
     SECONDS[(kind, phase)] += time.perf_counter() - t0
 
 

@@ -29,8 +29,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..core.plan import Plan, PlanError
-from ..compiler.planner import gradient_buckets
+from ..core.capture import stage_view
+from ..core.plan import Plan, PlanError, gradient_buckets
 from ..core.resharding import forward_steps
 from .collectives import (
     MeshGroups,
@@ -42,7 +42,6 @@ from .collectives import (
 from .executor import LocalExecutor
 from .init import local_shards
 from ..core.spec import ShardingSpec
-from ..compiler.stages import stage_view
 from ..core.schedules import get_schedule
 
 

@@ -19,9 +19,8 @@ import torch.distributed as dist
 from ..core.capture import capture
 from .launch import init_distributed
 from ..core.mesh import LogicalMesh
-from ..core.plan import Plan, PlanError
-from ..compiler.planner import gradient_buckets, plan as make_plan
-from ..tools.report import REPORT_JSON_ENV, StepTimer, print_report, report_requested, write_record
+from ..core.plan import Plan, PlanError, gradient_buckets
+from .report import REPORT_JSON_ENV, StepTimer, print_report, report_requested, write_record
 from ..core.resharding import forward_steps
 from ..core.spec import ShardingSpec
 from .collectives import COUNTS, MeshGroups, all_reduce_bucket, local_slice, run_step
@@ -126,14 +125,14 @@ class ParallelTrainer:
         return loss
 
     def report(self, json_path: str | Path | None = None, name: str = "", console=None, show: bool = True) -> dict:
-        """Predicted vs measured step and collective times (``alpa_lite.tools.report``); call on every rank.
+        """Predicted vs measured step and collective times (``alpa_lite.runtime.report``); call on every rank.
 
         Rank 0 prints the tables (to ``console``, a rich ``Console``) unless ``show`` is False, and
         writes the record to ``json_path`` when given. ``step()`` calls this by itself once
         ``report_steps`` steps have been timed (``json_path`` from ``ALPA_LITE_REPORT_JSON``).
 
         Returns:
-            the record of ``alpa_lite.tools.report.make_record`` (JSON-able), on every rank.
+            the record of ``alpa_lite.runtime.report.make_record`` (JSON-able), on every rank.
 
         Raises:
             RuntimeError: the trainer was built without ``report=True`` / ``ALPA_LITE_REPORT=1``.
@@ -198,68 +197,6 @@ class ParallelTrainer:
                     raise KeyError(f"state dict has no {fqn!r}")
                 target = self.params.get(fqn, self.buffers.get(fqn))
                 target.copy_(local_slice(state[fqn], self._spec(ph), self.groups))
-
-
-def parallelize(model: torch.nn.Module, mesh, example_inputs, loss_fn=None, *, targets: tuple = (),
-                optimizer: Callable | None = None, plan: Plan | str | Path | None = None, seed: int = 0,
-                init_fn: Callable | None = None, cluster: str | None = None, timeout_s: float = 120.0,
-                report: bool | None = None, report_warmup: int = 2, report_steps: int | None = 5,
-                **plan_options) -> ParallelTrainer:
-    """Parallelize training of ``model`` over ``mesh`` (call on every rank).
-
-    Args:
-        model: the module. On the meta device its parameters are initialized shard by shard
-            (``init_parameters`` semantics: ``reset_parameters`` or ``init_fn``, seeded by
-            ``seed`` and module name); otherwise its weights are sliced.
-        mesh: a 2D torch ``DeviceMesh``, or a shape such as ``(2, 2)`` for the current world.
-        example_inputs: model inputs with GLOBAL shapes; ``targets`` follow them in a batch.
-        loss_fn: ``loss_fn(output, *targets)``; None when the model returns its loss.
-        optimizer: ``params -> torch.optim.Optimizer``; default AdamW(lr=1e-3).
-        plan: a ``Plan``, a plan JSON path, or None to plan here (rank 0 plans and broadcasts).
-        cluster: preset or cluster file for planning (default ``cpu-gloo`` on CPU, ``a100`` on CUDA).
-        timeout_s: collective timeout, seconds (a dead peer fails the step instead of hanging).
-        report: time every step after ``report_warmup`` warm-up steps, and the collectives in it,
-            for ``trainer.report()`` (predicted vs measured); None: on when the environment
-            variable ``ALPA_LITE_REPORT`` is ``1`` (``alpa-lite run --report``). The report
-            prints by itself after ``report_steps`` timed steps (None: only when asked).
-        plan_options: passed to ``alpa_lite.plan`` (``force_data_parallel``, ``param_specs`` ...;
-            ``pipeline="auto" | K``, ``num_stages``, ``schedule``, ``num_microbatches`` plan a pipeline,
-            and a plan with stages returns an ``alpa_lite.runtime.pipeline.PipelineTrainer``).
-
-    Raises:
-        ValueError: the mesh does not match the world size.
-        PlanError: the plan is corrupt or was made for another model or mesh.
-    """
-    init_distributed(timeout_s)
-    dmesh = device_mesh(mesh)
-    shape = tuple(dmesh.mesh.shape)
-    if not isinstance(example_inputs, (tuple, list)):
-        example_inputs = (example_inputs,)
-    captured = capture(model, tuple(example_inputs), loss_fn, targets)
-    if plan is None:
-        box = [None]
-        if dist.get_rank() == 0:
-            lmesh = LogicalMesh(shape, cluster=cluster or ("a100" if torch.cuda.is_available() else "cpu-gloo"))
-            box[0] = make_plan(model, tuple(example_inputs), lmesh, loss_fn, targets=targets, **plan_options).to_json()
-        dist.broadcast_object_list(box, src=0)
-        plan = Plan.from_json(box[0])
-    elif not isinstance(plan, Plan):
-        plan = Plan.from_json(plan)
-    if plan.stages:  # a pipelined plan: stages on submeshes (alpa_lite.runtime.pipeline)
-        from .pipeline import pipeline_trainer
-        return pipeline_trainer(model, tuple(example_inputs), loss_fn, targets, plan, optimizer, seed, init_fn,
-                                timeout_s)
-    if plan.fingerprint != captured.fingerprint():
-        raise PlanError("the plan was made for another model or other input shapes "
-                        f"(plan graph {plan.fingerprint}, this model {captured.fingerprint()})")
-    if tuple(plan.mesh.shape) != shape:
-        raise PlanError(f"the plan is for a {plan.mesh.shape[0]}x{plan.mesh.shape[1]} mesh, the device mesh is "
-                        f"{shape[0]}x{shape[1]}")
-    optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
-    trainer = ParallelTrainer(model, dmesh, captured, plan, optimizer, seed, init_fn)
-    if report_requested(report):
-        trainer.timer = StepTimer(report_warmup, report_steps)
-    return trainer
 
 
 def collective_counts() -> dict[tuple[str, str], int]:

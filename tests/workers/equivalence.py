@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from alpa_lite.runtime.launch import init_distributed
 from alpa_lite.zoo.models import build_model
-from alpa_lite.runtime import collective_counts, init_parameters, parallelize
+from alpa_lite import init_parameters, parallelize
+from alpa_lite.runtime import collective_counts
 from single_process import reference
 
 STEPS = 3

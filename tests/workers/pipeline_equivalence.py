@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from alpa_lite.runtime.launch import init_distributed
 from alpa_lite.zoo.models import build_model
-from alpa_lite.runtime import parallelize
+from alpa_lite import parallelize
 from single_process import reference
 
 STEPS = 3

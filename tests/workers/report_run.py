@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from alpa_lite.runtime.launch import init_distributed
 from alpa_lite.zoo.models import build_model
-from alpa_lite.runtime import parallelize
+from alpa_lite import parallelize
 
 
 def main() -> int:

@@ -246,20 +246,20 @@ class StepTimer:
         """Wrap one training step; it is timed once ``warmup`` steps have passed."""
         import torch.distributed as dist
 
-        from ..runtime import collectives
+        from . import collectives
 
         self.steps += 1
         if self.steps <= self.warmup:
             yield
             return
         dist.barrier()
-        collectives._sync()
+        collectives.synchronize_device()
         seconds0, counts0 = Counter(collectives.SECONDS), Counter(collectives.COUNTS)
         collectives.set_timing(True)
         t0 = time.perf_counter()
         try:
             yield
-            collectives._sync()
+            collectives.synchronize_device()
             self.step_seconds.append(time.perf_counter() - t0)
         finally:
             collectives.set_timing(False)
