@@ -95,6 +95,15 @@ class ShardingSpec:
             raise ValueError(f"spec {self} does not divide shape {tuple(shape)} on mesh {mesh_shape}")
         return tuple(size // self.shards(d, mesh_shape) for d, size in enumerate(shape))
 
+    def placements(self, mesh_ndim: int = 2) -> tuple:
+        """The DTensor placements of this spec on a ``mesh_ndim``-D ``DeviceMesh``: per mesh axis,
+        ``Shard(d)`` for the tensor dim ``d`` it splits, else ``Replicate()``. ``S01`` on dim ``d``
+        is ``(Shard(d), Shard(d))``: DTensor splits along mesh dim 0 first, then each piece along
+        mesh dim 1, which is Alpa's axis-0-major order (``torch.distributed.tensor``)."""
+        from torch.distributed.tensor import Replicate, Shard
+
+        return tuple(Shard(d) if d is not None else Replicate() for d in map(self.dim_of_axis, range(mesh_ndim)))
+
     def with_dim(self, dim: int, entry: tuple[int, ...]) -> "ShardingSpec":
         dims = list(self.dims)
         dims[dim] = entry
