@@ -78,7 +78,7 @@ class ParallelTrainer:
         flat = dist.group.WORLD if len(ranks) == dist.get_world_size() else dist.new_group(ranks)
         self.groups = MeshGroups(tuple(device_mesh.mesh.shape), coord, groups, flat)
         self.buckets = gradient_buckets(captured, plan.nodes, plan.grad_sync, self.groups.shape, plan.bucket_bytes)
-        self.executor = LocalExecutor(captured, plan, self.groups, self.device)
+        self.executor = LocalExecutor(captured, plan, self.groups, self.device, seed)
         self.params, self.buffers = local_shards(model, captured, plan, self.groups, self.device, seed, init_fn)
         self.optimizer = optimizer(list(self.params.values()))
         self.timer: StepTimer | None = None  # set by parallelize(..., report=True)
