@@ -62,7 +62,7 @@ class Ops(nn.Module):
         s = torch.softmax(a.view(B, 4, 4), dim=1).flatten(1) + torch.log_softmax(a, dim=0)
         m = s.mean(dim=1, keepdim=True) + s.sum(dim=-1, keepdim=True) + s.var(dim=1, correction=0, keepdim=True)
         c = self.conv(s.view(B, 4, 2, 2)).flatten(1)                            # (B, 4)
-        z = self.head(s * m + s.std(dim=0, unbiased=False) + c.repeat(1, 4))
+        z = torch.tanh(self.head(torch.tanh(s * m + s.std(dim=0, unbiased=False) + c.repeat(1, 4))))
         return F.mse_loss(z, F.one_hot(y, C).float(), reduction="sum") + F.mse_loss(z, z.detach() * 0.5)
 
 
