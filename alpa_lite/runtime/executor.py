@@ -46,8 +46,7 @@ class LocalExecutor:
     def __init__(self, captured: CapturedGraph, plan: Plan, mesh: MeshGroups, device: torch.device, seed: int = 0):
         self.cg, self.plan, self.mesh, self.device, self.seed = captured, plan, mesh, device, seed
         self.calls = 0  # runs so far: every run draws new random numbers
-        specs = {name: tuple(ShardingSpec.parse(s) for s in np_.out_specs) for name, np_ in plan.nodes.items()}
-        self.specs = specs
+        self.specs = specs = {name: tuple(ShardingSpec.parse(s) for s in np_.out_specs) for name, np_ in plan.nodes.items()}
         # per node, per operand: (producer, producer's spec, wanted spec, gradient partial axes, global shape)
         self.operands: dict[str, list[tuple]] = {}
         self.local_shapes: dict[str, list[int]] = {}
