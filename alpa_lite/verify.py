@@ -191,8 +191,8 @@ def _reference(model, batches, loss_fn, num_inputs: int, optimizer: Callable, de
         opt.zero_grad(set_to_none=True)
         loss = wrapped(*(x.to(device) for x in batch))
         loss.backward()
-        trace.grads.append({k: p.grad.detach().cpu().clone() for k, p in wrapped.model.named_parameters()
-                            if p.grad is not None})
+        trace.grads.append({k: p.grad.detach().cpu().clone()  # tied names too, as trainer.gradients()
+                            for k, p in wrapped.model.named_parameters(remove_duplicate=False) if p.grad is not None})
         opt.step()
         trace.losses.append(float(loss.detach()))
     m = wrapped.model
