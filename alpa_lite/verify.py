@@ -112,7 +112,7 @@ class VerifyReport:
         t = Table(title=f"verify: {verdict} to one process; {self.plan}")
         for col in ("kind", "tensor", "dtype", "step", "max |diff|", "bound", ""):
             t.add_column(col, justify="right" if col in ("step", "max |diff|", "bound") else "left")
-        ranked = sorted(self.rows, key=lambda r: (r.ok, -(r.max_diff / r.bound if r.bound else math.inf)))
+        ranked = sorted(self.rows, key=_badness, reverse=True)
         for r in ranked[:max_rows]:
             t.add_row(r.kind, r.name, r.dtype, "" if r.step < 0 else str(r.step), f"{r.max_diff:.3g}",
                       f"{r.bound:.3g}", "ok" if r.ok else f"[red]{r.note or 'DIFFERS'}[/]")
@@ -141,7 +141,7 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _compare(kind: str, got: dict, want: dict, scale: dict, step: int = -1) -> list[Row]:
     """Rows for ``want``'s tensors (by name): ``got`` may lack some (absent) or have extras."""
-    top = max([s for s in scale.values()] + [0.0])
+    top = max([*scale.values(), 0.0])
     rows = []
     for name, ref in want.items():
         if name not in got:
@@ -158,15 +158,18 @@ def _compare(kind: str, got: dict, want: dict, scale: dict, step: int = -1) -> l
     return rows
 
 
+def _badness(r: Row) -> tuple[bool, float]:
+    return not r.ok, r.max_diff / r.bound if r.bound else math.inf
+
+
 def _worst(rows: list[Row]) -> list[Row]:
     """Per (kind, name): the row of the step with the largest diff / bound."""
-    best: dict[tuple[str, str], Row] = {}
+    worst: dict[tuple[str, str], Row] = {}
     for r in rows:
         key = (r.kind, r.name)
-        ratio = lambda x: (not x.ok, x.max_diff / x.bound if x.bound else math.inf)  # noqa: E731
-        if key not in best or ratio(r) > ratio(best[key]):
-            best[key] = r
-    return list(best.values())
+        if key not in worst or _badness(r) > _badness(worst[key]):
+            worst[key] = r
+    return list(worst.values())
 
 
 @dataclass
@@ -259,8 +262,8 @@ def verify(model: torch.nn.Module, inputs, mesh, *, loss_fn: Callable | None = N
         The same :class:`VerifyReport` on every rank (rank 0's comparison, broadcast).
 
     Raises:
-        ValueError: the model has meta (unmaterialized) weights, or ``steps < 1``.
-        and whatever ``parallelize`` raises for a plan that does not fit the model or mesh.
+        ValueError: the model has meta (unmaterialized) weights, or no step is asked for.
+        PlanError: (from ``parallelize``) the plan does not fit the model or the mesh.
     """
     from .runtime.trainer import _device, parallelize
 
