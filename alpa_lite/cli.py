@@ -1,4 +1,4 @@
-"""The ``alpa-lite`` command line: plan, train, run, profile."""
+"""The ``alpa-lite`` command line: plan, train, run, verify, profile."""
 from __future__ import annotations
 
 import argparse
@@ -102,6 +102,12 @@ def cmd_train(args) -> int:
     return train_main(args)
 
 
+def cmd_verify(args) -> int:
+    from .verify import main as verify_main
+
+    return verify_main(args)
+
+
 def cmd_profile(args) -> int:
     from .profile import run
 
@@ -123,6 +129,11 @@ def main(argv=None) -> int:
     t = sub.add_parser("train", help="train a GPT on tinyshakespeare with the auto plan on N CPU processes")
     train_args(t)
     t.set_defaults(func=cmd_train)
+    from .verify import add_arguments as verify_args
+    v = sub.add_parser("verify", help="train a plan and one process on the same batches; compare losses, "
+                                      "gradients, parameters and buffers")
+    verify_args(v)
+    v.set_defaults(func=cmd_verify)
     from .profile import add_arguments as profile_args
     f = sub.add_parser("profile", help="measure collectives and compute; write a cluster JSON")
     profile_args(f)
