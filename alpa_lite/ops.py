@@ -345,16 +345,20 @@ def _embedding(node, fresh):
 
 
 def _cross_entropy(node, fresh):
-    logits = _shape(node.args[0])
-    reduction = node.args[4] if len(node.args) > 4 else node.kwargs.get("reduction", 1)
-    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
-    if isinstance(weight, torch.fx.Node) or (len(node.args) > 6 and node.args[6]):
-        return None  # class weights / label smoothing: replicated only
+    """Cross-entropy and nll (arguments by schema): a mean over split targets is reduced as sum
+    and count separately by the runtime (``losses.ratio_parts``), so every option splits."""
+    from .losses import MEAN, op_args
+
+    a = op_args(node.target, node.args, node.kwargs)
+    logits = _shape(a["self"])
+    if len(logits) < 2 or _shape(a["target"]) != (logits[0],) + logits[2:]:
+        return None  # one sample, or class-probability targets: replicated
     x = ("n", "c") + _dims("d", len(logits) - 2)
     t = ("n",) + x[2:]
-    if reduction == 0:
-        return OpSignature([x, t], [t], fixed={"c"})
-    return OpSignature([x, t], [()], fixed={"c"}, reduce="mean" if reduction == 1 else "sum")
+    ins = [x, t] + ([("c",)] if isinstance(a["weight"], torch.fx.Node) else [])
+    if a["reduction"] == 0:
+        return OpSignature(ins, [t], fixed={"c"})
+    return OpSignature(ins, [()], fixed={"c"}, reduce="mean" if a["reduction"] == MEAN else "sum")
 
 
 def _mse(node, fresh):
@@ -440,7 +444,8 @@ _TABLE = {
     aten.split.Tensor: _split, aten.split_with_sizes.default: _split, aten.chunk.default: _split,
     aten.unbind.int: _unbind, aten.cat.default: _cat, aten.slice.Tensor: _slice, aten.select.int: _select,
     aten.scaled_dot_product_attention.default: _sdpa, aten.embedding.default: _embedding,
-    aten.broadcast_tensors.default: _broadcast_tensors, aten.cross_entropy_loss.default: _cross_entropy, aten.mse_loss.default: _mse,
+    aten.broadcast_tensors.default: _broadcast_tensors, aten.cross_entropy_loss.default: _cross_entropy,
+    aten.nll_loss_nd.default: _cross_entropy, aten.nll_loss.default: _cross_entropy, aten.mse_loss.default: _mse,
     aten.conv2d.default: _conv, aten.conv1d.default: _conv, aten.convolution.default: _conv,
     aten.batch_norm.default: _batch_norm, aten._native_batch_norm_legit_functional.default: _batch_norm,
     aten.max_pool2d.default: _pool, aten.max_pool2d_with_indices.default: _pool,

@@ -3,9 +3,11 @@
 For every node: reshard each operand from its producer's spec to the spec the node's strategy
 wants (``Reshard``, autograd-aware), run the aten op on the local shards, and reduce a partial
 result (``AllReducePartial``). Most ops run unchanged on shards; a few need a local variant:
-shape arguments become local shapes, a mean over a split dim is scaled by 1/shards before the
-all-reduce, a bias is added after the reduction, and a vocab-parallel embedding looks up only
-its own rows (Megatron-LM, Shoeybi et al. 2019, section 3).
+shape arguments become local shapes, a mean over a split dim of equal shards is scaled by
+1/shards before the all-reduce, a mean cross-entropy / nll is the all-reduced sum of its losses
+over the all-reduced count of its valid targets (``losses.ratio_parts``: shards may hold
+different counts of ``ignore_index``), a bias is added after the reduction, and a
+vocab-parallel embedding looks up only its own rows (Megatron-LM, Shoeybi et al. 2019, section 3).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from ..capture import CapturedGraph
+from ..losses import is_ratio, ratio_parts
 from ..plan import NodePlan, Plan
 from ..spec import ShardingSpec
 from .collectives import AllReducePartial, MeshGroups, reshard
@@ -28,12 +31,18 @@ _BIAS_AFTER = {aten.linear.default: 2, aten.conv2d.default: 2, aten.conv1d.defau
 
 
 class LocalExecutor:
-    """Interprets ``captured``'s graph on this rank's shards under ``plan``."""
+    """Interprets ``captured``'s graph on this rank's shards under ``plan``.
+
+    Attributes:
+        denominators: mean cross-entropy / nll node -> the denominator of its last run (count or
+            class-weight sum of its valid targets over the whole batch; 0-dim, no gradient).
+    """
 
     def __init__(self, captured: CapturedGraph, plan: Plan, mesh: MeshGroups, device: torch.device):
         self.cg, self.plan, self.mesh, self.device = captured, plan, mesh, device
         specs = {name: tuple(ShardingSpec.parse(s) for s in np_.out_specs) for name, np_ in plan.nodes.items()}
         # per node, per operand: (producer, producer's spec, wanted spec, gradient partial axes, global shape)
+        self.denominators: dict[str, torch.Tensor] = {}
         self.operands: dict[str, list[tuple]] = {}
         self.local_shapes: dict[str, list[int]] = {}
         for name, np_ in plan.nodes.items():
@@ -79,9 +88,21 @@ class LocalExecutor:
                 # a view that was valid on the captured layout may not be on a resharded shard
                 # (export drops a no-op .contiguous()): reshape copies only when it must
                 target = aten.reshape.default
+        if is_ratio(target, args, kwargs):
+            return self._ratio(node, np_, args, kwargs)
         if not np_.partial_axes:
             return target(*args, **kwargs)
         return self._partial(node, np_, args, kwargs)
+
+    def _ratio(self, node, np_: NodePlan, args, kwargs):
+        """A mean cross-entropy / nll: local loss sum and valid-target count, all-reduced together
+        (one collective) along the split axes, then divided."""
+        num, den = ratio_parts(node.target, args, kwargs)
+        if np_.partial_axes:
+            both = AllReducePartial.apply(torch.stack([num, den]), np_.partial_axes, self.mesh)
+            num, den = both[0], both[1]
+        self.denominators[node.name] = den.detach()
+        return num / den
 
     def _partial(self, node, np_: NodePlan, args, kwargs):
         """An op whose local result is a partial sum along ``np_.partial_axes``."""
