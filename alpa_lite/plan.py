@@ -248,5 +248,8 @@ def _pipeline_fields(d: dict | None) -> tuple:
     from a plan JSON's optional ``"pipeline"`` object (absent in intra-op plans)."""
     if d is None:
         return [], None, 1, 0.0, 0.0, None
+    if "loss_reduction" not in d:
+        raise PlanError("the pipelined plan does not say how its loss reduces over microbatches (made by an "
+                        "older alpa-lite): plan it again")
     return ([StagePlan.from_dict(s) for s in d["stages"]], str(d["schedule"]), int(d["num_microbatches"]),
             float(d["bubble_fraction"]), float(d["pipeline_seconds"]), LossReduction.from_dict(d["loss_reduction"]))
