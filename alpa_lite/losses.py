@@ -244,10 +244,5 @@ class _Reader:
         return []
 
 
-def _numel(node) -> int:
-    val = node.meta.get("val")
-    return val.numel() if isinstance(val, torch.Tensor) else 0
-
-
 def _names(kinds) -> str:
     return ", ".join(sorted(k if d is None else f"{k} over {d}" for k, d in kinds))
