@@ -412,22 +412,18 @@ def _embedding(node, fresh):
 
 
 def _cross_entropy(node, fresh):
-    """Per-target losses are independent along the batch (and extra) dims, whatever
-    ``ignore_index`` and ``label_smoothing``; the class dim stays whole. ``reduction`` "none"
-    keeps them, "sum" is a partial sum over split dims, "mean" a scaled partial mean (exact for
-    equal non-ignored counts per shard). A "mean" with class ``weight`` divides by the batch's
-    weight sum, which a shard does not know: replicated only."""
+    """Cross-entropy and nll (arguments by schema): a mean over split targets is reduced as sum
+    and count separately by the runtime (``losses.ratio_parts``), so every option splits."""
     a = op_args(node)
-    r = len(_shape(a["self"]))
-    x = ("n", "c") + _dims("d", r - 2) if r >= 2 else ("c",)
-    t = tuple(lab for lab in x if lab != "c")
-    weighted = isinstance(a["weight"], torch.fx.Node)
-    ins = [x, t] + ([("c",)] if weighted else [])
+    logits = _shape(a["self"])
+    if len(logits) < 2 or _shape(a["target"]) != (logits[0],) + logits[2:]:
+        return None  # one sample, or class-probability targets: replicated
+    x = ("n", "c") + _dims("d", len(logits) - 2)
+    t = ("n",) + x[2:]
+    ins = [x, t] + ([("c",)] if isinstance(a["weight"], torch.fx.Node) else [])
     if a["reduction"] == 0:
         return OpSignature(ins, [t], fixed={"c"})
-    if a["reduction"] == 1 and weighted:
-        return None
-    return OpSignature(ins, [()], fixed={"c"}, reduce="mean" if a["reduction"] == 1 else "sum")
+    return OpSignature(ins, [()], fixed={"c"}, reduce="mean" if a["reduction"] == 1 else "sum")  # 1: at::Reduction::Mean
 
 
 def _mse(node, fresh):
@@ -516,7 +512,8 @@ _TABLE = {
     aten.split.Tensor: _split, aten.split_with_sizes.default: _split, aten.chunk.default: _split,
     aten.unbind.int: _unbind, aten.cat.default: _cat, aten.slice.Tensor: _slice, aten.select.int: _select,
     aten.scaled_dot_product_attention.default: _sdpa, aten.embedding.default: _embedding,
-    aten.broadcast_tensors.default: _broadcast_tensors, aten.cross_entropy_loss.default: _cross_entropy, aten.mse_loss.default: _mse,
+    aten.broadcast_tensors.default: _broadcast_tensors, aten.cross_entropy_loss.default: _cross_entropy,
+    aten.nll_loss_nd.default: _cross_entropy, aten.nll_loss.default: _cross_entropy, aten.mse_loss.default: _mse,
     aten.conv2d.default: _conv, aten.conv1d.default: _conv, aten.convolution.default: _conv,
     aten.batch_norm.default: _batch_norm, aten._native_batch_norm_legit_functional.default: _batch_norm,
     aten.max_pool2d.default: _pool, aten.max_pool2d_with_indices.default: _pool,

@@ -10,6 +10,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .losses import LossReduction
 from .mesh import LogicalMesh
 from .spec import ShardingSpec
 
@@ -134,6 +135,8 @@ class Plan:
         schedule: ``"1f1b"`` or ``"gpipe"``; num_microbatches: B per training step.
         bubble_fraction: predicted idle share of the devices' time (``stages.bubble_fraction``).
         pipeline_seconds: predicted step time ``sum(t_i + o_i) + (B - 1) max t_i`` (stages.py).
+        loss_reduction: how the loss reduces over the batch, so how microbatch losses combine
+            (``losses.LossReduction``; pipelined plans).
     """
 
     mesh: LogicalMesh
@@ -154,6 +157,7 @@ class Plan:
     num_microbatches: int = 1
     bubble_fraction: float = 0.0
     pipeline_seconds: float = 0.0
+    loss_reduction: LossReduction | None = None
 
     @property
     def step_seconds(self) -> float:
@@ -188,6 +192,7 @@ class Plan:
         if self.stages:
             d["pipeline"] = {"schedule": self.schedule, "num_microbatches": self.num_microbatches,
                              "bubble_fraction": self.bubble_fraction, "pipeline_seconds": self.pipeline_seconds,
+                             "loss_reduction": self.loss_reduction.to_dict(),
                              "stages": [s.to_dict() for s in self.stages]}
         if stats:
             d["stats"] = self.stats
@@ -239,9 +244,12 @@ class Plan:
 
 
 def _pipeline_fields(d: dict | None) -> tuple:
-    """``(stages, schedule, num_microbatches, bubble_fraction, pipeline_seconds)`` from a plan
-    JSON's optional ``"pipeline"`` object (absent in intra-op plans)."""
+    """``(stages, schedule, num_microbatches, bubble_fraction, pipeline_seconds, loss_reduction)``
+    from a plan JSON's optional ``"pipeline"`` object (absent in intra-op plans)."""
     if d is None:
-        return [], None, 1, 0.0, 0.0
+        return [], None, 1, 0.0, 0.0, None
+    if "loss_reduction" not in d:
+        raise PlanError("the pipelined plan does not say how its loss reduces over microbatches (made by an "
+                        "older alpa-lite): plan it again")
     return ([StagePlan.from_dict(s) for s in d["stages"]], str(d["schedule"]), int(d["num_microbatches"]),
-            float(d["bubble_fraction"]), float(d["pipeline_seconds"]))
+            float(d["bubble_fraction"]), float(d["pipeline_seconds"]), LossReduction.from_dict(d["loss_reduction"]))

@@ -79,6 +79,7 @@ import operator
 import os
 import re
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -1078,6 +1079,7 @@ def plan_pipeline(model, example_inputs, mesh, loss_fn=None, *, targets: tuple =
             ``num_microbatches`` does not divide, or nothing fits memory.
     """
     from .capture import capture
+    from .losses import loss_reduction
     from .plan import Plan
 
     say = progress or (lambda message: None)
@@ -1130,6 +1132,10 @@ def plan_pipeline(model, example_inputs, mesh, loss_fn=None, *, targets: tuple =
     if best is None:
         raise PipelinePlanError("no pipeline plan: " + "; ".join(f"B={k}: {v}" for k, v in tried.items()))
     res, cg, layers, costs = best
+    reduction = loss_reduction(cg)
+    if res.num_microbatches > 1 and reduction.problems:
+        warnings.warn(f"{res.num_microbatches} microbatches change the loss: " + "; ".join(reduction.problems),
+                      stacklevel=3)
     say("stage plans")
     ranks = place_submeshes([s.submesh for s in res.stages], mesh.shape)
     stage_plans = []
@@ -1152,7 +1158,7 @@ def plan_pipeline(model, example_inputs, mesh, loss_fn=None, *, targets: tuple =
                   memory_bytes=max(s.memory_bytes for s in stage_plans), fingerprint=cg.fingerprint(),
                   options=options, stats=stats, stages=stage_plans, schedule=schedule,
                   num_microbatches=res.num_microbatches, bubble_fraction=bubble_fraction(seconds, res.num_microbatches),
-                  pipeline_seconds=res.objective)
+                  pipeline_seconds=res.objective, loss_reduction=reduction)
     result.captured = cg  # the microbatch graph, for the runtime; not serialized
     result.layers = layers
     return result

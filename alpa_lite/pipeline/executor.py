@@ -10,10 +10,17 @@ same way: sending device ``i`` of the earlier stage takes the full gradient from
 ``i mod d_recv``. So stages may have different submesh and logical mesh shapes.
 
 A step: the batch is cut into ``B`` microbatches (dim 0); the schedule (``schedules.py``) gives
-each stage its order of forwards and backwards; gradients accumulate over microbatches (the loss
-of each is scaled by ``1/B``, so the sum is the gradient of the mean loss); then the deferred
-data-parallel gradient buckets of each stage are all-reduced, a weight used by several stages
-(tied embeddings) gets the sum of their gradients, and one optimizer step runs.
+each stage its order of forwards and backwards; gradients accumulate over microbatches; then the
+deferred data-parallel gradient buckets of each stage are all-reduced, a weight used by several
+stages (tied embeddings) gets the sum of their gradients, and one optimizer step runs.
+
+The step's loss is the loss of the whole batch, ``sum_m w_m L_m / Z``, by how the loss reduces
+over the batch (``Plan.loss_reduction``, ``losses.py``): a sum adds the microbatch losses
+(``w_m = 1``, ``Z = 1``), a mean averages them (``w_m = 1``, ``Z = B``), and a token mean over
+valid targets weighs each by its count (``w_m = D_m``, its denominator, ``Z = sum_m D_m``), so
+it is the ratio of the summed numerators and denominators. The last stage back-propagates
+``w_m L_m``; ``Z`` is known only after the last microbatch, so every rank divides its
+accumulated gradients by it before the optimizer step (one broadcast carries loss and ``Z``).
 
 ``torch.distributed.pipelining`` is not used: its stages are one module per rank with one
 process group, and its schedules drive ``PipelineStage`` objects that exchange tensors of fixed
@@ -111,6 +118,10 @@ class PipelineTrainer:
         self.num_stages, self.num_microbatches = len(plan.stages), plan.num_microbatches
         self.stage = next(i for i, s in enumerate(plan.stages) if rank in s.ranks)
         self.sp = plan.stages[self.stage]
+        self.reduction = plan.loss_reduction
+        if (self.reduction.kind == "ratio" and self.stage == self.num_stages - 1
+                and self.reduction.denominator not in (*self.sp.nodes, *self.sp.recv)):
+            raise PlanError(f"the loss's denominator {self.reduction.denominator} is not on the last stage")
         self.index = self.sp.ranks.index(rank)  # position in the stage's logical mesh (row-major)
         self.groups = self._make_groups(rank)
         self.view = stage_view(captured, list(self.sp.plan.nodes))
@@ -200,7 +211,8 @@ class PipelineTrainer:
 
     # ---------------------------------------------------------------- one step
     def _forward(self, mb: int, batch, received: dict[str, torch.Tensor]):
-        """Run the stage's nodes on microbatch ``mb``; returns (values sent, loss or None)."""
+        """Run the stage's nodes on microbatch ``mb``; returns (values sent, the microbatch's
+        weighted loss ``w_m L_m`` on the last stage, else None)."""
         size = batch[0].shape[0] // self.num_microbatches
         values: dict[str, object] = {}
         values |= {ph: self.params[fqn] for ph, fqn in self.view.param_fqns.items()}
@@ -224,14 +236,30 @@ class PipelineTrainer:
                 x = reshard(x, spec, ShardingSpec.replicated(spec.ndim), () if name in self.cg.requires_grad else None,
                             shape, self.groups)
             sent.append(x)
-        loss = values[self.cg.loss_name] if self.stage == self.num_stages - 1 else None
-        return sent, loss
+        if self.stage != self.num_stages - 1:
+            return sent, None
+        return sent, self._loss_term(values)
+
+    def _loss_term(self, values) -> torch.Tensor | None:
+        """``w_m L_m`` of this microbatch (None when ``w_m = 0``: a token mean without a valid
+        target adds nothing), recording ``(w_m L_m, w_m)`` for the step's loss."""
+        loss = values[self.cg.loss_name]
+        name = self.reduction.denominator
+        weight = (self.executor.denominators.get(name, values.get(name)) if self.reduction.kind == "ratio"
+                  else torch.ones(())).detach().to(loss)
+        if not weight:
+            self._terms.append((torch.zeros_like(loss), weight))
+            return None
+        term = loss * weight
+        self._terms.append((term.detach(), weight))
+        return term
 
     def step(self, *batch) -> float:
         """One training step on the global ``batch`` (inputs then targets, the same on every rank).
 
         Returns:
-            the mean loss over the microbatches (float, equal on all ranks).
+            the loss of the whole batch (float, equal on all ranks): ``sum_m w_m L_m / Z``
+            (module docstring).
 
         Raises:
             ValueError: the batch does not split into the plan's microbatches.
@@ -247,7 +275,7 @@ class PipelineTrainer:
         self._pending = []
         meter = _ActivationMeter()
         saved: dict[int, tuple] = {}
-        losses = []
+        self._terms = []
         received: dict[int, dict[str, torch.Tensor]] = {}
         for action in self.schedule.actions(self.stage, self.num_stages, self.num_microbatches):
             mb = action.microbatch
@@ -255,19 +283,17 @@ class PipelineTrainer:
                 received[mb] = self._recv_acts(mb)
             elif action.kind == "forward":
                 with meter.hooks(mb):
-                    sent, loss = self._forward(mb, batch, received.get(mb, {}))
+                    saved[mb] = self._forward(mb, batch, received.get(mb, {}))
                 meter.forward_done(mb)
-                saved[mb] = (sent, loss)
-                if loss is not None:
-                    losses.append(loss.detach())
             elif action.kind == "send_act":
                 self._send([t.detach() for t in saved[mb][0]], self._next_peers(), mb, 0)
             elif action.kind == "recv_grad":
                 saved[mb] = saved[mb] + (self._recv_grads(mb, saved[mb][0]),)
             elif action.kind == "backward":
-                sent, loss, *grads = saved.pop(mb)
-                if loss is not None:
-                    (loss / self.num_microbatches).backward()
+                sent, term, *grads = saved.pop(mb)
+                if self.stage == self.num_stages - 1:
+                    if term is not None:
+                        term.backward()
                 else:
                     pairs = [(t, g) for t, g in zip(sent, grads[0]) if t.requires_grad]
                     if pairs:
@@ -282,9 +308,14 @@ class PipelineTrainer:
             w.wait()
         self._pending = []
         self.peak_activation_bytes = meter.peak
+        loss, z = self._broadcast_loss()
+        if z not in (0.0, 1.0):
+            for p in self.params.values():
+                if p.grad is not None:
+                    p.grad.div_(z)
         self._sync_gradients()
         self.optimizer.step()
-        return self._broadcast_loss(losses)
+        return loss
 
     def _recv_grads(self, mb: int, sent: list[torch.Tensor]) -> list[torch.Tensor | None]:
         nxt = self.plan.stages[self.stage + 1]
@@ -322,10 +353,15 @@ class PipelineTrainer:
                 x = run_step(x, st, self.groups, "gather")
         return x
 
-    def _broadcast_loss(self, losses: list[torch.Tensor]) -> float:
-        value = torch.stack(losses).mean().reshape(1) if losses else torch.zeros(1, device=self.device)
+    def _broadcast_loss(self) -> tuple[float, float]:
+        """``(loss, Z)`` of the step from the last stage (module docstring), on every rank."""
+        value = torch.zeros(2, device=self.device)
+        if self._terms:
+            terms, weights = (torch.stack(x) for x in zip(*self._terms))
+            z = torch.ones_like(weights[0]) if self.reduction.kind == "sum" else weights.sum()
+            value = torch.stack([terms.sum() / z, z]).to(value)
         dist.broadcast(value, src=self.plan.stages[-1].ranks[0])
-        return float(value)
+        return float(value[0]), float(value[1])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters and buffers by FQN (tied names included), on every rank."""

@@ -3,8 +3,10 @@
 For every node: reshard each operand from its producer's spec to the spec the node's strategy
 wants (``Reshard``, autograd-aware), run the aten op on the local shards, and reduce a partial
 result (``AllReducePartial``). Most ops run unchanged on shards; a few need a local variant:
-shape arguments become local shapes, a mean over a split dim is scaled by 1/shards before the
-all-reduce, a bias is added after the reduction, and a vocab-parallel embedding looks up only
+shape arguments become local shapes, a mean over a split dim of equal shards is scaled by
+1/shards before the all-reduce, a mean cross-entropy / nll is the all-reduced sum of its losses
+over the all-reduced count of its valid targets (``losses.ratio_parts``: shards may hold
+different counts of ``ignore_index``), a bias is added after the reduction, and a vocab-parallel embedding looks up only
 its own rows (Megatron-LM, Shoeybi et al. 2019, section 3). Arguments are read and set by their
 schema names (``ops.bind_args``).
 
@@ -28,6 +30,7 @@ import torch.fx
 
 from ..capture import CapturedGraph
 from ..ops import bind_args, is_random, op_args, with_arg, written_args
+from ..losses import is_ratio, ratio_parts
 from ..plan import NodePlan, Plan
 from ..spec import ShardingSpec
 from .collectives import AllReducePartial, MeshGroups, reshard
@@ -41,13 +44,19 @@ _ALIASES = {aten.detach.default, aten.alias.default}
 
 class LocalExecutor:
     """Interprets ``captured``'s graph on this rank's shards under ``plan``; ``seed`` seeds the
-    random ops (module docstring)."""
+    random ops (module docstring).
+
+    Attributes:
+        denominators: mean cross-entropy / nll node -> the denominator of its last run (count or
+            class-weight sum of its valid targets over the whole batch; 0-dim, no gradient).
+    """
 
     def __init__(self, captured: CapturedGraph, plan: Plan, mesh: MeshGroups, device: torch.device, seed: int = 0):
         self.cg, self.plan, self.mesh, self.device, self.seed = captured, plan, mesh, device, seed
         self.calls = 0  # runs so far: every run draws new random numbers
         self.specs = specs = {name: tuple(ShardingSpec.parse(s) for s in np_.out_specs) for name, np_ in plan.nodes.items()}
         # per node, per operand: (producer, producer's spec, wanted spec, gradient partial axes, global shape)
+        self.denominators: dict[str, torch.Tensor] = {}
         self.operands: dict[str, list[tuple]] = {}
         self.local_shapes: dict[str, list[int]] = {}
         for name, np_ in plan.nodes.items():
@@ -108,6 +117,8 @@ class LocalExecutor:
         return out
 
     def _local(self, node, np_: NodePlan, target, args, kwargs):
+        if is_ratio(target, args, kwargs):
+            return self._ratio(node, np_, args, kwargs)
         return self._partial(node, np_, args, kwargs) if np_.partial_axes else target(*args, **kwargs)
 
     def _shard_seed(self, node, np_: NodePlan) -> int:
@@ -130,6 +141,16 @@ class LocalExecutor:
         wanted = next(dst for name, _, dst, _, _ in self.operands[node.name] if name == src.name)
         with torch.no_grad():
             stored.copy_(reshard(out, wanted, self.specs[root.name][0], None, tuple(root.meta["val"].shape), self.mesh))
+
+    def _ratio(self, node, np_: NodePlan, args, kwargs):
+        """A mean cross-entropy / nll: local loss sum and valid-target count, all-reduced together
+        (one collective) along the split axes, then divided."""
+        num, den = ratio_parts(node.target, args, kwargs)
+        if np_.partial_axes:
+            both = AllReducePartial.apply(torch.stack([num, den]), np_.partial_axes, self.mesh)
+            num, den = both[0], both[1]
+        self.denominators[node.name] = den.detach()
+        return num / den
 
     def _partial(self, node, np_: NodePlan, args, kwargs):
         """An op whose local result is a partial sum along ``np_.partial_axes``."""
