@@ -30,7 +30,7 @@ from unittest import mock
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
-from torch.export.graph_signature import InputKind
+from torch.export.graph_signature import InputKind, TensorArgument
 
 
 class CaptureError(RuntimeError):
@@ -55,6 +55,8 @@ class CapturedGraph:
         requires_grad: names of the nodes whose value autograd tracks (depends on a parameter).
         constants: placeholder name -> lifted tensor constant (a tensor literal in ``forward``).
         in_spec: pytree structure of the call ``((*inputs, *targets), kwargs)``.
+        static_inputs: leaf position -> value of a non-tensor leaf of the call (an int, a flag):
+            the graph is specialized on it, so a step must pass the same value.
     """
 
     graph_module: torch.fx.GraphModule
@@ -67,6 +69,7 @@ class CapturedGraph:
     requires_grad: set[str] = field(default_factory=set)
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     in_spec: pytree.TreeSpec | None = None
+    static_inputs: dict[int, object] = field(default_factory=dict)
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -78,12 +81,13 @@ class CapturedGraph:
     def __post_init__(self):
         self._by_name = {n.name: n for n in self.graph.nodes}
 
-    def flat_inputs(self, args: tuple, kwargs: dict) -> list:
-        """The leaves of a call ``(*inputs, *targets, **kwargs)``, one per ``input_names`` entry.
+    def flat_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """The tensor leaves of a call ``(*inputs, *targets, **kwargs)``, one per ``input_names``
+        entry (the non-tensor leaves are checked against ``static_inputs`` and dropped).
 
         Raises:
             ValueError: the call's structure (number of tensors, dict keys, nesting) is not the
-                captured one; the message gives both.
+                captured one, or a non-tensor leaf has another value; the message gives both.
         """
         order = self.in_spec.children_specs[1].context if self.in_spec is not None else []
         if set(kwargs) == set(order):
@@ -92,7 +96,11 @@ class CapturedGraph:
         if self.in_spec is not None and spec != self.in_spec:
             raise ValueError(f"the batch has structure {_describe(spec)}; the model was captured with "
                              f"{_describe(self.in_spec)} (inputs then targets, then keyword inputs)")
-        return leaves
+        for i, value in self.static_inputs.items():
+            if leaves[i] != value:
+                raise ValueError(f"non-tensor input {i} of the flattened batch is {leaves[i]!r}; the graph was "
+                                 f"captured (and specialized) with {value!r}")
+        return [x for i, x in enumerate(leaves) if i not in self.static_inputs]
 
     def fingerprint(self) -> str:
         """Hash of the graph's ops and shapes; a plan records it to detect another model."""
@@ -115,6 +123,23 @@ def nbytes_of(val) -> int:
     if isinstance(val, (tuple, list)):
         return sum(nbytes_of(v) for v in val)
     return 0
+
+
+def batch_size(tree) -> int:
+    """Dim 0 of the first tensor leaf of ``tree`` (inputs, targets, keyword inputs).
+
+    Raises:
+        ValueError: no tensor with a dim 0 in ``tree``.
+    """
+    for x in pytree.tree_leaves(tree):
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return int(x.shape[0])
+    raise ValueError("the inputs hold no tensor with a batch dim")
+
+
+def rows(tree, start: int, stop: int):
+    """``tree`` with every tensor leaf of a dim 0 cut to rows ``[start, stop)`` (a microbatch)."""
+    return pytree.tree_map(lambda x: x[start:stop] if isinstance(x, torch.Tensor) and x.dim() > 0 else x, tree)
 
 
 def _describe(spec: pytree.TreeSpec) -> str:
@@ -186,12 +211,17 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets
                 ep = torch.export.export(traced, args, kwargs, strict=False)
             except Exception:  # noqa: BLE001
                 raise CaptureError(f"cannot capture {type(model).__name__}: {_first_line(first)}") from first
+    _inline_regions(ep.graph_module)
+    if _mutated_placeholders(ep.graph_module):  # export's training IR writes buffers in place: functionalize
+        ep = ep.run_decompositions({})  # (keeps the ops; mutations become outputs, ``buffers_to_mutate``)
     gm = ep.graph_module
     sig = ep.graph_signature
-    _inline_regions(gm)
+    if sig.user_inputs_to_mutate:
+        raise CaptureError(f"the model writes its input {next(iter(sig.user_inputs_to_mutate.values()))} in place; "
+                           "alpa-lite feeds inputs as shards, so an in-place update of an input is not supported")
     strip = lambda fqn: fqn[len("model."):] if fqn.startswith("model.") else fqn  # noqa: E731
     frozen = {n for n, p in wrapper.named_parameters(remove_duplicate=False) if not p.requires_grad}
-    param_fqns, buffer_fqns, constants, input_names = {}, {}, {}, []
+    param_fqns, buffer_fqns, constants, input_names, static = {}, {}, {}, [], {}
     for spec in sig.input_specs:
         name = spec.arg.name
         if spec.kind is InputKind.PARAMETER:
@@ -201,7 +231,12 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets
         elif spec.kind is InputKind.CONSTANT_TENSOR:
             constants[name] = ep.constants[spec.target]
         elif spec.kind is InputKind.USER_INPUT:
-            input_names.append(name)
+            leaf = len(input_names) + len(static)
+            if isinstance(spec.arg, TensorArgument):
+                input_names.append(name)
+            else:  # an int / float / bool / str leaf: export specialized the graph on its value
+                static[leaf] = spec.arg.value
+                _bake(gm, name, spec.arg.value)
         elif spec.kind is InputKind.CUSTOM_OBJ:
             raise CaptureError(f"custom object {spec.target} (a TorchScript class) is not supported")
         else:
@@ -225,7 +260,15 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets
             for fqn in group if fqn in owned}
     mutations = {k: strip(v) for k, v in sig.buffers_to_mutate.items()}
     return CapturedGraph(gm, param_fqns, buffer_fqns, input_names, loss.name, tied, mutations,
-                         _tracked_by_autograd(gm, set(param_fqns)), constants, ep.call_spec.in_spec)
+                         _tracked_by_autograd(gm, set(param_fqns)), constants, ep.call_spec.in_spec, static)
+
+
+def _bake(gm: torch.fx.GraphModule, placeholder: str, value) -> None:
+    """Replace a non-tensor input placeholder by its (specialized) value."""
+    node = next(n for n in gm.graph.nodes if n.name == placeholder)
+    for user in list(node.users):
+        user.replace_input_with(node, value)
+    gm.graph.erase_node(node)
 
 
 @contextmanager
@@ -381,9 +424,22 @@ def _fresh_attr(gm: torch.fx.GraphModule, base: str) -> str:
 def _tracked_by_autograd(gm: torch.fx.GraphModule, params: set[str]) -> set[str]:
     """Nodes whose result requires grad when only the parameters do, found by running the graph
     on fake tensors (exact autograd semantics: a view of data stays untracked, for example)."""
+    return _fake_run(gm, params)[0]
+
+
+def _mutated_placeholders(gm: torch.fx.GraphModule) -> set[str]:
+    """Placeholders the graph writes in place (``batch_norm``'s running statistics, ``add_`` on
+    a counter ...), found by their version counters on a fake run."""
+    return _fake_run(gm, set())[1]
+
+
+def _fake_run(gm: torch.fx.GraphModule, params: set[str]) -> tuple[set[str], set[str]]:
+    """Run ``gm`` on fake tensors with ``params`` requiring grad: (nodes autograd tracks,
+    placeholders written in place)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     tracked: set[str] = set()
+    inputs: dict[str, tuple[torch.Tensor, int]] = {}
     mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     class Tracker(torch.fx.Interpreter):
@@ -392,6 +448,8 @@ def _tracked_by_autograd(gm: torch.fx.GraphModule, params: set[str]) -> set[str]
                 val = n.meta["val"]
                 out = mode.from_tensor(val) if isinstance(val, torch.Tensor) else val
                 out = out.detach().requires_grad_(True) if n.name in params else out
+                if isinstance(out, torch.Tensor):
+                    inputs[n.name] = (out, out._version)
             else:
                 out = super().run_node(n)
             vals = out if isinstance(out, (tuple, list)) else [out]
@@ -401,7 +459,7 @@ def _tracked_by_autograd(gm: torch.fx.GraphModule, params: set[str]) -> set[str]
 
     with mode:
         Tracker(gm).run(*[None for n in gm.graph.nodes if n.op == "placeholder"])
-    return tracked
+    return tracked, {name for name, (t, version) in inputs.items() if t._version != version}
 
 
 def _is_op(target) -> bool:
