@@ -89,7 +89,7 @@ class CapturedGraph:
             ValueError: the call's structure (number of tensors, dict keys, nesting) is not the
                 captured one, or a non-tensor leaf has another value; the message gives both.
         """
-        order = self.in_spec.children_specs[1].context if self.in_spec is not None else []
+        order = self.in_spec.child(1).context if self.in_spec is not None else []
         if set(kwargs) == set(order):
             kwargs = {k: kwargs[k] for k in order}
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
@@ -146,7 +146,7 @@ def _describe(spec: pytree.TreeSpec) -> str:
     """``spec`` written as the call it flattens: ``(T, {'a': T}), {'labels': T}``."""
     if spec.is_leaf():
         return "T"
-    kids = [_describe(c) for c in spec.children_specs]
+    kids = [_describe(c) for c in spec.children()]
     if spec.type is dict:
         return "{" + ", ".join(f"{k!r}: {v}" for k, v in zip(spec.context, kids)) + "}"
     if spec.type in (tuple, list):

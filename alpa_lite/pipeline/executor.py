@@ -121,7 +121,8 @@ class PipelineTrainer:
         self.constants = local_constants(captured, self.sp.plan, self.groups, self.device)
         self.buckets = gradient_buckets(self.view, self.sp.plan.nodes, self.sp.plan.grad_sync, self.groups.shape,
                                         self.sp.plan.bucket_bytes)
-        self.optimizer = optimizer(list(self.params.values()))
+        # a stage holding no trainable parameter (frozen ones only, or none) has no optimizer
+        self.optimizer = optimizer(list(self.params.values())) if self.params else None
         self.peak_activation_bytes = 0
 
     # ---------------------------------------------------------------- process groups
@@ -245,7 +246,8 @@ class PipelineTrainer:
             if (x.shape[0] != expect[0] * self.num_microbatches) or tuple(x.shape[1:]) != expect[1:]:
                 raise ValueError(f"input {name} has shape {tuple(x.shape)}; the plan takes {self.num_microbatches} "
                                  f"microbatches of {expect}")
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
         self._pending = []
         meter = _ActivationMeter()
         saved: dict[int, tuple] = {}
@@ -285,7 +287,8 @@ class PipelineTrainer:
         self._pending = []
         self.peak_activation_bytes = meter.peak
         self._sync_gradients()
-        self.optimizer.step()
+        if self.optimizer is not None:
+            self.optimizer.step()
         return self._broadcast_loss(losses)
 
     def _recv_grads(self, mb: int, sent: list[torch.Tensor]) -> list[torch.Tensor | None]:

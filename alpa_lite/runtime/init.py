@@ -134,7 +134,8 @@ def store_buffer_mutations(cg, plan, values: dict, buffers: dict[str, torch.Tens
     """Write the new values of mutated buffers (``cg.buffer_mutations``: batch-norm running
     statistics ...) into this rank's stored shards: each value is resharded from the spec its
     producer computed it in to the buffer's storage spec, so the stored shard gets the new value
-    whatever spec the op that updated it used."""
+    whatever spec the op that updated it used. The new shard replaces the old tensor (autograd
+    may have saved the old one for backward)."""
     by_fqn = {fqn: ph for ph, fqn in cg.buffer_fqns.items()}
     with torch.no_grad():
         for out_name, fqn in cg.buffer_mutations.items():
@@ -142,4 +143,4 @@ def store_buffer_mutations(cg, plan, values: dict, buffers: dict[str, torch.Tens
             stored = ShardingSpec.parse(plan.nodes[by_fqn[fqn]].out_specs[0])
             shape = tuple(cg.node(out_name).meta["val"].shape)
             x = reshard(values[out_name].detach(), ShardingSpec.parse(node.out_specs[0]), stored, None, shape, groups)
-            buffers[fqn].copy_(x)
+            buffers[fqn] = x.clone()
