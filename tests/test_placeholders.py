@@ -9,6 +9,7 @@ Tolerances as tests/test_runtime.py: losses 1e-5 relative, first-step gradients 
 largest, parameters and buffers 2e-4 absolute (a wrong update moves them by O(lr) = 1e-2).
 """
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ from alpa_lite.capture import capture
 from alpa_lite.launch import torchrun
 
 WORKER = str(Path(__file__).parent / "workers" / "placeholders.py")
+sys.path.insert(0, str(Path(WORKER).parent))
+from placeholders import MODELS, Structured  # noqa: E402  (the worker's models, single process here)
 PIPE = {"num_stages": 2, "num_microbatches": 1}
 CASES = [
     ["frozen", "dp", {"force_data_parallel": True}],
@@ -128,9 +131,6 @@ def _run_captured(cg, model, x):
 
 @pytest.mark.parametrize("name", ["regions", "literals", "autocast"])
 def test_inlined_regions_keep_eager_values_and_gradients(name):
-    import sys
-    sys.path.insert(0, str(Path(__file__).parent / "workers"))
-    from placeholders import MODELS
     torch.manual_seed(0)
     model = _Autocast() if name == "autocast" else MODELS[name]()
     x = torch.randn(8, 4) if name == "autocast" else MODELS[name].batch(torch.Generator().manual_seed(0))[0][0]
@@ -147,7 +147,6 @@ def test_inlined_regions_keep_eager_values_and_gradients(name):
 
 
 def test_step_structure_mismatch_is_named():
-    from placeholders import Structured
     args, kwargs = Structured.batch(torch.Generator().manual_seed(0))
     cg = capture(Structured(), args, example_kwargs=kwargs)
     assert len(cg.flat_inputs(args, dict(reversed(list(kwargs.items()))))) == 4  # keyword order is free
