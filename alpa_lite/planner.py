@@ -232,7 +232,8 @@ def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None
          param_specs: dict[str, str] | None = None, input_specs: dict[str, str] | None = None,
          share_layers: bool = True, time_limit: float = 60.0, solver: str = "cbc", bucket_bytes: float = 25 * 2**20,
          progress=None, pipeline: str | int | None = None, num_stages: int | None = None, schedule: str = "1f1b",
-         num_microbatches: int | None = None, num_layers: int | None = None) -> Plan:
+         num_microbatches: int | None = None, num_layers: int | None = None,
+         example_kwargs: dict | None = None) -> Plan:
     """Find the intra-operator sharding plan that minimizes the predicted training-step time.
 
     With ``pipeline="auto"`` (or a stage count ``K``, or ``num_stages=K``) the plan is pipelined
@@ -244,29 +245,38 @@ def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None
 
     Args:
         model: the module (parameters may be on the meta device).
-        example_inputs: tuple of model inputs with GLOBAL shapes.
+        example_inputs: model inputs with GLOBAL shapes: a tensor, a tuple of them, or nested
+            tuples / lists / dicts (flattened as ``torch.export`` flattens them).
         mesh: the logical mesh (``LogicalMesh``), real or only described.
         loss_fn: ``loss_fn(output, *targets) -> scalar``; None when the model returns its loss.
         targets: tensors passed to ``loss_fn`` after the output.
         memory_budget: bytes per device (default: ``mesh.memory_bytes``).
         force_data_parallel: every parameter replicated, inputs split by batch over the mesh.
-        batch_axis: force the inputs' batch dim (dim 0) to be split along this mesh axis.
+        batch_axis: force the inputs' batch dim (dim 0) to be split along this mesh axis (0 or 1);
+            on an axis of size 1 nothing is split along it, so it forces nothing.
         param_specs: FQN -> spec string to force (e.g. Megatron's ``{"fc1.weight": "S1R"}``).
         input_specs: user-input placeholder name (or position ``"0"``, ``"1"``...) -> spec string.
         share_layers: identical repeated layers share one solution (smaller ILP).
         time_limit: ILP solver seconds.
         bucket_bytes: the largest bucket of data-parallel gradients all-reduced together, bytes.
         progress: callable ``progress(stage: str)`` called as planning advances.
+        example_kwargs: keyword inputs of the model (``input_ids=``, ``labels=`` ...).
 
     Returns:
         the ``Plan``.
 
     Raises:
         CaptureError: the model could not be captured.
-        ValueError: a forced spec does not divide its tensor, or names no parameter.
+        ValueError: an option is out of range or does not apply (a forced spec that does not
+            divide its tensor or names no parameter, an input spec for no input, a batch axis
+            other than 0 or 1, an option a pipelined plan does not take ...).
         MemoryBudgetError: nothing fits the budget (the message gives the minimum needed).
     """
-    if pipeline is not None or num_stages is not None:
+    pipelined = pipeline is not None or num_stages is not None
+    _check_options(mesh, pipelined, memory_budget=memory_budget, batch_axis=batch_axis, time_limit=time_limit,
+                   solver=solver, bucket_bytes=bucket_bytes, input_specs=input_specs, share_layers=share_layers,
+                   schedule=schedule, num_microbatches=num_microbatches, num_layers=num_layers)
+    if pipelined:
         from .stages import plan_pipeline
         if pipeline not in (None, "auto") and num_stages is None:
             if not str(pipeline).isdigit():
@@ -277,12 +287,12 @@ def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None
         return plan_pipeline(model, example_inputs, mesh, loss_fn, targets=targets, num_stages=num_stages,
                              schedule=schedule, num_microbatches=num_microbatches, num_layers=num_layers,
                              memory_budget=memory_budget, progress=progress, time_limit=time_limit,
-                             constraints={k: v for k, v in constraints.items() if v is not None and v is not False})
+                             example_kwargs=example_kwargs, constraints={k: v for k, v in constraints.items() if v is not None and v is not False})
     say = progress or (lambda stage: None)
     stats = {}
     t0 = time.perf_counter()
     say("capture")
-    cg = capture(model, example_inputs, loss_fn, targets)
+    cg = capture(model, example_inputs, loss_fn, targets, example_kwargs)
     stats["capture_s"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     say("strategies")
@@ -331,25 +341,56 @@ def _node_plan(s: Strategy, ns: NodeStrategies) -> NodePlan:
                     s.grad_partial, tuple(ns.inputs), tuple(ns.input_results))
 
 
+_SPMD_ONLY = {"input_specs": None, "solver": "cbc", "bucket_bytes": 25 * 2**20, "share_layers": True}
+_PIPELINE_ONLY = {"schedule": "1f1b", "num_microbatches": None, "num_layers": None}
+
+
+def _check_options(mesh: LogicalMesh, pipelined: bool, **options) -> None:
+    """Every ``plan`` option that can be checked before capture, once (``plan``'s Raises)."""
+    if options["batch_axis"] not in (None, 0, 1):
+        raise ValueError(f"batch_axis must be 0 or 1 (a mesh axis), got {options['batch_axis']!r}")
+    for name in ("memory_budget", "time_limit", "bucket_bytes"):
+        value = options[name]
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value!r}")
+    if options["solver"] not in ("cbc", "highs", "auto"):
+        raise ValueError(f"solver must be 'cbc', 'highs' or 'auto', got {options['solver']!r}")
+    for key in options["input_specs"] or {}:
+        if not isinstance(key, str):
+            raise ValueError(f"input_specs keys are input names or positions as strings ('0'), got {key!r}")
+    given = [k for k, default in (_SPMD_ONLY if pipelined else _PIPELINE_ONLY).items() if options[k] not in (default, {})]
+    if given and pipelined:
+        raise ValueError(f"a pipelined plan does not take {', '.join(given)} (each stage is planned with the "
+                         "defaults); drop them or plan without pipeline= / num_stages=")
+    if given:
+        raise ValueError(f"{', '.join(given)} apply to pipelined plans only; add pipeline='auto' (or num_stages=K)")
+
+
 def _apply_constraints(cg, table, mesh, force_dp, batch_axis, param_specs, input_specs) -> None:
-    by_fqn = {fqn: ph for ph, fqn in cg.param_fqns.items()}
-    for ph, fqn in cg.param_fqns.items():
+    by_fqn = {fqn: ph for ph, fqn in {**cg.param_fqns, **cg.buffer_fqns}.items()}
+    for ph, fqn in {**cg.param_fqns, **cg.buffer_fqns}.items():
         for alias in cg.tied.get(fqn, []):
             by_fqn[alias] = ph
     for fqn, text in param_specs.items():
         if fqn not in by_fqn:
-            raise ValueError(f"param_specs names {fqn!r}, which is not a parameter of the model")
+            raise ValueError(f"param_specs names {fqn!r}, which is not a parameter (or buffer) of the model")
         _force(table[by_fqn[fqn]], ShardingSpec.parse(text), f"parameter {fqn}", cg, mesh)
     for key, text in input_specs.items():
+        if key.isdigit() and int(key) >= len(cg.input_names):
+            raise ValueError(f"input_specs names input {key}; the model takes {len(cg.input_names)} tensors "
+                             f"({', '.join(cg.input_names)})")
         name = cg.input_names[int(key)] if key.isdigit() else key
-        if name not in table:
-            raise ValueError(f"input_specs names {key!r}, which is not an input of the model")
+        if name not in cg.input_names:
+            raise ValueError(f"input_specs names {key!r}, which is not an input of the model "
+                             f"({', '.join(cg.input_names)})")
         _force(table[name], ShardingSpec.parse(text), f"input {name}", cg, mesh)
     if force_dp:  # parameters replicated, except those given a storage spec (ZeRO-style data parallel)
         forced = {by_fqn[fqn] for fqn in param_specs}
         for ph in cg.param_fqns:
             if ph not in forced:
                 _restrict(table[ph], lambda s: not s.out_spec.axes())
+    if batch_axis is not None and mesh.shape[batch_axis] == 1:
+        batch_axis = None  # nothing is split along an axis of one device
     if force_dp or batch_axis is not None:
         want = tuple(a for a in (0, 1) if mesh.shape[a] > 1) if force_dp else (batch_axis,)
         keep = (lambda entry: entry == want) if force_dp else (lambda entry: batch_axis in entry)

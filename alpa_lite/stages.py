@@ -1041,15 +1041,12 @@ def _cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _microbatch(x, b):
-    return x[:b] if hasattr(x, "shape") and len(x.shape) > 0 else x
-
-
 def plan_pipeline(model, example_inputs, mesh, loss_fn=None, *, targets: tuple = (), num_stages: int | None = None,
                   schedule: str = "1f1b", num_microbatches: int | None = None, num_layers: int | None = None,
                   memory_budget: float | None = None, microbatch_candidates: Sequence[int] | None = None,
                   imbalance: float = 4.0, constraints: dict | None = None, time_limit: float = 30.0,
-                  power_of_two: bool = True, workers: int | None = None, progress=None):
+                  power_of_two: bool = True, workers: int | None = None, progress=None,
+                  example_kwargs: dict | None = None):
     """Plan stages, submeshes, microbatches and every stage's intra-op plan (Alpa, section 5).
 
     Args:
@@ -1078,7 +1075,7 @@ def plan_pipeline(model, example_inputs, mesh, loss_fn=None, *, targets: tuple =
         PipelinePlanError: impossible stage counts (the message gives the limits), a batch that
             ``num_microbatches`` does not divide, or nothing fits memory.
     """
-    from .capture import capture
+    from .capture import batch_size, capture, rows
     from .losses import loss_reduction
     from .plan import Plan
 
@@ -1086,7 +1083,7 @@ def plan_pipeline(model, example_inputs, mesh, loss_fn=None, *, targets: tuple =
     _check_schedule(schedule)
     t0 = time.perf_counter()
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    batch = int(inputs[0].shape[0])
+    batch = batch_size((inputs, example_kwargs))
     if num_microbatches is not None:
         if num_microbatches < 1 or batch % num_microbatches:
             raise PipelinePlanError(f"num_microbatches={num_microbatches} must divide the batch of {batch}")
@@ -1103,8 +1100,8 @@ def plan_pipeline(model, example_inputs, mesh, loss_fn=None, *, targets: tuple =
     tried = {}
     for b in candidates:
         say(f"capture (microbatch {batch // b}, B={b})")
-        cg = capture(model, tuple(_microbatch(x, batch // b) for x in inputs), loss_fn,
-                     tuple(_microbatch(x, batch // b) for x in targets))
+        cg = capture(model, rows(inputs, 0, batch // b), loss_fn, rows(tuple(targets), 0, batch // b),
+                     rows(example_kwargs, 0, batch // b))
         layers = cluster_layers(cg, num_layers)
         _check_stage_count(num_stages, len(layers), devices)
         costs = GraphStageCosts(cg, layers, cluster, budget,

@@ -47,7 +47,7 @@ from ..runtime.collectives import (
     run_step,
 )
 from ..runtime.executor import LocalExecutor
-from ..runtime.init import local_shards
+from ..runtime.init import local_constants, local_shards, store_buffer_mutations
 from ..spec import ShardingSpec
 from ..stages import stage_view
 from .schedules import get_schedule
@@ -129,9 +129,11 @@ class PipelineTrainer:
         self.tied_groups = self._tied_groups(rank)
         self.params, self.buffers = local_shards(model, self.view, self.sp.plan, self.groups, self.device, seed,
                                                  init_fn)
+        self.constants = local_constants(captured, self.sp.plan, self.groups, self.device)
         self.buckets = gradient_buckets(self.view, self.sp.plan.nodes, self.sp.plan.grad_sync, self.groups.shape,
                                         self.sp.plan.bucket_bytes)
-        self.optimizer = optimizer(list(self.params.values()))
+        # a stage holding no trainable parameter (frozen ones only, or none) has no optimizer
+        self.optimizer = optimizer(list(self.params.values())) if self.params else None
         self.peak_activation_bytes = 0
 
     # ---------------------------------------------------------------- process groups
@@ -210,13 +212,14 @@ class PipelineTrainer:
         return [r for i, r in enumerate(prev.ranks) if i % d == self.index]
 
     # ---------------------------------------------------------------- one step
-    def _forward(self, mb: int, batch, received: dict[str, torch.Tensor]):
-        """Run the stage's nodes on microbatch ``mb``; returns (values sent, the microbatch's
-        weighted loss ``w_m L_m`` on the last stage, else None)."""
+    def _forward(self, mb: int, batch: list[torch.Tensor], received: dict[str, torch.Tensor]):
+        """Run the stage's nodes on microbatch ``mb`` of the flat ``batch`` (``input_names`` order);
+        returns (values sent, the microbatch's weighted loss ``w_m L_m`` on the last stage, else None)."""
         size = batch[0].shape[0] // self.num_microbatches
         values: dict[str, object] = {}
         values |= {ph: self.params[fqn] for ph, fqn in self.view.param_fqns.items()}
         values |= {ph: self.buffers[fqn] for ph, fqn in self.view.buffer_fqns.items()}
+        values |= self.constants
         for name, x in zip(self.cg.input_names, batch):
             if name in self.view.input_names:
                 part = x[mb * size:(mb + 1) * size].to(self.device)
@@ -224,9 +227,7 @@ class PipelineTrainer:
         values |= received
         for name in self.sp.nodes:
             values[name] = self.executor._call(self.cg.node(name), values)
-        for out_name, buffer_fqn in self.view.buffer_mutations.items():
-            with torch.no_grad():
-                self.buffers[buffer_fqn].copy_(values[out_name])
+        store_buffer_mutations(self.view, self.sp.plan, values, self.buffers, self.groups)
         sent = []
         for name in self.sp.send:
             x = values[name]
@@ -254,24 +255,26 @@ class PipelineTrainer:
         self._terms.append((term.detach(), weight))
         return term
 
-    def step(self, *batch) -> float:
-        """One training step on the global ``batch`` (inputs then targets, the same on every rank).
+    def step(self, *batch, **kwargs) -> float:
+        """One training step on the global ``batch`` (inputs then targets, then the model's keyword
+        inputs ``kwargs``; structured as the example inputs, the same on every rank).
 
         Returns:
             the loss of the whole batch (float, equal on all ranks): ``sum_m w_m L_m / Z``
             (module docstring).
 
         Raises:
-            ValueError: the batch does not split into the plan's microbatches.
+            ValueError: the batch's structure is not the captured one, or it does not split into
+                the plan's microbatches.
         """
-        if len(batch) != len(self.cg.input_names):
-            raise ValueError(f"step() takes {len(self.cg.input_names)} tensors (inputs then targets), got {len(batch)}")
+        batch = self.cg.flat_inputs(batch, kwargs)
         for name, x in zip(self.cg.input_names, batch):
             expect = tuple(self.cg.node(name).meta["val"].shape)
             if (x.shape[0] != expect[0] * self.num_microbatches) or tuple(x.shape[1:]) != expect[1:]:
                 raise ValueError(f"input {name} has shape {tuple(x.shape)}; the plan takes {self.num_microbatches} "
                                  f"microbatches of {expect}")
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
         self._pending = []
         meter = _ActivationMeter()
         saved: dict[int, tuple] = {}
@@ -314,7 +317,8 @@ class PipelineTrainer:
                 if p.grad is not None:
                     p.grad.div_(z)
         self._sync_gradients()
-        self.optimizer.step()
+        if self.optimizer is not None:
+            self.optimizer.step()
         return loss
 
     def _recv_grads(self, mb: int, sent: list[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -392,16 +396,16 @@ def _tag(mb: int, kind: int, k: int) -> int:
 
 
 def pipeline_trainer(model, example_inputs: tuple, loss_fn, targets: tuple, plan: Plan, optimizer, seed: int,
-                     init_fn, timeout_s: float = 120.0) -> PipelineTrainer:
+                     init_fn, timeout_s: float = 120.0, example_kwargs: dict | None = None) -> PipelineTrainer:
     """``parallelize``'s path for a plan with stages: capture one microbatch and build the trainer
     (``optimizer`` None: AdamW(lr=1e-3))."""
-    from ..capture import capture
+    from ..capture import batch_size, capture, rows
 
     b = plan.num_microbatches
-    batch = int(example_inputs[0].shape[0])
+    batch = batch_size((example_inputs, example_kwargs))
     if batch % b:
         raise PlanError(f"the plan splits the batch into {b} microbatches; the example batch is {batch}")
-    mb = lambda xs: tuple(x[: batch // b] for x in xs)
-    captured = capture(model, mb(example_inputs), loss_fn, mb(targets))
+    captured = capture(model, rows(tuple(example_inputs), 0, batch // b), loss_fn, rows(tuple(targets), 0, batch // b),
+                       rows(example_kwargs, 0, batch // b))
     optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
     return PipelineTrainer(model, captured, plan, optimizer, seed, init_fn, timeout_s)

@@ -26,7 +26,7 @@ from ..resharding import forward_steps
 from ..spec import ShardingSpec
 from .collectives import COUNTS, MeshGroups, all_reduce_bucket, local_slice, run_step
 from .executor import LocalExecutor
-from .init import local_shards
+from .init import local_constants, local_shards, store_buffer_mutations
 
 
 def _device() -> torch.device:
@@ -80,6 +80,7 @@ class ParallelTrainer:
         self.buckets = gradient_buckets(captured, plan.nodes, plan.grad_sync, self.groups.shape, plan.bucket_bytes)
         self.executor = LocalExecutor(captured, plan, self.groups, self.device, seed)
         self.params, self.buffers = local_shards(model, captured, plan, self.groups, self.device, seed, init_fn)
+        self.constants = local_constants(captured, plan, self.groups, self.device)
         self.optimizer = optimizer(list(self.params.values()))
         self.timer: StepTimer | None = None  # set by parallelize(..., report=True)
 
@@ -87,12 +88,11 @@ class ParallelTrainer:
     def _spec(self, placeholder: str) -> ShardingSpec:
         return ShardingSpec.parse(self.plan.nodes[placeholder].out_specs[0])
 
-    def _placeholder_values(self, batch) -> dict[str, torch.Tensor]:
+    def _placeholder_values(self, batch: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
         env = {ph: self.params[fqn] for ph, fqn in self.cg.param_fqns.items()}
         env |= {ph: self.buffers[fqn] for ph, fqn in self.cg.buffer_fqns.items()}
-        if len(batch) != len(self.cg.input_names):
-            raise ValueError(f"step() takes {len(self.cg.input_names)} tensors (inputs then targets), got {len(batch)}")
-        for name, x in zip(self.cg.input_names, batch):
+        env |= self.constants
+        for name, x in zip(self.cg.input_names, self.cg.flat_inputs(batch, kwargs)):
             expect = tuple(self.cg.node(name).meta["val"].shape)
             if tuple(x.shape) != expect:
                 raise ValueError(f"input {name} has shape {tuple(x.shape)}, the plan was made for {expect}")
@@ -100,23 +100,29 @@ class ParallelTrainer:
         return env
 
     # ---------------------------------------------------------------- training
-    def loss(self, *batch) -> torch.Tensor:
+    def loss(self, *batch, **kwargs) -> torch.Tensor:
         """The (replicated) loss of a global batch, with the autograd graph for backward."""
-        values = self.executor.run(self._placeholder_values(batch))
-        for out_name, buffer_fqn in self.cg.buffer_mutations.items():
-            with torch.no_grad():
-                self.buffers[buffer_fqn].copy_(values[out_name])
+        values = self.executor.run(self._placeholder_values(batch, kwargs))
+        store_buffer_mutations(self.cg, self.plan, values, self.buffers, self.groups)
         return values[self.cg.loss_name]
 
-    def step(self, *batch) -> float:
+    def step(self, *batch, **kwargs) -> float:
         """Forward, backward and optimizer update on a global batch (the same on every rank).
+
+        Args:
+            batch: the model inputs then the targets, structured as the example inputs were
+                (tensors, nested tuples / lists / dicts of them), with global shapes.
+            kwargs: the model's keyword inputs, as ``example_kwargs`` were given.
 
         Returns:
             the loss (float, equal on all ranks).
+
+        Raises:
+            ValueError: the batch's structure or a tensor's shape is not the captured one.
         """
         with self.timer.step() if self.timer is not None else nullcontext():
             self.optimizer.zero_grad(set_to_none=True)
-            loss = self.loss(*batch)
+            loss = self.loss(*batch, **kwargs)
             loss.backward()
             self.sync_gradients()
             self.optimizer.step()
@@ -200,7 +206,8 @@ class ParallelTrainer:
                 target.copy_(local_slice(state[fqn], self._spec(ph), self.groups))
 
 
-def parallelize(model: torch.nn.Module, mesh, example_inputs, loss_fn=None, *, targets: tuple = (),
+def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *, targets: tuple = (),
+                example_kwargs: dict | None = None,
                 optimizer: Callable | None = None, plan: Plan | str | Path | None = None, seed: int = 0,
                 init_fn: Callable | None = None, cluster: str | None = None, timeout_s: float = 120.0,
                 report: bool | None = None, report_warmup: int = 2, report_steps: int | None = 5,
@@ -212,7 +219,11 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs, loss_fn=None, *, t
             (``init_parameters`` semantics: ``reset_parameters`` or ``init_fn``, seeded by
             ``seed`` and module name); otherwise its weights are sliced.
         mesh: a 2D torch ``DeviceMesh``, or a shape such as ``(2, 2)`` for the current world.
-        example_inputs: model inputs with GLOBAL shapes; ``targets`` follow them in a batch.
+        example_inputs: model inputs with GLOBAL shapes (a tensor, a tuple of them, or nested
+            tuples / lists / dicts); ``targets`` follow them in a batch, and ``step`` takes the
+            same structure.
+        example_kwargs: keyword inputs of the model (HuggingFace's ``input_ids=``, ``labels=``);
+            ``step`` takes them as keywords too.
         loss_fn: ``loss_fn(output, *targets)``; None when the model returns its loss.
         optimizer: ``params -> torch.optim.Optimizer``; default AdamW(lr=1e-3).
         plan: a ``Plan``, a plan JSON path, or None to plan here (rank 0 plans and broadcasts).
@@ -235,12 +246,13 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs, loss_fn=None, *, t
     shape = tuple(dmesh.mesh.shape)
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
-    captured = capture(model, tuple(example_inputs), loss_fn, targets)
+    captured = capture(model, tuple(example_inputs), loss_fn, targets, example_kwargs)
     if plan is None:
         box = [None]
         if dist.get_rank() == 0:
             lmesh = LogicalMesh(shape, cluster=cluster or ("a100" if torch.cuda.is_available() else "cpu-gloo"))
-            box[0] = make_plan(model, tuple(example_inputs), lmesh, loss_fn, targets=targets, **plan_options).to_json()
+            box[0] = make_plan(model, tuple(example_inputs), lmesh, loss_fn, targets=targets,
+                               example_kwargs=example_kwargs, **plan_options).to_json()
         dist.broadcast_object_list(box, src=0)
         plan = Plan.from_json(box[0])
     elif not isinstance(plan, Plan):
@@ -248,7 +260,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs, loss_fn=None, *, t
     if plan.stages:  # a pipelined plan: stages on submeshes (alpa_lite.pipeline)
         from ..pipeline.executor import pipeline_trainer
         return pipeline_trainer(model, tuple(example_inputs), loss_fn, targets, plan, optimizer, seed, init_fn,
-                                timeout_s)
+                                timeout_s, example_kwargs)
     if plan.fingerprint != captured.fingerprint():
         raise PlanError("the plan was made for another model or other input shapes "
                         f"(plan graph {plan.fingerprint}, this model {captured.fingerprint()})")
