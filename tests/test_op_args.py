@@ -59,9 +59,12 @@ def test_cross_entropy_rule_reads_every_option(options, output, reduce):
     assert sig.outputs == [output] and sig.reduce == reduce and sig.fixed == {"c"}
 
 
-def test_cross_entropy_weighted_mean_is_replicated_and_weighted_sum_splits():
+def test_cross_entropy_weighted_mean_and_sum_split_the_batch():
+    """A weighted mean divides by the batch's weight sum: the runtime all-reduces the local loss
+    sum and the local weight sum separately (``losses.ratio_parts``), so it splits like a sum."""
     x, y, w = torch.randn(8, 5), torch.randint(0, 5, (8,)), torch.rand(5)
-    assert signature(_node(lambda x, y, w: F.cross_entropy(x, y, weight=w), x, y, w)) is None
+    sig = signature(_node(lambda x, y, w: F.cross_entropy(x, y, weight=w), x, y, w))
+    assert sig.inputs == [("n", "c"), ("n",), ("c",)] and sig.reduce == "mean"
     sig = signature(_node(lambda x, y, w: F.cross_entropy(x, y, weight=w, reduction="sum"), x, y, w))
     assert sig.inputs == [("n", "c"), ("n",), ("c",)] and sig.reduce == "sum"
 
