@@ -447,7 +447,8 @@ def _fake_run(gm: torch.fx.GraphModule, params: set[str]) -> tuple[set[str], set
             if n.op == "placeholder":
                 val = n.meta["val"]
                 out = mode.from_tensor(val) if isinstance(val, torch.Tensor) else val
-                out = out.detach().requires_grad_(True) if n.name in params else out
+                if isinstance(out, torch.Tensor):  # only the parameters: export may mark a meta input too
+                    out = out.detach().requires_grad_(n.name in params)
                 if isinstance(out, torch.Tensor):
                     inputs[n.name] = (out, out._version)
             else:
