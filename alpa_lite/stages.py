@@ -801,18 +801,18 @@ def send_gather_seconds(cg, name: str, spec, mesh) -> float:
 
 @dataclass
 class StageSolution:
-    """The intra-op solution of one stage: its ``Plan``-ready node strategies and cost figures
-    (seconds per microbatch, bytes per device). ``ilp_memory``: the two parts of the ILP's memory
-    constraint at the optimum, ``(w, a)`` with ``w + act_scale a <= memory_bytes`` (``w`` includes
-    weights an earlier layer placed, which ``weight_bytes`` leaves out)."""
+    """The intra-op solution of one stage: its node strategies and cost figures (seconds per
+    microbatch, bytes per device). ``nodes``: as chosen, every gradient sync still on its edge
+    (``planner.training_step`` defers them once the whole stage is known). ``ilp_memory``: the
+    two parts of the ILP's memory constraint at the optimum, ``(w, a)`` with
+    ``w + act_scale a <= memory_bytes`` (``w`` includes weights an earlier layer placed, which
+    ``weight_bytes`` leaves out)."""
 
     seconds: float
     once_seconds: float
     weight_bytes: float
     act_bytes: float
     nodes: dict
-    grad_sync: dict
-    collectives: list
     compute_seconds: float
     ilp_memory: tuple[float, float]
 
@@ -891,9 +891,7 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
         for src in nodes[n].inputs:
             if src not in nodes:
                 nodes[src] = boundary_node_plan(cg, src, fixed.get(src))
-    view = stage_view(cg, subset)
-    grad_sync = planner.defer_gradient_sync(view, nodes)
-    collectives = planner.plan_collectives(view, nodes, mesh, grad_sync)
+    _, grad_sync, collectives = planner.training_step(stage_view(cg, subset), nodes, mesh)
     # the objective holds sync_weight x every gradient sync; per microbatch the deferred ones
     # (bucketed, once per step) do not run and the others run in full
     sync_all = sync_deferred = 0.0
@@ -915,7 +913,7 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
     terms = [0.0, 0.0]  # the ILP's memory: sum over weight variables, sum over the others (unscaled)
     for v, m in enumerate(unscaled):
         terms[v not in weight_vars] += m[sol.choice[v]]
-    return StageSolution(max(seconds, 0.0), once, weights, acts, nodes, grad_sync, collectives, compute,
+    return StageSolution(max(seconds, 0.0), once, weights, acts, nodes, compute,
                          tuple(terms))
 
 
@@ -1187,7 +1185,7 @@ def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budg
     if len(st.option.payload) == 2:  # one ILP for the stage (exact mode, or the chain's fallback)
         sol = solve_stage(cg, names, mesh, budget, scale, costs.table(shape, st.start, st.end), constraints,
                           time_limit, sync_weight=costs.sync_weight, sends=costs.sends(st.start, st.end))
-        nodes, grad_sync, collectives, compute = sol.nodes, sol.grad_sync, sol.collectives, sol.compute_seconds
+        nodes, compute = sol.nodes, sol.compute_seconds
     else:  # the chain of per-layer solutions the DP priced, on this stage's own layers
         fixed: dict[str, tuple[str, ...]] = {}
         real: dict = {}
@@ -1202,8 +1200,7 @@ def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budg
                 (boundary if np_.strategy == "boundary" else real)[n] = np_
             fixed.update({n: real[n].out_specs for n in part if n in real})
         nodes = {n: np_ for n, np_ in boundary.items() if n not in real} | real
-        grad_sync = planner.defer_gradient_sync(view, nodes)
-        collectives = planner.plan_collectives(view, nodes, mesh, grad_sync)
+    nodes, grad_sync, collectives = planner.training_step(view, nodes, mesh)  # the syncs of the whole stage
     plan = Plan(mesh=mesh, param_specs=planner.param_specs_of(view, nodes), input_specs={n: nodes[n].out_specs[0] for n in view.input_names},
                 nodes=nodes, collectives=collectives, compute_seconds=compute,
                 comm_seconds=sum(c.seconds for c in collectives),
