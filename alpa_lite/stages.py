@@ -957,7 +957,9 @@ def boundary_node_plan(cg, name: str, specs: tuple[str, ...] | None = None):
 
 
 def _constrain(cg, table, mesh, constraints: dict) -> None:
-    """Force the baselines' choices on a stage's strategy table (``planner.plan`` semantics)."""
+    """Force the baselines' choices on a stage's strategy table (``planner.plan`` semantics). A
+    forced spec is written for the cluster; on the stage's logical mesh a split along an axis of
+    size 1 is no split (``S01R`` on a ``1 x 2`` stage is ``S1R``: ZeRO over the stage's devices)."""
     from . import planner
 
     by_fqn = {fqn: ph for ph, fqn in cg.param_fqns.items()}
@@ -966,7 +968,9 @@ def _constrain(cg, table, mesh, constraints: dict) -> None:
         ph = by_fqn.get(fqn)
         if ph in table:
             forced.add(ph)
-            planner._force(table[ph], ShardingSpec.parse(text), f"parameter {fqn}", cg, mesh)
+            spec = ShardingSpec.parse(text)
+            spec = ShardingSpec(tuple(tuple(a for a in entry if mesh.shape[a] > 1) for entry in spec.dims))
+            planner._force(table[ph], spec, f"parameter {fqn}", cg, mesh)
     if constraints.get("replicate_params"):
         for ph in cg.param_fqns:
             if ph in table and ph not in forced:

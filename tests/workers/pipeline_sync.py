@@ -1,8 +1,10 @@
 """Run on every rank by torchrun: pipelined plans with several devices per stage vs one process.
 
-For each case (``--cases``: JSON name -> {"model", "batch", "seq", "build", "plan"}) rank 0 plans
-(``alpa_lite.plan`` on a 2x2 ``cpu-gloo`` mesh, ``plan`` options), every rank trains the plan twice,
-with SGD and with AdamW, and rank 0 writes per case and optimizer: the losses of every step, the
+For each case (``--cases``: JSON name -> {"model", "batch", "seq", "build", "plan", "schedules"})
+rank 0 plans (``alpa_lite.plan`` on a 2x2 ``cpu-gloo`` mesh, ``plan`` options); every rank trains
+the plan under each schedule of ``schedules`` (default: the plan's; the schedule only orders the
+runtime's work, and these tiny stages fit memory under either), twice, with SGD and with AdamW, and
+rank 0 writes per case, schedule and optimizer: the losses of every step, the
 largest gradient error after step 1, the largest parameter error after the last step (each with
 the reference's largest value for scale), and per stage its ranks, parameters and gradient syncs.
 The reference trains the model in one process on the same global batches.
@@ -11,6 +13,8 @@ import argparse
 import copy
 import json
 import sys
+import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -84,6 +88,7 @@ def main():
             references[model_key] = (model, example, batches,
                                      {o: reference(model, batches, LR, cls) for o, cls in OPTIMIZERS.items()})
         model, example, batches, refs = references[model_key]
+        t0 = time.perf_counter()
         box = [None]
         if dist.get_rank() == 0:
             box[0] = make_plan(model, example, LogicalMesh((2, 2), cluster="cpu-gloo"), **case["plan"]).to_json()
@@ -94,18 +99,22 @@ def main():
         if key not in captured:
             size = example[0].shape[0] // b
             captured[key] = capture(model, tuple(x[:size] for x in example))
-        record = {"num_microbatches": b, "stages": [
-            {"ranks": s.ranks, "params": sorted(s.plan.param_specs), "grad_sync": sorted(s.plan.grad_sync)}
-            for s in plan.stages]}
-        for opt, cls in OPTIMIZERS.items():
-            ref_losses, ref_grads, ref_params = refs[opt]
-            trainer = PipelineTrainer(copy.deepcopy(model), captured[key], plan, lambda p, cls=cls: cls(p, lr=LR))
-            losses = [trainer.step(*batches[0])]
-            grad_err = max_err(trainer.gradients(), ref_grads)
-            losses += [trainer.step(*x) for x in batches[1:]]
-            param_err = max_err(trainer.state_dict(), ref_params)
-            record[opt] = {"losses": losses, "ref_losses": ref_losses, "grad_err": grad_err, "param_err": param_err}
-        results[name] = record
+        fqn = captured[key].param_fqns
+        stages = [{"ranks": s.ranks, "params": sorted(s.plan.param_specs), "grad_sync": sorted(fqn[ph] for ph in s.plan.grad_sync)}
+                  for s in plan.stages]
+        for schedule in case.get("schedules", [plan.schedule]):
+            record = {"num_microbatches": b, "stages": stages}
+            for opt, cls in OPTIMIZERS.items():
+                ref_losses, ref_grads, ref_params = refs[opt]
+                trainer = PipelineTrainer(copy.deepcopy(model), captured[key], replace(plan, schedule=schedule),
+                                          lambda p, cls=cls: cls(p, lr=LR))
+                losses = [trainer.step(*batches[0])]
+                grad_err = max_err(trainer.gradients(), ref_grads)
+                losses += [trainer.step(*x) for x in batches[1:]]
+                param_err = max_err(trainer.state_dict(), ref_params)
+                record[opt] = {"losses": losses, "ref_losses": ref_losses, "grad_err": grad_err, "param_err": param_err}
+            record["seconds"] = time.perf_counter() - t0
+            results[f"{name}/{schedule}"] = record
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
