@@ -1050,7 +1050,7 @@ def plan_pipeline(model, example_inputs, mesh, loss_fn=None, *, targets: tuple =
                   schedule: str = "1f1b", num_microbatches: int | None = None, num_layers: int | None = None,
                   memory_budget: float | None = None, microbatch_candidates: Sequence[int] | None = None,
                   imbalance: float = 4.0, constraints: dict | None = None, time_limit: float = 30.0,
-                  power_of_two: bool = True, workers: int | None = None, progress=None):
+                  power_of_two: bool = True, workers: int | None = None, progress=None, mode: str = "chain"):
     """Plan stages, submeshes, microbatches and every stage's intra-op plan (Alpa, section 5).
 
     Args:
@@ -1071,6 +1071,7 @@ def plan_pipeline(model, example_inputs, mesh, loss_fn=None, *, targets: tuple =
         workers: processes that compute the stage costs (``GraphStageCosts.prefetch``); None: one
             per CPU core available (1 inside a ``torch.distributed`` job), 1: in this process.
         progress: ``progress(message)`` as planning advances.
+        mode: ``"chain"`` (per-layer ILPs) or ``"exact"`` (one ILP per stage), ``GraphStageCosts``.
 
     Returns:
         a ``Plan`` with ``stages``.
@@ -1109,7 +1110,8 @@ def plan_pipeline(model, example_inputs, mesh, loss_fn=None, *, targets: tuple =
         _check_stage_count(num_stages, len(layers), devices)
         costs = GraphStageCosts(cg, layers, cluster, budget,
                                 max_in_flight=b if schedule == "gpipe" else min(b, len(layers), devices),
-                                constraints=constraints, time_limit=time_limit, num_microbatches=b, schedule=schedule)
+                                constraints=constraints, time_limit=time_limit, num_microbatches=b, schedule=schedule,
+                                mode=mode)
         pruned = _balanced(costs, layers, devices, imbalance)
         shapes = submesh_shapes(mesh.shape, power_of_two)
         say(f"stage costs (B={b}, {len(layers)} layers, {len(shapes)} submesh shapes, {workers} workers)")
