@@ -84,7 +84,8 @@ class PipelineTrainer:
         model: the module (meta or real parameters; ``runtime.init`` semantics).
         captured: the ``CapturedGraph`` of ONE microbatch (the plan's fingerprint).
         plan: a ``Plan`` with ``stages``; their ranks must tile the world.
-        optimizer: ``params -> torch.optim.Optimizer`` over this rank's shards.
+        optimizer: ``params -> torch.optim.Optimizer`` over this rank's shards (not called on a
+            stage without parameters: it has nothing to update).
         timeout_s: timeout of the stage process groups' collectives, seconds (point-to-point
             transfers run on the default group, whose timeout ``init_distributed`` set).
 

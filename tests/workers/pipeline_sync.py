@@ -1,19 +1,18 @@
 """Run on every rank by torchrun: pipelined plans with several devices per stage vs one process.
 
 For each case (``--cases``: JSON name -> {"model", "batch", "seq", "build", "plan", "schedules"})
-rank 0 plans (``alpa_lite.plan`` on a 2x2 ``cpu-gloo`` mesh, ``plan`` options); every rank trains
-the plan under each schedule of ``schedules`` (default: the plan's; the schedule only orders the
-runtime's work, and these tiny stages fit memory under either), twice, with SGD and with AdamW, and
-rank 0 writes per case, schedule and optimizer: the losses of every step, the
-largest gradient error after step 1, the largest parameter error after the last step (each with
-the reference's largest value for scale), and per stage its ranks, parameters and gradient syncs.
+the ranks share the planning (``alpa_lite.plan`` on a 2x2 ``cpu-gloo`` mesh, ``plan`` options).
+Every rank trains each plan under each schedule of ``schedules`` (default: the plan's; the
+schedule only orders the runtime's work, and these tiny stages fit memory under either), twice,
+with SGD and with AdamW. Rank 0 writes per case, schedule and optimizer: the losses of every step,
+the largest gradient error after step 1 and parameter error after the last step (each with the
+reference's largest value, for scale), and per stage its ranks, parameters and gradient syncs.
 The reference trains the model in one process on the same global batches.
 """
 import argparse
 import copy
 import json
 import sys
-import time
 from dataclasses import replace
 
 import torch
@@ -71,6 +70,18 @@ def max_err(got: dict, want: dict) -> tuple[float, float]:
             max(float(v.abs().max()) for v in want.values()))
 
 
+def plan_all(cases: dict) -> dict[str, str]:
+    """Case name -> plan JSON; each rank plans every ``world``-th case, then all exchange them."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {}
+    for name in list(cases)[rank::world]:
+        model, example = build(cases[name])
+        mine[name] = make_plan(model, example, LogicalMesh((2, 2), cluster="cpu-gloo"), **cases[name]["plan"]).to_json()
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    return {k: v for part in every for k, v in part.items()}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", required=True)
@@ -78,6 +89,7 @@ def main():
     args = ap.parse_args()
     init_distributed(120)
     cases = json.loads(args.cases)
+    plans = plan_all(cases)
     references, captured = {}, {}
     results = {}
     for name, case in cases.items():
@@ -88,12 +100,7 @@ def main():
             references[model_key] = (model, example, batches,
                                      {o: reference(model, batches, LR, cls) for o, cls in OPTIMIZERS.items()})
         model, example, batches, refs = references[model_key]
-        t0 = time.perf_counter()
-        box = [None]
-        if dist.get_rank() == 0:
-            box[0] = make_plan(model, example, LogicalMesh((2, 2), cluster="cpu-gloo"), **case["plan"]).to_json()
-        dist.broadcast_object_list(box, src=0)
-        plan = Plan.from_json(box[0])
+        plan = Plan.from_json(plans[name])
         b = plan.num_microbatches
         key = (model_key, b)
         if key not in captured:
@@ -113,7 +120,6 @@ def main():
                 losses += [trainer.step(*x) for x in batches[1:]]
                 param_err = max_err(trainer.state_dict(), ref_params)
                 record[opt] = {"losses": losses, "ref_losses": ref_losses, "grad_err": grad_err, "param_err": param_err}
-            record["seconds"] = time.perf_counter() - t0
             results[f"{name}/{schedule}"] = record
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
