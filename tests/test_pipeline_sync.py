@@ -35,8 +35,8 @@ def cases() -> dict:
     for layout, stages in LAYOUTS.items():
         for b in (1, 2, 4):
             for spec, options in SPECS.items():
-                out[f"mlp/{layout}/B{b}/{spec}"] = MLP | {
-                    "plan": {"num_stages": stages, "num_microbatches": b, "num_layers": 4} | options, "schedules": SCHEDULES}
+                plan = {"num_stages": stages, "num_microbatches": b, "num_layers": 4} | options
+                out[f"mlp/{layout}/B{b}/{spec}"] = MLP | {"plan": plan, "schedules": SCHEDULES}
     gpt = {"model": "gpt-tiny", "batch": 8, "seq": 16, "schedules": SCHEDULES}
     out["tied/2x2/dp"] = gpt | {"plan": {"num_stages": 2, "num_microbatches": 2, "force_data_parallel": True}}
     out["tied/1x4/dp"] = gpt | {"plan": {"num_stages": 1, "num_microbatches": 2, "force_data_parallel": True}}

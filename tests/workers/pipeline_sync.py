@@ -107,8 +107,8 @@ def main():
             size = example[0].shape[0] // b
             captured[key] = capture(model, tuple(x[:size] for x in example))
         fqn = captured[key].param_fqns
-        stages = [{"ranks": s.ranks, "params": sorted(s.plan.param_specs), "grad_sync": sorted(fqn[ph] for ph in s.plan.grad_sync)}
-                  for s in plan.stages]
+        stages = [{"ranks": s.ranks, "params": sorted(s.plan.param_specs),
+                   "grad_sync": sorted(fqn[ph] for ph in s.plan.grad_sync)} for s in plan.stages]
         for schedule in case.get("schedules", [plan.schedule]):
             record = {"num_microbatches": b, "stages": stages}
             for opt, cls in OPTIMIZERS.items():
