@@ -138,17 +138,26 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
     return graph, where
 
 
-def defer_gradient_sync(cg: CapturedGraph, nodes: dict[str, NodePlan]) -> dict[str, tuple[int, ...]]:
+def defer_gradient_sync(cg: CapturedGraph, nodes: dict[str, NodePlan]
+                        ) -> tuple[dict[str, NodePlan], dict[str, tuple[int, ...]]]:
     """Move data-parallel gradient all-reduces out of the graph: a parameter whose every use is a
     gradient sync over the same axes (``is_gradient_sync``) gets its gradient reduced once, in a
-    bucket, after backward. Edits ``nodes`` (those uses no longer reduce) and returns
-    parameter placeholder -> axes."""
+    bucket, after backward (after the last microbatch of a pipeline).
+
+    ``nodes`` are the strategies as chosen, every gradient sync still on its edge (an ILP's
+    ``_node_plan``s, or the union of a chained stage's per-layer solutions); they are not edited.
+    Deciding on the whole program at once is what makes it right: a parameter used by two layers
+    is deferred only if both uses are syncs over the same axes.
+
+    Returns:
+        ``(nodes with those uses' grad_partial emptied, parameter placeholder -> axes)``.
+    """
     uses: dict[str, list[tuple[str, int]]] = {ph: [] for ph in cg.param_fqns}
     for name, np_ in nodes.items():
         for i, src in enumerate(np_.inputs):
             if src in uses:
                 uses[src].append((name, i))
-    deferred = {}
+    out, deferred = dict(nodes), {}
     for ph, edges in uses.items():
         spec = nodes[ph].out_specs[0]
         parts = {nodes[n].grad_partial[i] for n, i in edges}
@@ -158,10 +167,21 @@ def defer_gradient_sync(cg: CapturedGraph, nodes: dict[str, NodePlan]) -> dict[s
             continue
         deferred[ph] = tuple(sorted(parts.pop()))
         for n, i in edges:
-            gp = list(nodes[n].grad_partial)
+            gp = list(out[n].grad_partial)
             gp[i] = ()
-            nodes[n] = replace(nodes[n], grad_partial=tuple(gp))
-    return deferred
+            out[n] = replace(out[n], grad_partial=tuple(gp))
+    return out, deferred
+
+
+def training_step(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: LogicalMesh, bucket_bytes: float = 25 * 2**20
+                  ) -> tuple[dict[str, NodePlan], dict[str, tuple[int, ...]], list[Collective]]:
+    """What a ``Plan`` (an SPMD plan or one pipeline stage's) stores for the chosen strategies
+    ``nodes`` (gradient syncs on their edges): ``(nodes, grad_sync, collectives)`` with the
+    data-parallel gradient syncs deferred to buckets (``defer_gradient_sync``) and every
+    collective of one training step (``plan_collectives``). The one place both plan kinds derive
+    their gradient synchronization."""
+    nodes, grad_sync = defer_gradient_sync(cg, nodes)
+    return nodes, grad_sync, plan_collectives(cg, nodes, mesh, grad_sync, bucket_bytes)
 
 
 def gradient_buckets(cg: CapturedGraph, nodes: dict[str, NodePlan], grad_sync: dict[str, tuple[int, ...]],
@@ -311,9 +331,8 @@ def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None
     sol = solve(graph, budget, time_limit=time_limit, solver=solver)
     stats["ilp_s"] = time.perf_counter() - t2
     chosen = {name: table[name].strategies[w.index[sol.choice[w.var]]] for name, w in where.items()}
-    nodes = {name: _node_plan(s, table[name]) for name, s in chosen.items()}
-    grad_sync = defer_gradient_sync(cg, nodes)
-    collectives = plan_collectives(cg, nodes, mesh, grad_sync, bucket_bytes)
+    nodes, grad_sync, collectives = training_step(cg, {name: _node_plan(s, table[name]) for name, s in chosen.items()},
+                                                  mesh, bucket_bytes)
     compute = sum(s.compute for s in chosen.values())
     options = {"memory_budget": budget if math.isfinite(budget) else None, "force_data_parallel": force_data_parallel,
                "batch_axis": batch_axis, "share_layers": share_layers}

@@ -802,18 +802,18 @@ def send_gather_seconds(cg, name: str, spec, mesh) -> float:
 
 @dataclass
 class StageSolution:
-    """The intra-op solution of one stage: its ``Plan``-ready node strategies and cost figures
-    (seconds per microbatch, bytes per device). ``ilp_memory``: the two parts of the ILP's memory
-    constraint at the optimum, ``(w, a)`` with ``w + act_scale a <= memory_bytes`` (``w`` includes
-    weights an earlier layer placed, which ``weight_bytes`` leaves out)."""
+    """The intra-op solution of one stage: its node strategies and cost figures (seconds per
+    microbatch, bytes per device). ``nodes``: as chosen, every gradient sync still on its edge
+    (``planner.training_step`` defers them once the whole stage is known). ``ilp_memory``: the
+    two parts of the ILP's memory constraint at the optimum, ``(w, a)`` with
+    ``w + act_scale a <= memory_bytes`` (``w`` includes weights an earlier layer placed, which
+    ``weight_bytes`` leaves out)."""
 
     seconds: float
     once_seconds: float
     weight_bytes: float
     act_bytes: float
     nodes: dict
-    grad_sync: dict
-    collectives: list
     compute_seconds: float
     ilp_memory: tuple[float, float]
 
@@ -892,9 +892,7 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
         for src in nodes[n].inputs:
             if src not in nodes:
                 nodes[src] = boundary_node_plan(cg, src, fixed.get(src))
-    view = stage_view(cg, subset)
-    grad_sync = planner.defer_gradient_sync(view, nodes)
-    collectives = planner.plan_collectives(view, nodes, mesh, grad_sync)
+    _, grad_sync, collectives = planner.training_step(stage_view(cg, subset), nodes, mesh)
     # the objective holds sync_weight x every gradient sync; per microbatch the deferred ones
     # (bucketed, once per step) do not run and the others run in full
     sync_all = sync_deferred = 0.0
@@ -916,7 +914,7 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
     terms = [0.0, 0.0]  # the ILP's memory: sum over weight variables, sum over the others (unscaled)
     for v, m in enumerate(unscaled):
         terms[v not in weight_vars] += m[sol.choice[v]]
-    return StageSolution(max(seconds, 0.0), once, weights, acts, nodes, grad_sync, collectives, compute,
+    return StageSolution(max(seconds, 0.0), once, weights, acts, nodes, compute,
                          tuple(terms))
 
 
@@ -960,7 +958,9 @@ def boundary_node_plan(cg, name: str, specs: tuple[str, ...] | None = None):
 
 
 def _constrain(cg, table, mesh, constraints: dict) -> None:
-    """Force the baselines' choices on a stage's strategy table (``planner.plan`` semantics)."""
+    """Force the baselines' choices on a stage's strategy table (``planner.plan`` semantics). A
+    forced spec is written for the cluster; on the stage's logical mesh a split along an axis of
+    size 1 is no split (``S01R`` on a ``1 x 2`` stage is ``S1R``: ZeRO over the stage's devices)."""
     from . import planner
 
     by_fqn = {fqn: ph for ph, fqn in cg.param_fqns.items()}
@@ -969,7 +969,9 @@ def _constrain(cg, table, mesh, constraints: dict) -> None:
         ph = by_fqn.get(fqn)
         if ph in table:
             forced.add(ph)
-            planner._force(table[ph], ShardingSpec.parse(text), f"parameter {fqn}", cg, mesh)
+            spec = ShardingSpec.parse(text)
+            spec = ShardingSpec(tuple(tuple(a for a in entry if mesh.shape[a] > 1) for entry in spec.dims))
+            planner._force(table[ph], spec, f"parameter {fqn}", cg, mesh)
     if constraints.get("replicate_params"):
         for ph in cg.param_fqns:
             if ph in table and ph not in forced:
@@ -1046,7 +1048,7 @@ def plan_pipeline(model, example_inputs, mesh, loss_fn=None, *, targets: tuple =
                   memory_budget: float | None = None, microbatch_candidates: Sequence[int] | None = None,
                   imbalance: float = 4.0, constraints: dict | None = None, time_limit: float = 30.0,
                   power_of_two: bool = True, workers: int | None = None, progress=None,
-                  example_kwargs: dict | None = None):
+                  example_kwargs: dict | None = None, mode: str = "chain"):
     """Plan stages, submeshes, microbatches and every stage's intra-op plan (Alpa, section 5).
 
     Args:
@@ -1067,6 +1069,7 @@ def plan_pipeline(model, example_inputs, mesh, loss_fn=None, *, targets: tuple =
         workers: processes that compute the stage costs (``GraphStageCosts.prefetch``); None: one
             per CPU core available (1 inside a ``torch.distributed`` job), 1: in this process.
         progress: ``progress(message)`` as planning advances.
+        mode: ``"chain"`` (per-layer ILPs) or ``"exact"`` (one ILP per stage), ``GraphStageCosts``.
 
     Returns:
         a ``Plan`` with ``stages``.
@@ -1106,7 +1109,8 @@ def plan_pipeline(model, example_inputs, mesh, loss_fn=None, *, targets: tuple =
         _check_stage_count(num_stages, len(layers), devices)
         costs = GraphStageCosts(cg, layers, cluster, budget,
                                 max_in_flight=b if schedule == "gpipe" else min(b, len(layers), devices),
-                                constraints=constraints, time_limit=time_limit, num_microbatches=b, schedule=schedule)
+                                constraints=constraints, time_limit=time_limit, num_microbatches=b, schedule=schedule,
+                                mode=mode)
         pruned = _balanced(costs, layers, devices, imbalance)
         shapes = submesh_shapes(mesh.shape, power_of_two)
         say(f"stage costs (B={b}, {len(layers)} layers, {len(shapes)} submesh shapes, {workers} workers)")
@@ -1190,7 +1194,7 @@ def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budg
     if len(st.option.payload) == 2:  # one ILP for the stage (exact mode, or the chain's fallback)
         sol = solve_stage(cg, names, mesh, budget, scale, costs.table(shape, st.start, st.end), constraints,
                           time_limit, sync_weight=costs.sync_weight, sends=costs.sends(st.start, st.end))
-        nodes, grad_sync, collectives, compute = sol.nodes, sol.grad_sync, sol.collectives, sol.compute_seconds
+        nodes, compute = sol.nodes, sol.compute_seconds
     else:  # the chain of per-layer solutions the DP priced, on this stage's own layers
         fixed: dict[str, tuple[str, ...]] = {}
         real: dict = {}
@@ -1205,8 +1209,7 @@ def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budg
                 (boundary if np_.strategy == "boundary" else real)[n] = np_
             fixed.update({n: real[n].out_specs for n in part if n in real})
         nodes = {n: np_ for n, np_ in boundary.items() if n not in real} | real
-        grad_sync = planner.defer_gradient_sync(view, nodes)
-        collectives = planner.plan_collectives(view, nodes, mesh, grad_sync)
+    nodes, grad_sync, collectives = planner.training_step(view, nodes, mesh)  # the syncs of the whole stage
     plan = Plan(mesh=mesh, param_specs=planner.param_specs_of(view, nodes), input_specs={n: nodes[n].out_specs[0] for n in view.input_names},
                 nodes=nodes, collectives=collectives, compute_seconds=compute,
                 comm_seconds=sum(c.seconds for c in collectives),

@@ -12,6 +12,7 @@ from alpa_lite.stages import (
     bubble_fraction,
     exhaustive_stage_search,
     in_flight,
+    plan_pipeline,
     stage_dp,
     submesh_shapes,
 )
@@ -219,3 +220,25 @@ def test_stage_pays_the_gather_of_what_it_sends():
     assert free.seconds - 1e-12 <= paid.seconds - gathers(paid)
     assert paid.seconds <= free.seconds + gathers(free) + 1e-12
     assert paid.seconds > free.seconds
+
+
+@pytest.mark.parametrize("mode", ["chain", "exact"])
+def test_stage_plans_carry_the_gradient_syncs_of_their_specs(mode):
+    """A stage's gradient syncs are derived once, from the whole stage (``planner.training_step``):
+    a chained stage's per-layer solutions leave them on their edges. Under data parallelism every
+    parameter of every stage is all-reduced after the last microbatch, over the stage's batch
+    axes; a weight two layers of one stage use (the tied embedding) once. (The position table's
+    lookup is not split by batch: its gradient is summed on the activation, in the graph.)"""
+    model, example = build_model("gpt-tiny", 8, 16, device="meta")
+    constraints = {"batch_axis": "all", "replicate_params": True}
+    for cluster, stages in (((2, 2), 2), ((2, 2), 1)):
+        p = plan_pipeline(model, example, LogicalMesh(cluster, cluster="cpu-gloo"), num_stages=stages,
+                          num_microbatches=2, constraints=constraints, mode=mode, workers=1)
+        for s in p.stages:
+            params = [ph for ph in s.plan.nodes if ph in p.captured.param_fqns]
+            axes = tuple(a for a in (0, 1) if s.plan.mesh.shape[a] > 1)
+            batched = [ph for ph in params if p.captured.param_fqns[ph] != "wpe.weight"]
+            assert s.plan.grad_sync == {ph: axes for ph in batched}, (mode, cluster, stages)
+            assert not [n for n, np_ in s.plan.nodes.items() for src, gp in zip(np_.inputs, np_.grad_partial)
+                        if src in params and gp]  # none left in the graph: each is synced once
+            assert s.once_seconds > 0 and any(c.node.startswith("gradient bucket") for c in s.plan.collectives)

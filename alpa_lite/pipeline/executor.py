@@ -91,7 +91,8 @@ class PipelineTrainer:
         model: the module (meta or real parameters; ``runtime.init`` semantics).
         captured: the ``CapturedGraph`` of ONE microbatch (the plan's fingerprint).
         plan: a ``Plan`` with ``stages``; their ranks must tile the world.
-        optimizer: ``params -> torch.optim.Optimizer`` over this rank's shards.
+        optimizer: ``params -> torch.optim.Optimizer`` over this rank's shards (not called on a
+            stage without parameters: it has nothing to update).
         timeout_s: timeout of the stage process groups' collectives, seconds (point-to-point
             transfers run on the default group, whose timeout ``init_distributed`` set).
 
@@ -273,8 +274,8 @@ class PipelineTrainer:
             if (x.shape[0] != expect[0] * self.num_microbatches) or tuple(x.shape[1:]) != expect[1:]:
                 raise ValueError(f"input {name} has shape {tuple(x.shape)}; the plan takes {self.num_microbatches} "
                                  f"microbatches of {expect}")
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
+        for p in self.params.values():
+            p.grad = None
         self._pending = []
         meter = _ActivationMeter()
         saved: dict[int, tuple] = {}
@@ -369,18 +370,28 @@ class PipelineTrainer:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters and buffers by FQN (tied names included), on every rank."""
+        return self._gather({**self.params, **self.buffers}, {**self.cg.param_fqns, **self.cg.buffer_fqns})
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """Full gradients of the last step by parameter FQN (tied names included; zeros where a
+        parameter got none), after their synchronization; on every rank."""
+        grads = {fqn: p.grad if p.grad is not None else torch.zeros_like(p) for fqn, p in self.params.items()}
+        return self._gather(grads, self.cg.param_fqns)
+
+    def _gather(self, local: dict[str, torch.Tensor], placeholders: dict[str, str]) -> dict[str, torch.Tensor]:
+        """``placeholder -> fqn`` of ``placeholders``: the full tensor of each from the first stage
+        holding it (``local``: this stage's shards by FQN), broadcast to every rank."""
         out = {}
         owners = {}
         for i, s in enumerate(self.plan.stages):
             for ph in s.plan.nodes:
-                if ph in self.cg.param_fqns or ph in self.cg.buffer_fqns:
+                if ph in placeholders:
                     owners.setdefault(ph, i)
         for ph in sorted(owners):
-            fqn = self.cg.param_fqns.get(ph) or self.cg.buffer_fqns[ph]
+            fqn = placeholders[ph]
             shape, dtype = self._meta(ph)
             if owners[ph] == self.stage:
-                local = self.params.get(fqn, self.buffers.get(fqn)).detach()
-                x = self._full(local, self._spec(ph), ph).contiguous()
+                x = self._full(local[fqn].detach(), self._spec(ph), ph).contiguous()
             else:
                 x = torch.empty(shape, dtype=dtype, device=self.device)
             dist.broadcast(x, src=self.plan.stages[owners[ph]].ranks[0])
