@@ -1,4 +1,4 @@
-"""The ``alpa-lite`` command line: plan, train, run, profile."""
+"""The ``alpa-lite`` command line: plan, train, run, verify, profile."""
 from __future__ import annotations
 
 import argparse
@@ -36,15 +36,16 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
 def cmd_plan(args) -> int:
     import torch  # noqa: F401  (import before rich status so the spinner is not stuck on import)
 
-    from .tools.explain import collective_table, node_table, param_table, summary_table
+    from .api import plan
     from .core.mesh import LogicalMesh, get_cluster, parse_mesh_shape
+    from .core.plan import PipelinePlan
+    from .tools.explain import collective_table, node_table, param_table, summary_table
     from .zoo.models import build_model
-    from .compiler.planner import plan
 
     console = Console(width=None if sys.stdout.isatty() else 140)
     shape = parse_mesh_shape(args.mesh)
     cluster = get_cluster(args.cluster)
-    mesh = cluster.logical_mesh(shape) if shape[0] * shape[1] <= cluster.num_devices else LogicalMesh(shape, cluster=cluster.name)
+    mesh = cluster.logical_mesh(shape) if shape[0] * shape[1] <= cluster.num_devices else LogicalMesh(shape, cluster=cluster)
     model, example = build_model(args.model, args.batch, args.seq, device="meta")
     if args.memory_budget is not None and not args.memory_budget > 0:
         raise ValueError(f"--memory-budget must be a positive number of GiB, got {args.memory_budget}")
@@ -68,13 +69,13 @@ def cmd_plan(args) -> int:
         explained = node_table(result, args.explain)  # an unknown name fails before the tables
     console.print(summary_table(result, f"{args.model} on a {shape[0]}x{shape[1]} mesh, batch {args.batch}"))
     console.print(param_table(result, max_rows=10**6 if args.all_params else 40))
-    if result.collectives:
-        console.print(collective_table(result))
-    if result.stages:
+    if isinstance(result, PipelinePlan):
         from .tools.display import schedule_chart, stages_table
         console.print(stages_table(result))
         if args.schedule_chart:
             console.print(f"schedule chart written to {schedule_chart(result, args.schedule_chart)}")
+    else:
+        console.print(collective_table(result))
     if args.explain:
         console.print(explained)
     if args.json:
@@ -102,6 +103,12 @@ def cmd_train(args) -> int:
     return train_main(args)
 
 
+def cmd_verify(args) -> int:
+    from .tools.verify import main as verify_main
+
+    return verify_main(args)
+
+
 def cmd_profile(args) -> int:
     from .tools.profile import run
 
@@ -123,6 +130,11 @@ def main(argv=None) -> int:
     t = sub.add_parser("train", help="train a GPT on tinyshakespeare with the auto plan on N CPU processes")
     train_args(t)
     t.set_defaults(func=cmd_train)
+    from .tools.verify import add_arguments as verify_args
+    v = sub.add_parser("verify", help="train a plan and one process on the same batches; compare losses, "
+                                      "gradients, parameters and buffers")
+    verify_args(v)
+    v.set_defaults(func=cmd_verify)
     from .tools.profile import add_arguments as profile_args
     f = sub.add_parser("profile", help="measure collectives and compute; write a cluster JSON")
     profile_args(f)

@@ -112,14 +112,14 @@ def main(args) -> int:
         return _worker(args)
     from .runtime.launch import torchrun
     from .core.mesh import parse_mesh_shape
-    from .core.plan import Plan
+    from .core.plan import load_plan
 
     n0, n1 = parse_mesh_shape(args.mesh)  # bad input fails here, once, not on every rank
     if n0 * n1 != args.nproc:
         raise ValueError(f"mesh {args.mesh} has {n0 * n1} devices but --nproc is {args.nproc}")
-    if args.plan is not None and Plan.from_json(args.plan).mesh.shape != (n0, n1):
-        raise ValueError(f"plan {args.plan} is for a {'x'.join(map(str, Plan.from_json(args.plan).mesh.shape))} "
-                         f"mesh, not {args.mesh}")
+    shape = None if args.plan is None else load_plan(args.plan).mesh.shape
+    if shape is not None and shape != (n0, n1):
+        raise ValueError(f"plan {args.plan} is for a {shape[0]}x{shape[1]} mesh, not {args.mesh}")
     return torchrun(["-m", "alpa_lite.train", *_as_argv(args)], nproc=args.nproc)
 
 

@@ -197,7 +197,7 @@ def ablation(records: dict, cluster_path: Path, model, example, plan_options: di
     import warnings
 
     from alpa_lite.core.mesh import ClusterSpec, get_cluster
-    from alpa_lite.compiler.planner import plan
+    from alpa_lite import plan
 
     calibrated = ClusterSpec.load(cluster_path)
     variants = {"calibrated": calibrated, "fits, no curves": dataclasses.replace(calibrated, use_curves=False),

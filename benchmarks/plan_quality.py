@@ -4,7 +4,7 @@ For Alpa's three suites (OSDI'22, Table 4 / Fig. 7): GPT-3 (350M on 1 GPU ... 39
 GShard MoE (380M on 1 ... 27B on 32) and Wide-ResNet (250M on 1 ... 13B on 64), on the ``a100``
 and ``v100`` cluster presets, the predicted training-step time of
 
-- **alpa-lite**: ``stages.plan_pipeline`` (layer clustering, stage DP, per-stage intra-op ILP);
+- **alpa-lite**: ``alpa_lite.plan(..., pipeline=PipelineOptions(...))`` (layer clustering, stage DP, per-stage intra-op ILP);
 - **hand-tuned grid**: the best ``dp x tp x pp x B`` point: ``pp`` stages of equal layer counts
   on submeshes of ``D / pp`` devices, each with logical mesh ``(dp, tp)``, the batch split along
   axis 0, every weight replicated except, along axis 1, GPT's Megatron column / row /
@@ -17,7 +17,7 @@ and ``v100`` cluster presets, the predicted training-step time of
   devices each, the stages' intra-op plans (and logical meshes) free;
 
 all priced by the same machinery: the same captures (one per microbatch count), the same layer
-clustering, ``stages.GraphStageCosts`` (per-layer intra-op ILPs with forced specs for the
+clustering, ``compiler.stage_costs.GraphStageCosts`` (per-layer intra-op ILPs with forced specs for the
 baselines) and the same step-time formula ``sum(t_i + o_i) + (B - 1) max t_i`` with 1F1B's
 in-flight memory. A configuration that does not fit the device memory is left out ("-").
 
@@ -40,14 +40,10 @@ from rich.table import Table
 from alpa_lite.core.capture import capture
 from alpa_lite.core.mesh import LogicalMesh, get_cluster
 from alpa_lite.zoo.models import build_model
-from alpa_lite.compiler.stages import (
-    GraphStageCosts,
-    PipelinePlanError,
-    cluster_layers,
-    cluster_of,
-    in_flight,
-    plan_pipeline,
-)
+from alpa_lite.compiler.clustering import cluster_layers
+from alpa_lite.compiler.stage_costs import GraphStageCosts
+from alpa_lite.compiler.stage_dp import PipelinePlanError, in_flight
+from alpa_lite.core.options import PipelineOptions, PlanOptions
 
 def megatron_specs(cg, tp: int) -> dict[str, str]:
     """Megatron-LM tensor parallelism of the built-in GPT along mesh axis 1 (weights ``[out, in]``),
@@ -133,7 +129,8 @@ def baselines(model, example, suite: Suite, cluster_shape, preset, microbatches,
     n, m = cluster_shape
     devices = n * m
     mesh = LogicalMesh(cluster_shape, cluster=preset)
-    cluster, budget = cluster_of(mesh), mesh.memory_bytes
+    cluster, budget = mesh.as_cluster(), mesh.memory_bytes
+    free_options = PlanOptions(time_limit=time_limit)
     best = {k: (math.inf, None) for k in ("grid", "data parallel", "zero-3", "equal-layer pipeline")}
 
     def offer(kind, value, config):
@@ -145,7 +142,7 @@ def baselines(model, example, suite: Suite, cluster_shape, preset, microbatches,
         cg = capture(model, tuple(x[:size] for x in example))
         layers = cluster_layers(cg, num_layers)
         L = len(layers)
-        free = GraphStageCosts(cg, layers, cluster, budget, max_in_flight=min(b, L, devices), time_limit=time_limit,
+        free = GraphStageCosts(cg, layers, cluster, budget, max_in_flight=min(b, L, devices), options=free_options,
                                num_microbatches=b)
         pps = [p for p in range(1, min(L, devices) + 1) if L % p == 0 and devices % p == 0]
         free.prefetch([(k * (L // p), (k + 1) * (L // p), submesh_of(devices // p, m)) for p in pps for k in range(p)],
@@ -157,20 +154,16 @@ def baselines(model, example, suite: Suite, cluster_shape, preset, microbatches,
                 if tp > min(d, m) or d % tp:
                     continue
                 dp = d // tp
-                constraints = {"param_specs": megatron_specs(cg, tp), "replicate_params": True}
-                if dp > 1:
-                    constraints["batch_axis"] = 0
-                costs = GraphStageCosts(cg, layers, cluster, budget, max_in_flight=min(b, pp), time_limit=time_limit,
-                                        constraints=constraints, shapes=lambda sub, s=(dp, tp): [s], num_microbatches=b)
+                grid = PlanOptions(param_specs=megatron_specs(cg, tp), replicate_params=True,
+                                   batch_axis=0 if dp > 1 else None, time_limit=time_limit)
+                costs = GraphStageCosts(cg, layers, cluster, budget, max_in_flight=min(b, pp), options=grid,
+                                        shapes=lambda sub, s=(dp, tp): [s], num_microbatches=b)
                 offer("grid", evaluate(costs, L, pp, devices, b, m), f"dp={dp} tp={tp} pp={pp} B={b}")
         shape = submesh_of(devices, m) if devices <= m else (n, m)
-        for kind, constraints in (("data parallel", {"batch_axis": "all", "replicate_params": True}),
-                                  ("zero-3", {"batch_axis": "all", "replicate_params": True,
-                                              "param_specs": zero3_specs(cg, shape)})):
-            if devices == 1:
-                constraints = {"replicate_params": True}
-            costs = GraphStageCosts(cg, layers, cluster, budget, max_in_flight=1, time_limit=time_limit,
-                                    constraints=constraints, shapes=lambda sub, s=shape: [s], num_microbatches=b)
+        for kind, forced in (("data parallel", {}), ("zero-3", zero3_specs(cg, shape) if devices > 1 else {})):
+            options = PlanOptions(force_data_parallel=True, param_specs=forced, time_limit=time_limit)
+            costs = GraphStageCosts(cg, layers, cluster, budget, max_in_flight=1, options=options,
+                                    shapes=lambda sub, s=shape: [s], num_microbatches=b)
             offer(kind, evaluate(costs, L, 1, devices, b, m), f"B={b}")
     return best
 
@@ -187,8 +180,8 @@ def run(suites, models, presets, microbatches, num_layers, time_limit, console, 
                 model, example = build_model(name, suite.global_batch, suite.seq, device="meta")
                 t0 = time.perf_counter()
                 try:
-                    p = plan_pipeline(model, example, LogicalMesh(shape, cluster=preset), num_layers=num_layers,
-                                      microbatch_candidates=microbatches, time_limit=time_limit)
+                    p = plan(model, example, LogicalMesh(shape, cluster=preset), time_limit=time_limit,
+                             pipeline=PipelineOptions(num_layers=num_layers, microbatch_candidates=tuple(microbatches)))
                     ours, plan_s = p.step_seconds, time.perf_counter() - t0
                     config = (f"{len(p.stages)} stages " + " ".join(
                         f"{s.submesh[0]}x{s.submesh[1]}:{'x'.join(map(str, s.plan.mesh.shape))}" for s in p.stages)

@@ -41,7 +41,7 @@ def test_model_names():
     expected = {
         "mlp", "gpt-tiny", "gpt2-small", "gpt2-medium",
         "gpt3-125m", "gpt3-350m", "gpt3-760m", "gpt3-1.3b", "gpt3-2.6b", "gpt3-6.7b", "gpt3-15b", "gpt3-39b",
-        "moe", "wide-resnet", "bert", "gpt2-hf", "llama",
+        "moe", "wide-resnet", "bert", "gpt2-hf", "llama", "mixtral", "t5", "resnet",
     }
     assert expected <= set(MODEL_NAMES)
     assert len(MODEL_NAMES) == len(set(MODEL_NAMES))
@@ -50,7 +50,7 @@ def test_model_names():
 # One model per family is exported in the default run (each export takes ~0.3-1 s); the sweep
 # over every size runs with ALPA_LITE_SLOW_TESTS=1. The sizes differ only in widths/depths.
 _EXPORT_ALWAYS = ["mlp", "gpt-tiny", "gpt3-125m", "moe", "moe-380m", "wide-resnet", "wide-resnet-250m",
-                  "bert", "gpt2-hf", "llama"]
+                  "bert", "gpt2-hf", "llama", "mixtral", "t5", "resnet"]
 _SLOW = os.environ.get("ALPA_LITE_SLOW_TESTS", "") not in ("", "0")
 
 
@@ -59,7 +59,7 @@ def test_builds_on_meta(name):
     if name in HF_MODEL_NAMES:
         pytest.importorskip("transformers")
     model, inputs = build_model(name, batch=2)
-    assert isinstance(inputs, tuple) and len(inputs) == 2
+    assert isinstance(inputs, tuple) and len(inputs) == (3 if name in ("bert", "t5") else 2)  # + attention mask
     assert all(p.device.type == "meta" for p in model.parameters())
     assert all(t.device.type == "meta" for t in inputs)
     assert model.training
@@ -72,7 +72,7 @@ def test_exports_on_meta(name):
     if name in HF_MODEL_NAMES:
         pytest.importorskip("transformers")
     model, inputs = build_model(name, batch=2, seq=32 if name != "mlp" else None, **_small_overrides(name))
-    assert isinstance(inputs, tuple) and len(inputs) == 2
+    assert isinstance(inputs, tuple) and len(inputs) == (3 if name in ("bert", "t5") else 2)
     assert all(p.device.type == "meta" for p in model.parameters())
     assert all(t.device.type == "meta" for t in inputs)
     assert all(t.shape[0] == 2 for t in inputs)
@@ -214,3 +214,20 @@ def test_batches_deterministic_and_shifted():
     assert not all(torch.equal(xa, xc) for (xa, _), (xc, _) in zip(a, c))
     text = tok.decode(a[0][0][0]) + tok.decode(a[0][1][0][-1:])
     assert text in data.load_text()
+
+
+def test_real_model_builders_have_the_features_they_are_named_for():
+    pytest.importorskip("transformers")
+    llama, _ = build_model("llama", batch=2, seq=8)
+    c = llama.model.config
+    assert c.num_key_value_heads < c.num_attention_heads  # grouped-query attention
+    mixtral, _ = build_model("mixtral", batch=2, seq=8)
+    assert mixtral.model.config.num_local_experts == 4 and mixtral.model.config.num_experts_per_tok == 2
+    _, (ids, mask, labels) = build_model("bert", batch=4, seq=8, device="cpu")
+    assert mask.sum(1).tolist() == [8, 6, 4, 2] and labels.shape == ids.shape  # rows padded differently
+    t5, (ids, mask, labels) = build_model("t5", batch=2, seq=8, device="cpu")
+    assert t5.keys == ("input_ids", "attention_mask", "labels") and labels.shape == (2, 4)
+    assert torch.isfinite(t5(ids, mask, labels))
+    resnet, (images, _) = build_model("resnet", batch=2)
+    assert resnet.config.stage_sizes == (2, 2, 2, 2) and not resnet.config.bottleneck  # ResNet-18
+    assert sum(isinstance(m, torch.nn.BatchNorm2d) for m in resnet.modules()) == 20 and images.shape == (2, 3, 32, 32)

@@ -10,7 +10,7 @@ import pytest
 from alpa_lite.runtime.launch import torchrun
 from alpa_lite.core.mesh import LogicalMesh
 from alpa_lite.zoo.models import build_model
-from alpa_lite.compiler.planner import plan
+from alpa_lite import plan
 from alpa_lite.runtime.report import (StepTimer, make_record, predicted_collectives, print_report, relative_error,
                               report_requested, spearman)
 
@@ -127,7 +127,8 @@ def test_print_report_shows_step_and_kinds(mlp_plan):
 def four_rank_records(tmp_path_factory):
     out = tmp_path_factory.mktemp("report") / "records.json"
     plans = {"dp": {"force_data_parallel": True},
-             "megatron": {"batch_axis": 0, "param_specs": {"layers.0.weight": "S1R", "layers.1.weight": "RS1"}}}
+             "megatron": {"batch_axis": 0, "param_specs": {"layers.0.weight": "S1R", "layers.1.weight": "RS1"}},
+             "pipeline": {"pipeline": 2, "num_microbatches": 2, "force_data_parallel": True}}
     rc = torchrun([WORKER, "--model", "mlp", "--batch", "8", "--overrides", '{"hidden": 32, "num_layers": 2}',
                    "--mesh", "2x2", "--plans", ";".join(f"{k}={json.dumps(v)}" for k, v in plans.items()),
                    "--warmup", "1", "--steps", "2", "--out", str(out)], nproc=4, timeout_s=120,
@@ -137,8 +138,8 @@ def four_rank_records(tmp_path_factory):
 
 
 def test_four_rank_report_matches_the_plan(four_rank_records):
-    assert set(four_rank_records) == {"dp", "megatron"}
-    for name, rec in four_rank_records.items():
+    assert set(four_rank_records) == {"dp", "megatron", "pipeline"}
+    for name, rec in ((k, v) for k, v in four_rank_records.items() if k != "pipeline"):
         assert rec["name"] == name and rec["world_size"] == 4 and rec["backend"] == "gloo"
         assert rec["warmup_steps"] == 1 and rec["timed_steps"] == 2 and len(rec["step"]["samples_s"]) == 2
         assert rec["step"]["measured_s"] > 0 and rec["step"]["predicted_s"] > 0
@@ -150,3 +151,12 @@ def test_four_rank_report_matches_the_plan(four_rank_records):
         assert rec["step"]["measured_collective_s"] < max(rec["step"]["samples_s"])
     assert four_rank_records["megatron"]["param_specs"]["layers.0.weight"] == "S1R"
     assert four_rank_records["dp"]["param_specs"]["layers.0.weight"] == "RR"
+
+
+def test_pipelined_plan_reports_its_step(four_rank_records):
+    """``report=True`` times a pipelined plan too: its predicted step is the stage DP's, its
+    collectives are those the stages issued (no per-kind prediction: they overlap in the schedule)."""
+    rec = four_rank_records["pipeline"]
+    assert rec["timed_steps"] == 2 and rec["step"]["measured_s"] > 0 and rec["step"]["predicted_s"] > 0
+    assert rec["step"]["predicted_compute_s"] is None
+    assert any(r["measured_count"] > 0 and r["predicted_count"] == 0 for r in rec["collectives"])

@@ -107,6 +107,14 @@ def test_forced_specs_are_used(results):
     assert all(s in ("R", "RR") for s in res["dp"]["param_specs"].values())
 
 
+def test_dtensor_placements_hold_the_runtime_shards(results):
+    """``Plan.placements(fqn)`` on the trainer's ``DeviceMesh``: ``distribute_tensor`` of the full
+    parameter gives every rank exactly the shard the runtime holds (Alpa's S01 = (Shard, Shard))."""
+    model, res = results
+    for plan, r in ((k, v) for k, v in res.items() if k != "init"):
+        assert r["dtensor_mismatch"] == [], (model, plan)
+
+
 def test_meta_init_and_state_dict_round_trip(results):
     model, res = results
     if "init" not in res:

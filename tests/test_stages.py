@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from alpa_lite import LogicalMesh, Plan, plan
+from alpa_lite import LogicalMesh, load_plan, plan
 from alpa_lite.zoo.models import build_model
-from alpa_lite.compiler.stages import (
+from alpa_lite.compiler.stage_dp import (
     PipelinePlanError,
     StageOption,
     bubble_fraction,
@@ -15,6 +15,7 @@ from alpa_lite.compiler.stages import (
     stage_dp,
     submesh_shapes,
 )
+from alpa_lite.core.options import PipelineOptions
 
 
 def synthetic_cost(num_layers, seed, options=2):
@@ -122,7 +123,7 @@ def test_gpt_planned_into_stages(tmp_path):
     t = [s.seconds for s in p.stages]
     assert p.step_seconds == pytest.approx(sum(t) + sum(s.once_seconds for s in p.stages) + 3 * max(t))
     assert p.bubble_fraction == pytest.approx(bubble_fraction(t, 4))
-    back = Plan.from_json(p.to_json())
+    back = load_plan(p.to_json())
     assert back.to_json() == p.to_json()
     assert [s.ranks for s in back.stages] == [s.ranks for s in p.stages]
     with pytest.raises(PipelinePlanError, match="num_stages=9"):
@@ -139,12 +140,13 @@ def test_stage_count_reachable_only_without_the_balance_pruning():
 
 def _tiny_stage_costs(cluster_shape=(2, 2), batch=8, seq=16):
     from alpa_lite.core.capture import capture
-    from alpa_lite.compiler.stages import GraphStageCosts, cluster_layers, cluster_of
+    from alpa_lite.compiler.clustering import cluster_layers
+    from alpa_lite.compiler.stage_costs import GraphStageCosts
 
     model, example = build_model("gpt-tiny", batch, seq, device="meta", num_layers=4)
     cg = capture(model, example)
     mesh = LogicalMesh(cluster_shape, cluster="a100")
-    return GraphStageCosts(cg, cluster_layers(cg, 4), cluster_of(mesh), mesh.memory_bytes, max_in_flight=4,
+    return GraphStageCosts(cg, cluster_layers(cg, 4), mesh.as_cluster(), mesh.memory_bytes, max_in_flight=4,
                            num_microbatches=4)
 
 
@@ -158,7 +160,7 @@ def test_ilp_answer_reused_only_when_provably_the_same():
         def solve():
             calls.append(answer)
             if answer is None:
-                from alpa_lite.compiler.stages import _Infeasible
+                from alpa_lite.compiler.stage_costs import _Infeasible
                 raise _Infeasible("no fit")
             return answer, terms
         return solve
@@ -192,7 +194,7 @@ def test_stage_pays_the_gather_of_what_it_sends():
     whole value (its gradient comes back whole), a replicated one nothing; the exact stage ILP
     and the chain both carry it."""
     from alpa_lite.core.spec import ShardingSpec
-    from alpa_lite.compiler.stages import send_gather_seconds, solve_stage
+    from alpa_lite.compiler.stage_costs import send_gather_seconds, solve_stage
 
     costs = _tiny_stage_costs((1, 4), batch=64, seq=256)
     cg = costs.cg
@@ -219,3 +221,24 @@ def test_stage_pays_the_gather_of_what_it_sends():
     assert free.seconds - 1e-12 <= paid.seconds - gathers(paid)
     assert paid.seconds <= free.seconds + gathers(free) + 1e-12
     assert paid.seconds > free.seconds
+
+
+@pytest.mark.parametrize("mode", ["chain", "exact"])
+def test_stage_plans_carry_the_gradient_syncs_of_their_specs(mode):
+    """A stage's gradient syncs are derived once, from the whole stage (``training_step.training_step``):
+    a chained stage's per-layer solutions leave them on their edges. Under data parallelism every
+    parameter of every stage is all-reduced after the last microbatch, over the stage's batch
+    axes; a weight two layers of one stage use (the tied embedding) once. (The position table's
+    lookup is not split by batch: its gradient is summed on the activation, in the graph.)"""
+    model, example = build_model("gpt-tiny", 8, 16, device="meta")
+    for cluster, stages in (((2, 2), 2), ((2, 2), 1)):
+        p = plan(model, example, LogicalMesh(cluster, cluster="cpu-gloo"), force_data_parallel=True,
+                 pipeline=PipelineOptions(num_stages=stages, num_microbatches=2, stage_solve=mode, workers=1))
+        for s in p.stages:
+            params = [ph for ph in s.plan.nodes if ph in p.captured.param_fqns]
+            axes = tuple(a for a in (0, 1) if s.plan.mesh.shape[a] > 1)
+            batched = [ph for ph in params if p.captured.param_fqns[ph] != "wpe.weight"]
+            assert s.plan.grad_sync == {ph: axes for ph in batched}, (mode, cluster, stages)
+            assert not [n for n, np_ in s.plan.nodes.items() for src, gp in zip(np_.inputs, np_.grad_partial)
+                        if src in params and gp]  # none left in the graph: each is synced once
+            assert s.once_seconds > 0 and any(c.node.startswith("gradient bucket") for c in s.plan.collectives)

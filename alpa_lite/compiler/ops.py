@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from ..core.aten import op_args
+
 aten = torch.ops.aten
 Labels = tuple[str, ...]
 
@@ -126,11 +128,12 @@ def _normalize(node, fresh, dims) -> OpSignature:
 
 
 def _softmax(node, fresh):
-    return _normalize(node, fresh, [node.args[1]])
+    return _normalize(node, fresh, [op_args(node)["dim"]])
 
 
 def _layer_norm(node, fresh):
-    x, shape = node.args[0], node.args[1]
+    a = op_args(node)
+    x, shape = a["input"], a["normalized_shape"]
     r = len(_shape(x))
     out = _dims("d", r)
     norm = out[r - len(shape):]
@@ -149,24 +152,25 @@ def _bmm(node, fresh):
 def _addmm_like(core):
     def sig(node, fresh):
         s = core(node, fresh)
-        bias = _broadcast(_shape(node.args[0]), s.outputs[0], _shape(node), fresh)
+        bias = _broadcast(_shape(op_args(node)["self"]), s.outputs[0], _shape(node), fresh)
         return OpSignature([bias] + s.inputs, s.outputs, post_reduce={0})
     return sig
 
 
 def _linear(node, fresh):
-    x = _shape(node.args[0])
+    a = op_args(node)
+    x = _shape(a["input"])
     batch = _dims("d", len(x) - 1)
     ins = [batch + ("k",), ("n", "k")]
     post = set()
-    if len(node.args) > 2 and node.args[2] is not None:
+    if a["bias"] is not None:
         ins.append(("n",))
         post = {2}
     return OpSignature(ins, [batch + ("n",)], post_reduce=post)
 
 
 def _matmul(node, fresh):
-    a, b = _shape(node.args[0]), _shape(node.args[1])
+    a, b = (_shape(v) for v in op_args(node).values())
     out_shape = _shape(node)
     if len(a) < 2 or len(b) < 2:
         return None  # vector products: replicated only
@@ -177,29 +181,34 @@ def _matmul(node, fresh):
 
 
 def _einsum(node, fresh):
-    eq = node.args[0].replace(" ", "")
+    a = op_args(node)
+    eq, operands = a["equation"].replace(" ", ""), a["tensors"]
     lhs, rhs = eq.split("->") if "->" in eq else (eq, None)
     terms = lhs.split(",")
-    if "." in eq or rhs is None or len(terms) != len(node.args[1]):
+    if "." in eq or rhs is None or len(terms) != len(operands):
         return None
-    if len(set(map(id, node.args[1]))) != len(node.args[1]):
+    if len(set(map(id, operands))) != len(operands):
         return None
     ins = [tuple(t) for t in terms]
-    for term, t in zip(ins, node.args[1]):
+    for term in ins:
         if len(term) != len(set(term)):  # diagonals: not supported
             return None
     return OpSignature(ins, [tuple(rhs)])
 
 
+def _reduced(node) -> tuple[Labels, set[int], bool]:
+    """Input labels, reduced dims and keepdim of a reduction (``dim`` None or empty: all dims)."""
+    a = op_args(node)
+    r = len(_shape(a["self"]))
+    dims = a["dim"]
+    dims = [dims] if isinstance(dims, int) else list(dims or range(r))
+    return _dims("d", r), {d % r for d in dims} if r else set(), bool(a["keepdim"])
+
+
 def _reduction(reduce):
+    """sum / mean over dims: a split reduced dim leaves partial sums (or scaled partial means)."""
     def sig(node, fresh):
-        x = _shape(node.args[0])
-        inp = _dims("d", len(x))
-        dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else list(range(len(x)))
-        if isinstance(dims, int):
-            dims = [dims]
-        dims = {d % len(x) for d in dims} if x else set()
-        keep = len(node.args) > 2 and bool(node.args[2]) or bool(node.kwargs.get("keepdim", False))
+        inp, dims, keep = _reduced(node)
         out = tuple(fresh() if i in dims else lab for i, lab in enumerate(inp)) if keep else \
             tuple(lab for i, lab in enumerate(inp) if i not in dims)
         return OpSignature([inp], [out], reduce=reduce)
@@ -208,46 +217,44 @@ def _reduction(reduce):
 
 def _full_reduction(reduce):
     def sig(node, fresh):
-        return OpSignature([_dims("d", len(_shape(node.args[0])))], [()], reduce=reduce)
+        return OpSignature([_dims("d", len(_shape(op_args(node)["self"])))], [()], reduce=reduce)
     return sig
 
 
 def _fixed_reduction(node, fresh):
-    """amax / max.dim / argmax: the reduced dims may not be split."""
-    x = _shape(node.args[0])
-    inp = _dims("d", len(x))
-    dims = node.args[1] if len(node.args) > 1 else list(range(len(x)))
-    dims = [dims] if isinstance(dims, int) else list(dims) or list(range(len(x)))
-    keep = len(node.args) > 2 and bool(node.args[2])
-    out = tuple(lab if (i not in [d % len(x) for d in dims] or keep) else None for i, lab in enumerate(inp))
-    out = tuple(lab for lab in out if lab is not None)
+    """amax / max.dim / argmax / var / std: the reduced dims may not be split."""
+    inp, dims, keep = _reduced(node)
+    out = tuple(lab for i, lab in enumerate(inp) if keep or i not in dims)
     n_out = len(_val(node)) if isinstance(_val(node), (tuple, list)) else 1
     return OpSignature([inp], [out] * n_out, fixed=_fixed_in(inp, dims))
 
 
 def _transpose(node, fresh):
-    r = len(_shape(node.args[0]))
+    a = op_args(node)
+    r = len(_shape(a["self"]))
     inp = _dims("d", r)
     out = list(inp)
     if r >= 2:
-        d0, d1 = (node.args[1] % r, node.args[2] % r) if node.target != aten.t.default else (0, 1)
+        d0, d1 = (a["dim0"] % r, a["dim1"] % r) if node.target != aten.t.default else (0, 1)
         out[d0], out[d1] = out[d1], out[d0]
     return OpSignature([inp], [tuple(out)])
 
 
 def _permute(node, fresh):
-    inp = _dims("d", len(_shape(node.args[0])))
-    return OpSignature([inp], [tuple(inp[d % len(inp)] for d in node.args[1])])
+    a = op_args(node)
+    inp = _dims("d", len(_shape(a["self"])))
+    return OpSignature([inp], [tuple(inp[d % len(inp)] for d in a["dims"])])
 
 
 def _unsqueeze(node, fresh):
-    inp = _dims("d", len(_shape(node.args[0])))
-    d = node.args[1] % (len(inp) + 1)
+    a = op_args(node)
+    inp = _dims("d", len(_shape(a["self"])))
+    d = a["dim"] % (len(inp) + 1)
     return OpSignature([inp], [inp[:d] + (fresh(),) + inp[d:]])
 
 
 def _squeeze(node, fresh):
-    x = _shape(node.args[0])
+    x = _shape(op_args(node)["self"])
     inp = tuple(lab if size != 1 else fresh() for lab, size in zip(_dims("d", len(x)), x))
     out_shape = _shape(node)
     out = tuple(lab for lab, size in zip(inp, x) if size != 1)
@@ -258,7 +265,7 @@ def _squeeze(node, fresh):
 
 def _view(node, fresh):
     """Reshape: dims map in groups of equal product; a group's major dims share a label."""
-    src, dst = _shape(node.args[0]), _shape(node)
+    src, dst = _shape(op_args(node)["self"]), _shape(node)
     inp, out = [None] * len(src), [None] * len(dst)
     i = j = 0
     while i < len(src) or j < len(dst):
@@ -284,19 +291,21 @@ def _view(node, fresh):
 
 def _expand(node, fresh):
     out = _dims("d", len(_shape(node)))
-    return OpSignature([_broadcast(_shape(node.args[0]), out, _shape(node), fresh)], [out])
+    return OpSignature([_broadcast(_shape(op_args(node)["self"]), out, _shape(node), fresh)], [out])
 
 
 def _split(node, fresh):
-    r = len(_shape(node.args[0]))
-    dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % r
+    a = op_args(node)
+    r = len(_shape(a["self"]))
+    dim = a["dim"] % r
     inp = _dims("d", r)
     return OpSignature([inp], [inp] * len(_val(node)), fixed={inp[dim]})
 
 
 def _unbind(node, fresh):
-    r = len(_shape(node.args[0]))
-    dim = (node.args[1] if len(node.args) > 1 else 0) % r
+    a = op_args(node)
+    r = len(_shape(a["self"]))
+    dim = a["dim"] % r
     inp = _dims("d", r)
     out = inp[:dim] + inp[dim + 1:]
     return OpSignature([inp], [out] * len(_val(node)), fixed={inp[dim]})
@@ -305,15 +314,16 @@ def _unbind(node, fresh):
 def _cat(node, fresh):
     out_shape = _shape(node)
     r = len(out_shape)
-    dim = (node.args[1] if len(node.args) > 1 else 0) % r
+    dim = op_args(node)["dim"] % r
     out = _dims("d", r)
     return OpSignature([out for _ in _tensor_inputs(node)], [out], fixed={out[dim]})
 
 
 def _slice(node, fresh):
-    x = _shape(node.args[0])
+    a = op_args(node)
+    x = _shape(a["self"])
     r = len(x)
-    dim = (node.args[1] if len(node.args) > 1 else 0) % r
+    dim = a["dim"] % r
     inp = _dims("d", r)
     if _shape(node)[dim] == x[dim]:
         return OpSignature([inp], [inp])
@@ -321,64 +331,75 @@ def _slice(node, fresh):
 
 
 def _select(node, fresh):
-    r = len(_shape(node.args[0]))
-    dim = node.args[1] % r
+    a = op_args(node)
+    r = len(_shape(a["self"]))
+    dim = a["dim"] % r
     inp = _dims("d", r)
     return OpSignature([inp], [inp[:dim] + inp[dim + 1:]], fixed={inp[dim]})
 
 
 def _sdpa(node, fresh):
-    q, k, v = (_shape(a) for a in node.args[:3])
+    """Attention splits batch and heads; ``is_causal``, ``scale`` and ``dropout_p`` act within a
+    (batch, head) slice, so they run unchanged on every shard (dropout with the shard's RNG)."""
+    a = op_args(node)
+    q, k = _shape(a["query"]), _shape(a["key"])
     if len(q) != 4 or q[1] != k[1]:
         return None  # grouped-query attention with fewer kv heads: replicated only
     ins = [("b", "h", "s", "d"), ("b", "h", "t", "d"), ("b", "h", "t", "e")]
-    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-    if isinstance(mask, torch.fx.Node):
-        ins.append(_broadcast(_shape(mask), ("b", "h", "s", "t"), (q[0], q[1], q[2], k[2]), fresh))
+    if isinstance(a["attn_mask"], torch.fx.Node):
+        ins.append(_broadcast(_shape(a["attn_mask"]), ("b", "h", "s", "t"), (q[0], q[1], q[2], k[2]), fresh))
     return OpSignature(ins, [("b", "h", "s", "e")], fixed={"s", "t", "d", "e"})
 
 
 def _embedding(node, fresh):
-    idx = _dims("d", len(_shape(node.args[1])))
-    # the vocab label "v" is a contraction: vocab-parallel embedding (Megatron) leaves partial sums
-    return OpSignature([("v", "h"), idx], [idx + ("h",)])
+    """The vocab label ``v`` is a contraction: a vocab-parallel lookup (Megatron) leaves partial
+    sums, and its local variant honours ``padding_idx``. ``scale_grad_by_freq`` divides a row's
+    gradient by its count in the whole index tensor, which a shard of the indices or of the
+    vocabulary does not see: then only the hidden dim may be split."""
+    a = op_args(node)
+    idx = _dims("d", len(_shape(a["indices"])))
+    fixed = {"v", *idx} if a["scale_grad_by_freq"] else set()
+    return OpSignature([("v", "h"), idx], [idx + ("h",)], fixed=fixed)
 
 
 def _cross_entropy(node, fresh):
-    logits = _shape(node.args[0])
-    reduction = node.args[4] if len(node.args) > 4 else node.kwargs.get("reduction", 1)
-    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
-    if isinstance(weight, torch.fx.Node) or (len(node.args) > 6 and node.args[6]):
-        return None  # class weights / label smoothing: replicated only
+    """Cross-entropy and nll (arguments by schema): a mean over split targets is reduced as sum
+    and count separately by the runtime (``losses.ratio_parts``), so every option splits."""
+    a = op_args(node)
+    logits = _shape(a["self"])
+    if len(logits) < 2 or _shape(a["target"]) != (logits[0],) + logits[2:]:
+        return None  # one sample, or class-probability targets: replicated
     x = ("n", "c") + _dims("d", len(logits) - 2)
     t = ("n",) + x[2:]
-    if reduction == 0:
-        return OpSignature([x, t], [t], fixed={"c"})
-    return OpSignature([x, t], [()], fixed={"c"}, reduce="mean" if reduction == 1 else "sum")
+    ins = [x, t] + ([("c",)] if isinstance(a["weight"], torch.fx.Node) else [])
+    if a["reduction"] == 0:
+        return OpSignature(ins, [t], fixed={"c"})
+    return OpSignature(ins, [()], fixed={"c"}, reduce="mean" if a["reduction"] == 1 else "sum")  # 1: at::Reduction::Mean
 
 
 def _mse(node, fresh):
-    reduction = node.args[2] if len(node.args) > 2 else node.kwargs.get("reduction", 1)
-    sig = _pointwise(node, fresh) if reduction == 0 else None
-    if sig is not None:
-        return sig
-    a, b = _shape(node.args[0]), _shape(node.args[1])
-    if a != b:
+    a = op_args(node)
+    if a["reduction"] == 0:
+        return _pointwise(node, fresh)
+    if _shape(a["self"]) != _shape(a["target"]):
         return None
-    x = _dims("d", len(a))
-    return OpSignature([x, x], [()], reduce="mean" if reduction == 1 else "sum")
+    x = _dims("d", len(_shape(a["self"])))
+    return OpSignature([x, x], [()], reduce="mean" if a["reduction"] == 1 else "sum")
 
 
 def _conv(node, fresh):
-    nd = len(_shape(node.args[0])) - 2
-    groups = node.args[6] if len(node.args) > 6 else 1
+    """Channels split (output channels, or input channels as a contraction) for ``groups`` 1;
+    a transposed convolution's weight is (in, out / groups, kernel). Spatial dims stay whole, so
+    stride, padding, dilation and output padding run unchanged on every shard."""
+    a = op_args(node)
+    nd = len(_shape(a["input"])) - 2
     sp_in = tuple(fresh() for _ in range(nd))
     sp_out = tuple(fresh() for _ in range(nd))
     kern = tuple(fresh() for _ in range(nd))
-    c, o = ("c", "o") if groups == 1 else (fresh(), fresh())
-    ins = [("n", c) + sp_in, (o, c) + kern]
+    c, o = ("c", "o") if a["groups"] == 1 else (fresh(), fresh())
+    ins = [("n", c) + sp_in, ((c, o) if a.get("transposed") else (o, c)) + kern]
     post = set()
-    if len(node.args) > 2 and isinstance(node.args[2], torch.fx.Node):
+    if isinstance(a["bias"], torch.fx.Node):
         ins.append((o,))
         post = {2}
     return OpSignature(ins, [("n", o) + sp_out], post_reduce=post)
@@ -386,7 +407,7 @@ def _conv(node, fresh):
 
 def _batch_norm(node, fresh):
     """Training batch norm: statistics over the batch, so the batch dim stays whole (no sync-BN)."""
-    x = _shape(node.args[0])
+    x = _shape(op_args(node)["input"])
     spatial = tuple(fresh() for _ in range(len(x) - 2))
     n = fresh()
     ins = [(n, "c") + spatial] + [("c",) for _ in _tensor_inputs(node)[1:]]
@@ -396,7 +417,7 @@ def _batch_norm(node, fresh):
 
 
 def _pool(node, fresh):
-    x = _shape(node.args[0])
+    x = _shape(op_args(node)["self"])
     nd = len(x) - 2
     inp = ("n", "c") + tuple(fresh() for _ in range(nd))
     val = _val(node)
@@ -426,6 +447,8 @@ _TABLE = {
     aten.sum.dim_IntList: _reduction("sum"), aten.mean.dim: _reduction("mean"),
     aten.sum.default: _full_reduction("sum"), aten.mean.default: _full_reduction("mean"),
     aten.amax.default: _fixed_reduction, aten.max.dim: _fixed_reduction, aten.argmax.default: _fixed_reduction,
+    aten.var.correction: _fixed_reduction, aten.var.dim: _fixed_reduction, aten.std.correction: _fixed_reduction,
+    aten.std.dim: _fixed_reduction,
     aten.softmax.int: _softmax, aten._softmax.default: _softmax, aten.log_softmax.int: _softmax,
     aten._log_softmax.default: _softmax,
     aten.layer_norm.default: _layer_norm, aten.rms_norm.default: _layer_norm,
@@ -440,7 +463,8 @@ _TABLE = {
     aten.split.Tensor: _split, aten.split_with_sizes.default: _split, aten.chunk.default: _split,
     aten.unbind.int: _unbind, aten.cat.default: _cat, aten.slice.Tensor: _slice, aten.select.int: _select,
     aten.scaled_dot_product_attention.default: _sdpa, aten.embedding.default: _embedding,
-    aten.broadcast_tensors.default: _broadcast_tensors, aten.cross_entropy_loss.default: _cross_entropy, aten.mse_loss.default: _mse,
+    aten.broadcast_tensors.default: _broadcast_tensors, aten.cross_entropy_loss.default: _cross_entropy,
+    aten.nll_loss_nd.default: _cross_entropy, aten.nll_loss.default: _cross_entropy, aten.mse_loss.default: _mse,
     aten.conv2d.default: _conv, aten.conv1d.default: _conv, aten.convolution.default: _conv,
     aten.batch_norm.default: _batch_norm, aten._native_batch_norm_legit_functional.default: _batch_norm,
     aten.max_pool2d.default: _pool, aten.max_pool2d_with_indices.default: _pool,
@@ -481,12 +505,14 @@ def flops(node: torch.fx.Node, sig: OpSignature | None) -> float:
             for lab, s in zip(labs, _shape(n)):
                 sizes[lab] = max(sizes.get(lab, 1), s)
         if node.target in (aten.conv2d.default, aten.conv1d.default, aten.convolution.default):
-            w = _shape(node.args[1])
-            out = _val(node)
-            return 2.0 * out.numel() * math.prod(w[1:])
+            a = op_args(node)
+            w = _shape(a["weight"])
+            per_element = math.prod(w[1:])  # MACs per output element; per input element if transposed
+            return 2.0 * _val(a["input"] if a.get("transposed") else node).numel() * per_element
         if node.target is aten.scaled_dot_product_attention.default:
-            b, h, s, d = _shape(node.args[0])
-            t = _shape(node.args[1])[2]
+            a = op_args(node)
+            b, h, s, d = _shape(a["query"])
+            t = _shape(a["key"])[2]
             return 4.0 * b * h * s * t * d
         if sig.contraction and node.target in _TABLE and _TABLE[node.target] in (_mm, _bmm, _linear, _matmul, _einsum) \
                 or node.target in (aten.addmm.default, aten.baddbmm.default):

@@ -1,17 +1,36 @@
 """Capture a training loss as an aten-level torch.fx graph with global shapes.
 
-``torch.export`` (non-strict) of ``loss = loss_fn(model(*inputs), *targets)`` gives a functional
-graph whose placeholders are the parameters, buffers and user inputs, and whose node metadata
-carries FakeTensor values (shape, dtype). Models built on the meta device capture without
-allocating weights, so a 39B-parameter model plans on a laptop.
+``torch.export`` (non-strict) of ``loss = loss_fn(model(*inputs, **kwargs), *targets)`` gives a
+functional graph whose placeholders are the parameters, buffers, lifted tensor constants and
+user inputs (the pytree leaves of the call), and whose node metadata carries FakeTensor values
+(shape, dtype). Models built on the meta device capture without allocating weights, so a
+39B-parameter model plans on a laptop.
+
+Export records some constructs as higher-order ops on subgraphs; capture rewrites them into
+plain aten ops or refuses them, so that every later pass sees one flat graph:
+- a ``torch.no_grad()`` region (``wrap_with_set_grad_enabled``) is inlined with its operands
+  detached, ``enable_grad`` regions inlined as they are;
+- an autocast region (``wrap_with_autocast``) is retraced under autocast and inlined (the casts
+  autocast inserts become ``_to_copy`` ops);
+- reentrant ``torch.utils.checkpoint`` is captured as its function (checkpointing changes
+  memory, not gradients; export would otherwise record it as a no-grad region);
+- every other higher-order op (``torch.cond``, ``while_loop``, ...) raises ``CaptureError``.
+A frozen parameter (``requires_grad=False``) is state, not a trainable parameter: it is listed
+with the buffers, so it gets no gradient, no gradient sync and no optimizer state.
 """
 from __future__ import annotations
 
 import hashlib
+import operator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
+from torch.export.graph_signature import InputKind, TensorArgument
 
 
 class CaptureError(RuntimeError):
@@ -24,13 +43,20 @@ class CapturedGraph:
 
     Attributes:
         graph_module: the exported ``torch.fx.GraphModule`` (aten ops, FakeTensor ``meta["val"]``).
-        param_fqns: placeholder name -> parameter FQN in the user's model (tied weights share one).
-        buffer_fqns: placeholder name -> buffer FQN.
-        input_names: placeholder names of the user inputs then targets, in call order.
+        param_fqns: placeholder name -> FQN of a trainable parameter in the user's model (tied
+            weights share one).
+        buffer_fqns: placeholder name -> FQN of a buffer (non-persistent ones included) or of a
+            frozen parameter (``requires_grad=False``).
+        input_names: placeholder names of the user inputs then targets: the pytree leaves of
+            ``((*inputs, *targets), kwargs)``, in that order.
         loss_name: the node holding the scalar loss.
         tied: parameter FQN -> other FQNs of the same tensor (weight tying).
         buffer_mutations: output node name -> FQN of the buffer it updates (batch-norm statistics).
         requires_grad: names of the nodes whose value autograd tracks (depends on a parameter).
+        constants: placeholder name -> lifted tensor constant (a tensor literal in ``forward``).
+        in_spec: pytree structure of the call ``((*inputs, *targets), kwargs)``.
+        static_inputs: leaf position -> value of a non-tensor leaf of the call (an int, a flag):
+            the graph is specialized on it, so a step must pass the same value.
     """
 
     graph_module: torch.fx.GraphModule
@@ -41,6 +67,9 @@ class CapturedGraph:
     tied: dict[str, list[str]] = field(default_factory=dict)
     buffer_mutations: dict[str, str] = field(default_factory=dict)
     requires_grad: set[str] = field(default_factory=set)
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    in_spec: pytree.TreeSpec | None = None
+    static_inputs: dict[int, object] = field(default_factory=dict)
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -51,6 +80,27 @@ class CapturedGraph:
 
     def __post_init__(self):
         self._by_name = {n.name: n for n in self.graph.nodes}
+
+    def flat_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """The tensor leaves of a call ``(*inputs, *targets, **kwargs)``, one per ``input_names``
+        entry (the non-tensor leaves are checked against ``static_inputs`` and dropped).
+
+        Raises:
+            ValueError: the call's structure (number of tensors, dict keys, nesting) is not the
+                captured one, or a non-tensor leaf has another value; the message gives both.
+        """
+        order = self.in_spec.child(1).context if self.in_spec is not None else []
+        if set(kwargs) == set(order):
+            kwargs = {k: kwargs[k] for k in order}
+        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        if self.in_spec is not None and spec != self.in_spec:
+            raise ValueError(f"the batch has structure {_describe(spec)}; the model was captured with "
+                             f"{_describe(self.in_spec)} (inputs then targets, then keyword inputs)")
+        for i, value in self.static_inputs.items():
+            if leaves[i] != value:
+                raise ValueError(f"non-tensor input {i} of the flattened batch is {leaves[i]!r}; the graph was "
+                                 f"captured (and specialized) with {value!r}")
+        return [x for i, x in enumerate(leaves) if i not in self.static_inputs]
 
     def fingerprint(self) -> str:
         """Hash of the graph's ops and shapes; a plan records it to detect another model."""
@@ -75,8 +125,38 @@ def nbytes_of(val) -> int:
     return 0
 
 
-class _Loss(torch.nn.Module):
-    """``forward(*inputs, *targets) -> scalar loss`` around the user's model and loss_fn."""
+def batch_size(tree) -> int:
+    """Dim 0 of the first tensor leaf of ``tree`` (inputs, targets, keyword inputs).
+
+    Raises:
+        ValueError: no tensor with a dim 0 in ``tree``.
+    """
+    for x in pytree.tree_leaves(tree):
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return int(x.shape[0])
+    raise ValueError("the inputs hold no tensor with a batch dim")
+
+
+def rows(tree, start: int, stop: int):
+    """``tree`` with every tensor leaf of a dim 0 cut to rows ``[start, stop)`` (a microbatch)."""
+    return pytree.tree_map(lambda x: x[start:stop] if isinstance(x, torch.Tensor) and x.dim() > 0 else x, tree)
+
+
+def _describe(spec: pytree.TreeSpec) -> str:
+    """``spec`` written as the call it flattens: ``(T, {'a': T}), {'labels': T}``."""
+    if spec.is_leaf():
+        return "T"
+    kids = [_describe(c) for c in spec.children()]
+    if spec.type is dict:
+        return "{" + ", ".join(f"{k!r}: {v}" for k, v in zip(spec.context, kids)) + "}"
+    if spec.type in (tuple, list):
+        return ("(%s)" if spec.type is tuple else "[%s]") % ", ".join(kids)
+    return f"{getattr(spec.type, '__name__', spec.type)}({', '.join(kids)})"
+
+
+class TrainingLoss(torch.nn.Module):
+    """``forward(*inputs, *targets, **kwargs) -> scalar loss`` around the user's model and loss_fn
+    (``kwargs`` go to the model)."""
 
     def __init__(self, model: torch.nn.Module, loss_fn, num_inputs: int):
         super().__init__()
@@ -84,8 +164,8 @@ class _Loss(torch.nn.Module):
         self.loss_fn = loss_fn
         self.num_inputs = num_inputs
 
-    def forward(self, *args):
-        out = self.model(*args[: self.num_inputs])
+    def forward(self, *args, **kwargs):
+        out = self.model(*args[: self.num_inputs], **kwargs)
         if self.loss_fn is not None:
             return self.loss_fn(out, *args[self.num_inputs:])
         if isinstance(out, dict) or hasattr(out, "loss"):
@@ -98,38 +178,69 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
-def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets: tuple = ()) -> CapturedGraph:
-    """Capture ``loss_fn(model(*example_inputs), *targets)`` (or the model's own scalar loss).
+def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets: tuple = (),
+            example_kwargs: dict | None = None) -> CapturedGraph:
+    """Capture ``loss_fn(model(*example_inputs, **example_kwargs), *targets)`` (or the model's own
+    scalar loss).
 
     Args:
         model: the module; parameters may live on the meta device.
-        example_inputs: model inputs with GLOBAL shapes (real, meta or fake tensors).
+        example_inputs: model inputs with GLOBAL shapes (real, meta or fake tensors; nested
+            tuples, lists and dicts of them too).
         loss_fn: ``loss_fn(output, *targets) -> scalar``; None when the model returns its loss
             (a scalar tensor, or an output with ``.loss`` such as HuggingFace models with labels).
         targets: extra tensors passed to ``loss_fn``.
+        example_kwargs: keyword inputs of the model (``input_ids=``, ``labels=`` ...).
 
     Raises:
-        CaptureError: torch.export failed (the message names the construct or op), or the
-            captured value is not a scalar loss.
+        CaptureError: torch.export failed (the message names the construct or op), the graph
+            holds a construct the runtime cannot run (a higher-order op such as ``torch.cond``,
+            a custom object, an effectful op), or the captured value is not a scalar loss.
     """
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     args = tuple(example_inputs) + tuple(targets)
-    wrapper = _Loss(model, loss_fn, len(example_inputs))
-    try:
-        ep = torch.export.export(wrapper, args, strict=False)
-    except Exception as first:  # noqa: BLE001 - reported with its construct below
-        try:  # plain modules: symbolic_trace's python-level graph sometimes exports when the module does not
-            traced = torch.fx.symbolic_trace(wrapper)
-            ep = torch.export.export(traced, args, strict=False)
-        except Exception:  # noqa: BLE001
-            raise CaptureError(f"cannot capture {type(model).__name__}: {_first_line(first)}") from first
+    kwargs = dict(example_kwargs or {})
+    wrapper = TrainingLoss(model, loss_fn, len(example_inputs))
+    with _reentrant_checkpoint_as_function():
+        try:
+            ep = torch.export.export(wrapper, args, kwargs, strict=False)
+        except Exception as first:  # noqa: BLE001 - reported with its construct below
+            try:  # plain modules: symbolic_trace's python-level graph sometimes exports when the module does not
+                traced = torch.fx.symbolic_trace(wrapper)
+                ep = torch.export.export(traced, args, kwargs, strict=False)
+            except Exception:  # noqa: BLE001
+                raise CaptureError(f"cannot capture {type(model).__name__}: {_first_line(first)}") from first
+    _inline_regions(ep.graph_module)
+    if _mutated_placeholders(ep.graph_module):  # export's training IR writes buffers in place: functionalize
+        ep = ep.run_decompositions({})  # (keeps the ops; mutations become outputs, ``buffers_to_mutate``)
     gm = ep.graph_module
     sig = ep.graph_signature
+    if sig.user_inputs_to_mutate:
+        raise CaptureError(f"the model writes its input {next(iter(sig.user_inputs_to_mutate.values()))} in place; "
+                           "alpa-lite feeds inputs as shards, so an in-place update of an input is not supported")
     strip = lambda fqn: fqn[len("model."):] if fqn.startswith("model.") else fqn  # noqa: E731
-    param_fqns = {k: strip(v) for k, v in sig.inputs_to_parameters.items()}
-    buffer_fqns = {k: strip(v) for k, v in sig.inputs_to_buffers.items()}
-    input_names = list(sig.user_inputs)
+    frozen = {n for n, p in wrapper.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    param_fqns, buffer_fqns, constants, input_names, static = {}, {}, {}, [], {}
+    for spec in sig.input_specs:
+        name = spec.arg.name
+        if spec.kind is InputKind.PARAMETER:
+            (buffer_fqns if spec.target in frozen else param_fqns)[name] = strip(spec.target)
+        elif spec.kind is InputKind.BUFFER:
+            buffer_fqns[name] = strip(spec.target)
+        elif spec.kind is InputKind.CONSTANT_TENSOR:
+            constants[name] = ep.constants[spec.target]
+        elif spec.kind is InputKind.USER_INPUT:
+            leaf = len(input_names) + len(static)
+            if isinstance(spec.arg, TensorArgument):
+                input_names.append(name)
+            else:  # an int / float / bool / str leaf: export specialized the graph on its value
+                static[leaf] = spec.arg.value
+                _bake(gm, name, spec.arg.value)
+        elif spec.kind is InputKind.CUSTOM_OBJ:
+            raise CaptureError(f"custom object {spec.target} (a TorchScript class) is not supported")
+        else:
+            raise CaptureError(f"effectful op {_effectful_op(gm)} (it threads an effect token) is not supported")
     outputs = list(sig.user_outputs)
     if len(outputs) != 1:
         raise CaptureError(f"the loss must be one scalar tensor, the model returned {len(outputs)} outputs")
@@ -144,19 +255,191 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets
     names: dict[int, list[str]] = {}
     for fqn, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(fqn)
+    owned = {*param_fqns.values(), *buffer_fqns.values()}
     tied = {fqn: [n for n in group if n != fqn] for group in names.values() if len(group) > 1
-            for fqn in group if fqn in param_fqns.values()}
+            for fqn in group if fqn in owned}
     mutations = {k: strip(v) for k, v in sig.buffers_to_mutate.items()}
     return CapturedGraph(gm, param_fqns, buffer_fqns, input_names, loss.name, tied, mutations,
-                         _tracked_by_autograd(gm, set(param_fqns)))
+                         _tracked_by_autograd(gm, set(param_fqns)), constants, ep.call_spec.in_spec, static)
+
+
+def _bake(gm: torch.fx.GraphModule, placeholder: str, value) -> None:
+    """Replace a non-tensor input placeholder by its (specialized) value."""
+    node = next(n for n in gm.graph.nodes if n.name == placeholder)
+    for user in list(node.users):
+        user.replace_input_with(node, value)
+    gm.graph.erase_node(node)
+
+
+@contextmanager
+def _reentrant_checkpoint_as_function():
+    """Run ``torch.utils.checkpoint(..., use_reentrant=True)`` as its plain function while
+    exporting: the reentrant variant runs the function under ``no_grad`` and recomputes it in
+    its own backward, which export would record as a region without gradients. As in eager
+    mode, the function gets no gradients when none of its tensor arguments requires grad."""
+    from torch.utils.checkpoint import CheckpointFunction
+
+    def apply(function, preserve_rng_state, *args):
+        tracked = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        with torch.set_grad_enabled(tracked and torch.is_grad_enabled()):
+            return function(*args)
+
+    with mock.patch.object(CheckpointFunction, "apply", staticmethod(apply)):
+        yield
+
+
+def _effectful_op(gm: torch.fx.GraphModule) -> str:
+    node = next((n for n in gm.graph.nodes if n.op == "call_function" and _hop_name(n.target) == "with_effects"), None)
+    return str(node.args[1]) if node is not None else "(unknown)"
+
+
+def _hop_name(target) -> str | None:
+    return target.name() if isinstance(target, torch._ops.HigherOrderOperator) else None
+
+
+def _where(node: torch.fx.Node) -> str:
+    """`` at FILE:LINE: code``: the innermost frame of ``node``'s stack trace outside torch, or ''."""
+    lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").splitlines() if ln.strip()]
+    frames = [(f, c) for f, c in zip(lines, lines[1:] + [""]) if f.startswith("File ")]
+    torch_dir = str(Path(torch.__file__).parent)
+    user = [(f, c) for f, c in frames if torch_dir not in f and __file__ not in f and "<eval_with_key>" not in f]
+    return f" ({user[-1][0]}: {user[-1][1]})" if user else ""
+
+
+_REFUSED = {
+    "cond": "torch.cond (data-dependent control flow)",
+    "while_loop": "torch.while_loop (data-dependent control flow)",
+    "map_impl": "torch.map (a loop over a subgraph)",
+    "scan": "scan (a loop over a subgraph)",
+    "associative_scan": "associative_scan (a loop over a subgraph)",
+    "with_effects": "an effectful op (threads an effect token)",
+    "auto_functionalized": "a custom op that mutates its inputs",
+    "auto_functionalized_v2": "a custom op that mutates its inputs",
+    "flex_attention": "flex_attention (a score_mod subgraph)",
+}
+
+
+def _inline_regions(gm: torch.fx.GraphModule) -> None:
+    """Replace ``no_grad`` / ``enable_grad`` and autocast regions by their ops (module docstring),
+    until no higher-order op is left; refuse any other higher-order op, naming it.
+
+    Raises:
+        CaptureError: a higher-order op that cannot be inlined (``torch.cond`` ...).
+    """
+    while True:
+        node = next((n for n in gm.graph.nodes if n.op == "call_function" and _hop_name(n.target)), None)
+        if node is None:
+            break
+        name = _hop_name(node.target)
+        if name == "wrap_with_set_grad_enabled":
+            enabled, sub, *operands = node.args
+            _inline(gm, node, getattr(gm, sub.target).graph, operands, detach=not enabled)
+        elif name == "wrap_with_autocast":
+            device, dtype, enabled, cache, sub, *operands = node.args
+            body = _under_autocast(getattr(gm, sub.target), operands, device, dtype, enabled, cache)
+            _inline(gm, node, body, operands, detach=False)
+        else:
+            what = _REFUSED.get(name, f"the higher-order op {name}")
+            raise CaptureError(f"{what} is not supported{_where(node)}; alpa-lite plans one flat graph of "
+                               "aten ops (rewrite the construct with tensor ops, e.g. torch.where)")
+        if sub.op == "get_attr" and not sub.users:
+            gm.graph.erase_node(sub)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _under_autocast(body: torch.fx.GraphModule, operands, device, dtype, enabled, cache) -> torch.fx.Graph:
+    """``body`` retraced (``make_fx``, fake tensors) under ``torch.autocast``: autocast's casts
+    become explicit ``_to_copy`` ops."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def run(*xs):
+        with torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache):
+            return body(*xs)
+
+    _inline_regions(body)  # nested no_grad regions first: make_fx runs below autograd
+    traced = make_fx(run, tracing_mode="fake")(*[a.meta["val"] for a in operands])
+    traced.graph.eliminate_dead_code()
+    return traced.graph
+
+
+def _inline(gm: torch.fx.GraphModule, node: torch.fx.Node, body: torch.fx.Graph, operands, detach: bool) -> None:
+    """Copy ``body``'s nodes in place of the region ``node`` (its users read ``getitem(node, i)``).
+
+    With ``detach`` (a no-grad region) every op of the body reads values from outside the region
+    (and results of nested regions) through ``aten.detach``, so nothing it computes is tracked by
+    autograd, as under ``torch.no_grad()``; nested regions get their operands as they are.
+    """
+    graph = gm.graph
+    env: dict[torch.fx.Node, object] = {}
+    outside: set[torch.fx.Node] = set()
+    detached: dict[torch.fx.Node, torch.fx.Node] = {}
+    placeholders = [n for n in body.nodes if n.op == "placeholder"]
+
+    def detached_of(v: torch.fx.Node) -> torch.fx.Node:
+        if v not in detached:
+            detached[v] = graph.call_function(torch.ops.aten.detach.default, (v,))
+            detached[v].meta = {**node.meta, "val": v.meta["val"].detach()}
+        return detached[v]
+
+    with graph.inserting_before(node):
+        for ph, value in zip(placeholders, operands):
+            env[ph] = value
+            outside.add(ph)
+        for b in body.nodes:
+            if b.op == "placeholder":
+                continue
+            if b.op == "output":
+                results = b.args[0]
+                break
+            if b.op == "get_attr":  # a nested region's subgraph: registered on gm under a fresh name
+                target = _fresh_attr(gm, b.target)
+                gm.add_submodule(target, getattr(b.graph.owning_module, b.target))
+                env[b] = graph.get_attr(target)
+                continue
+            nested = _hop_name(b.target) is not None
+            if detach and not nested and b.target is not operator.getitem:
+                lookup = lambda a: detached_of(env[a]) if a in outside and isinstance(env[a], torch.fx.Node) else env[a]  # noqa: E731
+            else:
+                lookup = lambda a: env[a]  # noqa: E731
+            env[b] = graph.node_copy(b, lookup)
+            env[b].meta.setdefault("nn_module_stack", node.meta.get("nn_module_stack"))
+            env[b].meta.setdefault("stack_trace", node.meta.get("stack_trace"))
+            if b.target is operator.getitem and _hop_name(b.args[0].target) is not None:
+                outside.add(b)  # a nested region's result: from outside this region's own ops
+    results = results if isinstance(results, (tuple, list)) else (results,)
+    for user in list(node.users):
+        user.replace_all_uses_with(env[results[user.args[1]]])
+        graph.erase_node(user)
+    graph.erase_node(node)
+
+
+def _fresh_attr(gm: torch.fx.GraphModule, base: str) -> str:
+    k = 0
+    while hasattr(gm, f"{base}_inlined{k}"):
+        k += 1
+    return f"{base}_inlined{k}"
 
 
 def _tracked_by_autograd(gm: torch.fx.GraphModule, params: set[str]) -> set[str]:
     """Nodes whose result requires grad when only the parameters do, found by running the graph
     on fake tensors (exact autograd semantics: a view of data stays untracked, for example)."""
+    return _fake_run(gm, params)[0]
+
+
+def _mutated_placeholders(gm: torch.fx.GraphModule) -> set[str]:
+    """Placeholders the graph writes in place (``batch_norm``'s running statistics, ``add_`` on
+    a counter ...), found by their version counters on a fake run."""
+    return _fake_run(gm, set())[1]
+
+
+def _fake_run(gm: torch.fx.GraphModule, params: set[str]) -> tuple[set[str], set[str]]:
+    """Run ``gm`` on fake tensors with ``params`` requiring grad: (nodes autograd tracks,
+    placeholders written in place)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     tracked: set[str] = set()
+    inputs: dict[str, tuple[torch.Tensor, int]] = {}
     mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     class Tracker(torch.fx.Interpreter):
@@ -164,7 +447,10 @@ def _tracked_by_autograd(gm: torch.fx.GraphModule, params: set[str]) -> set[str]
             if n.op == "placeholder":
                 val = n.meta["val"]
                 out = mode.from_tensor(val) if isinstance(val, torch.Tensor) else val
-                out = out.detach().requires_grad_(True) if n.name in params else out
+                if isinstance(out, torch.Tensor):  # only the parameters: export may mark a meta input too
+                    out = out.detach().requires_grad_(n.name in params)
+                if isinstance(out, torch.Tensor):
+                    inputs[n.name] = (out, out._version)
             else:
                 out = super().run_node(n)
             vals = out if isinstance(out, (tuple, list)) else [out]
@@ -174,12 +460,11 @@ def _tracked_by_autograd(gm: torch.fx.GraphModule, params: set[str]) -> set[str]
 
     with mode:
         Tracker(gm).run(*[None for n in gm.graph.nodes if n.op == "placeholder"])
-    return tracked
+    return tracked, {name for name, (t, version) in inputs.items() if t._version != version}
 
 
 def _is_op(target) -> bool:
-    import operator
-    return isinstance(target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)) or target is operator.getitem
+    return isinstance(target, torch._ops.OpOverload) or target is operator.getitem
 
 
 def stage_view(cg, names):

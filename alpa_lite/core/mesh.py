@@ -137,7 +137,7 @@ class ClusterSpec:
                            peak_flops=self.peak_flops, mem_bandwidth=self.mem_bandwidth,
                            memory_bytes=self.memory_bytes, cluster=self.name,
                            collective_curves=self.collective_curves((n0, n1)) if self.use_curves else None,
-                           kernel_flops=self.kernel_flops)
+                           kernel_flops=self.kernel_flops, spec=self)
 
     def collective_curves(self, shape: tuple[int, int]) -> dict | None:
         """The measured curves for mesh ``shape`` (``{kind: {axes: {"bytes", "seconds"}}}``), or None."""
@@ -375,6 +375,7 @@ class LogicalMesh:
     cluster: str = "a100"
     collective_curves: dict | tuple | None = None
     kernel_flops: dict | tuple | None = None
+    spec: ClusterSpec | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         shape = _check_shape(self.shape)
@@ -393,6 +394,8 @@ class LogicalMesh:
             if self.kernel_flops is None:
                 object.__setattr__(self, "kernel_flops", ref.kernel_flops)
             object.__setattr__(self, "cluster", base.name)
+            if self.spec is None:
+                object.__setattr__(self, "spec", base)
         if self.collective_curves is not None:
             object.__setattr__(self, "collective_curves", _normalize_curves(self.collective_curves))
         _check_kernel_flops(self.kernel_flops or {}, "kernel_flops")
@@ -409,6 +412,21 @@ class LogicalMesh:
     @property
     def num_devices(self) -> int:
         return self.shape[0] * self.shape[1]
+
+    def as_cluster(self) -> ClusterSpec:
+        """This mesh as a cluster of ``shape[0]`` nodes of ``shape[1]`` devices, on which the
+        inter-op pass lays stage submeshes: axis 0's link between nodes, axis 1's inside one,
+        and every calibrated figure of the cluster the mesh was made from (``kernel_flops``,
+        measured ``mesh_links`` and collective curves), so each stage's logical mesh keeps them.
+        """
+        cluster = ClusterSpec(self.cluster, self.shape[0], self.shape[1], self.peak_flops, self.mem_bandwidth,
+                              self.memory_bytes, intra_node=Link(self.mesh_alpha[1], max(self.mesh_beta[1], 1e-30)),
+                              inter_node=Link(self.mesh_alpha[0], max(self.mesh_beta[0], 1e-30)),
+                              kernel_flops=dict(self.kernel_flops))
+        if self.spec is not None:
+            cluster = replace(cluster, mesh_links=self.spec.mesh_links, use_curves=self.spec.use_curves,
+                              measurements=self.spec.measurements)
+        return cluster
 
     def _group(self, axes: tuple[int, ...]) -> tuple[int, float, float]:
         n = math.prod(self.shape[a] for a in axes)

@@ -24,6 +24,9 @@ class PlanOptions:
     force_data_parallel: bool = False
     """Every parameter replicated and every batch split over all mesh axes (the DDP baseline);
     forced ``param_specs`` still apply (e.g. ``S01R`` parameters: ZeRO-3 storage)."""
+    replicate_params: bool = False
+    """Every parameter without a forced spec is stored replicated (hand-tuned baselines such as
+    Megatron's tensor parallelism, which replicates what it does not split)."""
     batch_axis: int | None = None
     """Force the batch dim (dim 0) of the inputs and activations to be split along this mesh axis
     (0 or 1); forcing onto an axis of size 1 is a no-op."""
@@ -87,8 +90,14 @@ class PipelineOptions:
     """Only ``(k, M)`` submeshes with ``k`` a power of two, as Alpa's implementation does."""
     workers: int | None = None
     """Processes computing stage costs; None: one per CPU core (1 inside a distributed job)."""
+    stage_solve: str = "chain"
+    """How a stage's intra-op plan is solved: ``"chain"`` (one ILP per layer, in order; the
+    planning time grows with the distinct layers) or ``"exact"`` (one ILP per stage);
+    ``compiler/stage_costs.py``."""
 
     def __post_init__(self):
+        if self.stage_solve not in ("chain", "exact"):
+            raise ValueError(f"stage_solve must be 'chain' or 'exact', got {self.stage_solve!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULES)}")
         for name in ("num_stages", "num_microbatches", "num_layers", "workers"):

@@ -1,20 +1,29 @@
-"""The ``Plan``: everything the runtime needs, and everything a user asks about a plan.
+"""Plans: everything the runtime needs, and everything a user asks about a plan.
 
-One validated, serializable object (JSON round trip): per-parameter storage specs by FQN, the
-strategy chosen for every node, the collectives a training step issues, and the predicted step
-time (compute / communication) and memory per device.
+Two kinds, one validated serializable object each (JSON round trip, ``load_plan`` reads either):
+
+- ``Plan``: an SPMD plan for one logical mesh (Alpa, OSDI'22, section 4): per-parameter storage
+  specs by FQN, the strategy chosen for every node, the collectives a training step issues, the
+  deferred gradient buckets, and the predicted step time (compute / communication) and memory
+  per device;
+- ``PipelinePlan``: a pipelined plan (section 5): stages, each a layer range on a submesh of the
+  cluster with its own ``Plan``, the schedule and the microbatch count, and the predicted
+  pipeline step time and bubble.
+
+Specs are ``ShardingSpec`` objects in memory and strings (``"S0R"``) only in JSON.
 """
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from .losses import LossReduction
 from .mesh import LogicalMesh
 from .spec import ShardingSpec
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: "kind" ("spmd" | "pipeline"); version 1 files still load
 
 
 class PlanError(ValueError):
@@ -23,16 +32,40 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class NodePlan:
-    """The strategy chosen for one graph node (specs as Alpa strings, e.g. ``"S0R"``)."""
+    """The strategy chosen for one graph node.
+
+    Attributes:
+        strategy: the strategy's name (``"S0R = S0R x RR"``; ``"boundary"`` for a value a
+            pipeline stage receives).
+        in_specs / out_specs: the spec each operand is resharded to / each result is produced in.
+        partial_axes: mesh axes along which the local result is a partial sum (all-reduced in the op).
+        reduce: ``"sum"`` or ``"mean"``: how those partial results combine.
+        grad_partial: per operand, the mesh axes its gradient is a partial sum along (None: the
+            operand needs no gradient).
+        inputs / input_results: per operand, the producing node and which of its results.
+    """
 
     strategy: str
-    in_specs: tuple[str, ...]
-    out_specs: tuple[str, ...]
+    in_specs: tuple[ShardingSpec, ...]
+    out_specs: tuple[ShardingSpec, ...]
     partial_axes: tuple[int, ...] = ()
     reduce: str = "sum"
     grad_partial: tuple[tuple[int, ...] | None, ...] = ()
     inputs: tuple[str, ...] = ()
     input_results: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {"strategy": self.strategy, "in_specs": [str(s) for s in self.in_specs],
+                "out_specs": [str(s) for s in self.out_specs], "partial_axes": list(self.partial_axes),
+                "reduce": self.reduce, "grad_partial": [None if g is None else list(g) for g in self.grad_partial],
+                "inputs": list(self.inputs), "input_results": list(self.input_results)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "NodePlan":
+        return cls(d["strategy"], tuple(map(ShardingSpec.parse, d["in_specs"])),
+                   tuple(map(ShardingSpec.parse, d["out_specs"])), tuple(d["partial_axes"]), d["reduce"],
+                   tuple(None if g is None else tuple(g) for g in d["grad_partial"]), tuple(d["inputs"]),
+                   tuple(d["input_results"]))
 
 
 @dataclass(frozen=True)
@@ -56,6 +89,131 @@ class Collective:
     node: str
     tensor: str
     seconds: float
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "mesh_axes": list(self.mesh_axes), "nbytes": self.nbytes, "phase": self.phase,
+                "node": self.node, "tensor": self.tensor, "seconds": self.seconds}
+
+
+def _specs_to_json(specs: dict[str, ShardingSpec]) -> dict[str, str]:
+    return {k: str(v) for k, v in sorted(specs.items())}
+
+
+def _specs_from_json(d: dict[str, str]) -> dict[str, ShardingSpec]:
+    return {k: ShardingSpec.parse(v) for k, v in d.items()}
+
+
+@dataclass
+class Plan:
+    """An SPMD (intra-operator) sharding plan for one model on one logical mesh.
+
+    Attributes:
+        mesh: the logical mesh (shape and cost figures) planned for.
+        param_specs: parameter FQN -> storage spec (``ShardingSpec``); tied names share one.
+        input_specs: user-input placeholder name -> spec.
+        nodes: node name -> ``NodePlan``.
+        collectives: every collective of one training step, in execution order per phase.
+        compute_seconds / comm_seconds: predicted step time split, seconds.
+        memory_bytes: predicted peak memory per device, bytes.
+        fingerprint: hash of the captured graph (``CapturedGraph.fingerprint``).
+        options: the planning options (``PlanOptions.to_dict``, the budget resolved).
+        stats: planning statistics (capture / strategy / ILP seconds, ILP size; not in JSON).
+        grad_sync: parameter placeholder -> mesh axes whose gradient all-reduce is deferred to the
+            end of backward and bucketed (data-parallel gradient synchronization, as DDP does).
+        bucket_bytes: the largest gradient bucket, bytes.
+        loss_reduction: how the loss reduces over the batch (``LossReduction``).
+        captured: the ``CapturedGraph`` planned (in memory only: the runtime of the planning
+            process executes it instead of capturing again; None after ``load_plan``).
+    """
+
+    mesh: LogicalMesh
+    param_specs: dict[str, ShardingSpec]
+    input_specs: dict[str, ShardingSpec]
+    nodes: dict[str, NodePlan]
+    collectives: list[Collective]
+    compute_seconds: float
+    comm_seconds: float
+    memory_bytes: float
+    fingerprint: str
+    options: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
+    grad_sync: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    bucket_bytes: float = 25 * 2**20
+    loss_reduction: LossReduction = field(default_factory=lambda: LossReduction("mean", None))
+    captured: object = field(default=None, compare=False, repr=False)
+
+    kind = "spmd"
+
+    @property
+    def step_seconds(self) -> float:
+        """Predicted time of one training step, seconds."""
+        return self.compute_seconds + self.comm_seconds
+
+    def collective_counts(self) -> dict[tuple[str, str], int]:
+        """``(kind, phase) -> count`` over one training step."""
+        counts: dict[tuple[str, str], int] = {}
+        for c in self.collectives:
+            counts[(c.kind, c.phase)] = counts.get((c.kind, c.phase), 0) + 1
+        return counts
+
+    def placements(self, fqn: str) -> tuple:
+        """DTensor placements of parameter ``fqn``'s storage on a 2D ``DeviceMesh`` of this plan's
+        shape (``ShardingSpec.placements``): ``distribute_tensor(full, device_mesh, plan.placements(fqn))``
+        holds on every rank the shard this plan's runtime holds.
+
+        Raises:
+            KeyError: ``fqn`` is not a parameter of the plan.
+        """
+        return self.param_specs[fqn].placements(len(self.mesh.shape))
+
+    def to_dict(self, stats: bool = False) -> dict:
+        d = {
+            "version": PLAN_VERSION,
+            "kind": self.kind,
+            "fingerprint": self.fingerprint,
+            "mesh": self.mesh.to_dict(),
+            "options": self.options,
+            "param_specs": _specs_to_json(self.param_specs),
+            "input_specs": _specs_to_json(self.input_specs),
+            "nodes": {k: v.to_dict() for k, v in self.nodes.items()},
+            "collectives": [c.to_dict() for c in self.collectives],
+            "compute_seconds": self.compute_seconds,
+            "comm_seconds": self.comm_seconds,
+            "memory_bytes": self.memory_bytes,
+            "grad_sync": {k: list(v) for k, v in self.grad_sync.items()},
+            "bucket_bytes": float(self.bucket_bytes),
+            "loss_reduction": self.loss_reduction.to_dict(),
+        }
+        if stats:
+            d["stats"] = self.stats
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        return cls(LogicalMesh.from_dict(d["mesh"]), _specs_from_json(d["param_specs"]),
+                   _specs_from_json(d["input_specs"]), {k: NodePlan.from_dict(v) for k, v in d["nodes"].items()},
+                   [Collective(**(c | {"mesh_axes": tuple(c["mesh_axes"])})) for c in d["collectives"]],
+                   float(d["compute_seconds"]), float(d["comm_seconds"]), float(d["memory_bytes"]),
+                   str(d["fingerprint"]), dict(d.get("options", {})), dict(d.get("stats", {})),
+                   {k: tuple(v) for k, v in d["grad_sync"].items()}, float(d["bucket_bytes"]),
+                   LossReduction.from_dict(d["loss_reduction"]) if "loss_reduction" in d else LossReduction("mean", None))
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        """The plan as JSON (byte-identical for the same inputs); written to ``path`` if given.
+        Timing statistics are left out so the text depends only on the inputs."""
+        return _write(self.to_dict(), path)
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> "Plan":
+        """Read an SPMD plan from JSON text or a file (``load_plan`` reads either kind).
+
+        Raises:
+            PlanError: unreadable or corrupt JSON, an unknown version, or a pipelined plan.
+        """
+        plan = load_plan(text_or_path)
+        if not isinstance(plan, cls):
+            raise PlanError("this is a pipelined plan (stages on submeshes): read it with alpa_lite.load_plan")
+        return plan
 
 
 @dataclass
@@ -82,7 +240,7 @@ class StagePlan:
     nodes: list[str]
     submesh: tuple[int, int]
     ranks: list[int]
-    plan: "Plan"
+    plan: Plan
     recv: list[str]
     send: list[str]
     seconds: float
@@ -107,145 +265,150 @@ class StagePlan:
     @classmethod
     def from_dict(cls, d: dict) -> "StagePlan":
         return cls(tuple(d["layers"]), list(d["nodes"]), tuple(d["submesh"]), [int(r) for r in d["ranks"]],
-                   Plan.from_json(json.dumps(d["plan"])), list(d["recv"]), list(d["send"]), float(d["seconds"]),
+                   Plan.from_dict(d["plan"]), list(d["recv"]), list(d["send"]), float(d["seconds"]),
                    float(d["once_seconds"]), float(d["transfer_seconds"]), float(d["weight_bytes"]),
                    float(d["act_bytes"]), int(d["in_flight"]))
 
 
 @dataclass
-class Plan:
-    """An intra-operator sharding plan for one model on one logical mesh.
+class PipelinePlan:
+    """A pipelined plan: stages on disjoint submeshes of the cluster (Alpa, OSDI'22, section 5).
 
     Attributes:
-        mesh: the logical mesh (shape and cost figures) planned for.
-        param_specs: parameter FQN -> storage spec string (``"S1R"``); tied names share one.
-        input_specs: user-input placeholder name -> spec string.
-        nodes: node name -> ``NodePlan``.
-        collectives: every collective of one training step, in execution order per phase.
-        compute_seconds / comm_seconds: predicted step time split, seconds.
-        memory_bytes: predicted peak memory per device, bytes.
-        fingerprint: hash of the captured graph (``CapturedGraph.fingerprint``).
-        stats: planning statistics (capture / strategy / ILP seconds, ILP size).
-        grad_sync: parameter placeholder -> mesh axes whose gradient all-reduce is deferred to the
-            end of backward and bucketed (data-parallel gradient synchronization, as DDP does).
-        bucket_bytes: the largest gradient bucket, bytes.
-        stages: pipeline stages (``StagePlan``), empty for an intra-op-only plan. A pipelined plan's
-            ``mesh`` is the whole cluster, its ``nodes`` are empty (each stage has its own), and
-            its ``fingerprint`` is the graph of one microbatch.
+        mesh: the cluster as a ``LogicalMesh`` of shape ``(N nodes, M devices per node)``.
+        stages: the ``StagePlan`` of every stage, in pipeline order.
         schedule: ``"1f1b"`` or ``"gpipe"``; num_microbatches: B per training step.
-        bubble_fraction: predicted idle share of the devices' time (``stages.bubble_fraction``).
-        pipeline_seconds: predicted step time ``sum(t_i + o_i) + (B - 1) max t_i`` (stages.py).
+        step_seconds: predicted step time ``sum(t_i + o_i) + (B - 1) max t_i``, seconds
+            (docs/pipeline.md).
+        compute_seconds: B times the stages' compute per microbatch, seconds (the rest of the
+            step is communication and bubble).
+        bubble_fraction: predicted idle share of the devices' time.
+        memory_bytes: the largest stage's predicted peak memory per device, bytes.
+        fingerprint: hash of the captured graph of ONE microbatch.
+        param_specs / input_specs: every stage's storage specs (on its own logical mesh).
+        options: the planning and pipeline options (``PlanOptions`` / ``PipelineOptions``).
+        stats: planning statistics (not in JSON).
+        loss_reduction: how the loss reduces over the batch, so how microbatch losses combine.
+        captured: the microbatch ``CapturedGraph`` (in memory only); layers: the layer clustering.
     """
 
     mesh: LogicalMesh
-    param_specs: dict[str, str]
-    input_specs: dict[str, str]
-    nodes: dict[str, NodePlan]
-    collectives: list[Collective]
+    stages: list[StagePlan]
+    schedule: str
+    num_microbatches: int
+    step_seconds: float
     compute_seconds: float
-    comm_seconds: float
+    bubble_fraction: float
     memory_bytes: float
     fingerprint: str
+    loss_reduction: LossReduction
     options: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
-    grad_sync: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    bucket_bytes: float = 25 * 2**20
-    stages: list[StagePlan] = field(default_factory=list)
-    schedule: str | None = None
-    num_microbatches: int = 1
-    bubble_fraction: float = 0.0
-    pipeline_seconds: float = 0.0
+    captured: object = field(default=None, compare=False, repr=False)
+    layers: list = field(default_factory=list, compare=False, repr=False)
+
+    kind = "pipeline"
 
     @property
-    def step_seconds(self) -> float:
-        """Predicted time of one training step, seconds."""
-        if self.stages:
-            return self.pipeline_seconds
-        return self.compute_seconds + self.comm_seconds
+    def param_specs(self) -> dict[str, ShardingSpec]:
+        """Parameter FQN -> storage spec on its stage's logical mesh (a weight held by two stages:
+        the first's)."""
+        out: dict[str, ShardingSpec] = {}
+        for s in reversed(self.stages):
+            out |= s.plan.param_specs
+        return out
+
+    @property
+    def input_specs(self) -> dict[str, ShardingSpec]:
+        out: dict[str, ShardingSpec] = {}
+        for s in reversed(self.stages):
+            out |= s.plan.input_specs
+        return out
 
     def collective_counts(self) -> dict[tuple[str, str], int]:
-        """``(kind, phase) -> count`` over one training step."""
+        """``(kind, phase) -> count`` over one training step, all stages (per microbatch ones x B)."""
         counts: dict[tuple[str, str], int] = {}
-        for c in self.collectives:
-            counts[(c.kind, c.phase)] = counts.get((c.kind, c.phase), 0) + 1
+        for s in self.stages:
+            for c in s.plan.collectives:
+                n = 1 if c.node.startswith("gradient bucket") else self.num_microbatches
+                counts[(c.kind, c.phase)] = counts.get((c.kind, c.phase), 0) + n
         return counts
 
     def to_dict(self, stats: bool = False) -> dict:
-        d = {
-            "version": PLAN_VERSION,
-            "fingerprint": self.fingerprint,
-            "mesh": self.mesh.to_dict(),
-            "options": self.options,
-            "param_specs": dict(sorted(self.param_specs.items())),
-            "input_specs": dict(sorted(self.input_specs.items())),
-            "nodes": {k: asdict(v) for k, v in self.nodes.items()},
-            "collectives": [asdict(c) for c in self.collectives],
-            "compute_seconds": self.compute_seconds,
-            "comm_seconds": self.comm_seconds,
-            "memory_bytes": self.memory_bytes,
-            "grad_sync": {k: list(v) for k, v in self.grad_sync.items()},
-            "bucket_bytes": float(self.bucket_bytes),
-        }
-        if self.stages:
-            d["pipeline"] = {"schedule": self.schedule, "num_microbatches": self.num_microbatches,
-                             "bubble_fraction": self.bubble_fraction, "pipeline_seconds": self.pipeline_seconds,
-                             "stages": [s.to_dict() for s in self.stages]}
+        d = {"version": PLAN_VERSION, "kind": self.kind, "fingerprint": self.fingerprint, "mesh": self.mesh.to_dict(),
+             "options": self.options, "schedule": self.schedule, "num_microbatches": self.num_microbatches,
+             "step_seconds": self.step_seconds, "compute_seconds": self.compute_seconds,
+             "bubble_fraction": self.bubble_fraction, "memory_bytes": self.memory_bytes,
+             "loss_reduction": self.loss_reduction.to_dict(), "stages": [s.to_dict() for s in self.stages]}
         if stats:
             d["stats"] = self.stats
         return d
 
-    def to_json(self, path: str | Path | None = None) -> str:
-        """The plan as JSON (byte-identical for the same inputs); written to ``path`` if given.
-        Timing statistics are left out so the text depends only on the inputs."""
-        text = json.dumps(self.to_dict(), indent=1, sort_keys=False)
-        if path is not None:
-            Path(path).write_text(text)
-        return text
-
     @classmethod
-    def from_json(cls, text_or_path: str | Path) -> "Plan":
-        """Read a plan from JSON text or a file.
+    def from_dict(cls, d: dict) -> "PipelinePlan":
+        return cls(LogicalMesh.from_dict(d["mesh"]), [StagePlan.from_dict(s) for s in d["stages"]], str(d["schedule"]),
+                   int(d["num_microbatches"]), float(d["step_seconds"]), float(d["compute_seconds"]),
+                   float(d["bubble_fraction"]), float(d["memory_bytes"]), str(d["fingerprint"]),
+                   LossReduction.from_dict(d["loss_reduction"]), dict(d.get("options", {})), dict(d.get("stats", {})))
 
-        Raises:
-            PlanError: unreadable JSON, a missing field or a malformed spec.
-        """
-        source = "plan JSON"
-        text = str(text_or_path)
-        if not text.lstrip().startswith("{"):
-            source = f"plan file {text}"
-            try:
-                text = Path(text).read_text()
-            except OSError as e:
-                raise PlanError(f"cannot read {source}: {e}") from None
+    def to_json(self, path: str | Path | None = None) -> str:
+        """The plan as JSON; written to ``path`` if given (``Plan.to_json``)."""
+        return _write(self.to_dict(), path)
+
+
+def _write(d: dict, path) -> str:
+    text = json.dumps(d, indent=1, sort_keys=False)
+    if path is not None:
+        Path(path).write_text(text)
+    return text
+
+
+def _from_version_1(d: dict) -> dict:
+    """A version-1 plan dict in version 2's layout (version 1 had one type, with an optional
+    ``"pipeline"`` object)."""
+    p = d.get("pipeline")
+    if p is None:
+        return d | {"kind": "spmd"}
+    if "loss_reduction" not in p:
+        raise PlanError("the pipelined plan does not say how its loss reduces over microbatches (made by an "
+                        "older alpa-lite): plan it again")
+    stages = [s | {"plan": _from_version_1(s["plan"])} for s in p["stages"]]
+    return {"kind": "pipeline", "fingerprint": d["fingerprint"], "mesh": d["mesh"], "options": d.get("options", {}),
+            "schedule": p["schedule"], "num_microbatches": p["num_microbatches"], "step_seconds": p["pipeline_seconds"],
+            "compute_seconds": d["compute_seconds"], "bubble_fraction": p["bubble_fraction"],
+            "memory_bytes": d["memory_bytes"], "loss_reduction": p["loss_reduction"], "stages": stages}
+
+
+def load_plan(text_or_path: str | Path) -> Plan | PipelinePlan:
+    """Read a plan of either kind from JSON text or a file (version 2, or version 1).
+
+    Raises:
+        PlanError: unreadable JSON, an unknown version or kind, a missing field or a malformed spec.
+    """
+    source = "plan JSON"
+    text = str(text_or_path)
+    if not text.lstrip().startswith("{"):
+        source = f"plan file {text}"
         try:
-            d = json.loads(text)
-            if d.get("version") != PLAN_VERSION:
-                raise PlanError(f"{source}: unsupported plan version {d.get('version')!r}")
-            nodes = {k: NodePlan(v["strategy"], tuple(v["in_specs"]), tuple(v["out_specs"]),
-                                 tuple(v["partial_axes"]), v["reduce"], tuple(None if g is None else tuple(g) for g in v["grad_partial"]),
-                                 tuple(v["inputs"]), tuple(v["input_results"])) for k, v in d["nodes"].items()}
-            for spec in [*d["param_specs"].values(), *d["input_specs"].values(),
-                         *(s for n in nodes.values() for s in n.in_specs + n.out_specs)]:
-                ShardingSpec.parse(spec)
-            return cls(LogicalMesh.from_dict(d["mesh"]), dict(d["param_specs"]), dict(d["input_specs"]), nodes,
-                       [Collective(**(c | {"mesh_axes": tuple(c["mesh_axes"])})) for c in d["collectives"]],
-                       float(d["compute_seconds"]), float(d["comm_seconds"]), float(d["memory_bytes"]),
-                       str(d["fingerprint"]), dict(d.get("options", {})), dict(d.get("stats", {})),
-                       {k: tuple(v) for k, v in d["grad_sync"].items()}, float(d["bucket_bytes"]),
-                       *_pipeline_fields(d.get("pipeline")))
-        except PlanError:
-            raise
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
-            raise PlanError(f"{source} is corrupt: {type(e).__name__}: {e}") from None
-
-
-def _pipeline_fields(d: dict | None) -> tuple:
-    """``(stages, schedule, num_microbatches, bubble_fraction, pipeline_seconds)`` from a plan
-    JSON's optional ``"pipeline"`` object (absent in intra-op plans)."""
-    if d is None:
-        return [], None, 1, 0.0, 0.0
-    return ([StagePlan.from_dict(s) for s in d["stages"]], str(d["schedule"]), int(d["num_microbatches"]),
-            float(d["bubble_fraction"]), float(d["pipeline_seconds"]))
+            text = Path(text).read_text()
+        except OSError as e:
+            raise PlanError(f"cannot read {source}: {e}") from None
+    try:
+        d = json.loads(text)
+        version = d.get("version")
+        if version == 1:
+            d = _from_version_1(d)
+        elif version != PLAN_VERSION:
+            raise PlanError(f"{source}: unsupported plan version {version!r} (this alpa-lite reads versions 1 and "
+                            f"{PLAN_VERSION}); plan it again")
+        kinds = {"spmd": Plan, "pipeline": PipelinePlan}
+        if d.get("kind") not in kinds:
+            raise PlanError(f"{source}: unknown plan kind {d.get('kind')!r} (expected 'spmd' or 'pipeline')")
+        return kinds[d["kind"]].from_dict(d)
+    except PlanError:
+        raise
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+        raise PlanError(f"{source} is corrupt: {type(e).__name__}: {e}") from None
 
 
 def gradient_buckets(cg, nodes: dict[str, NodePlan], grad_sync: dict[str, tuple[int, ...]],
@@ -256,7 +419,7 @@ def gradient_buckets(cg, nodes: dict[str, NodePlan], grad_sync: dict[str, tuple[
     for axes in sorted(set(grad_sync.values())):
         size = math.inf
         for ph in (p for p in cg.param_fqns if grad_sync.get(p) == axes):
-            nbytes = _local_bytes(cg.node(ph).meta["val"], nodes[ph].out_specs[0], mesh_shape)
+            nbytes = local_bytes(cg.node(ph).meta["val"], nodes[ph].out_specs[0], mesh_shape)
             if size + nbytes > bucket_bytes:
                 buckets.append((axes, []))
                 size = 0
@@ -265,5 +428,6 @@ def gradient_buckets(cg, nodes: dict[str, NodePlan], grad_sync: dict[str, tuple[
     return buckets
 
 
-def _local_bytes(val, spec: str, mesh_shape) -> int:
-    return val.element_size() * math.prod(ShardingSpec.parse(spec).local_shape(tuple(val.shape), mesh_shape))
+def local_bytes(val, spec: ShardingSpec, mesh_shape) -> int:
+    """Bytes of one device's shard of tensor ``val`` (a FakeTensor) stored in ``spec``."""
+    return val.element_size() * math.prod(spec.local_shape(tuple(val.shape), mesh_shape))

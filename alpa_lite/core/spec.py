@@ -12,25 +12,53 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
 
 _ENTRY = re.compile(r"R|S01|S10|S0|S1")
 _NAMES = {(): "R", (0,): "S0", (1,): "S1", (0, 1): "S01"}
 
 
-@dataclass(frozen=True, order=True)
-class ShardingSpec:
-    """Per-dim mesh axes of one tensor; ``str(spec)`` gives the Alpa notation (``"S0R"``)."""
+def _parse(text: str) -> tuple[tuple[int, ...], ...]:
+    entries = _ENTRY.findall(text)
+    if "".join(entries) != text:
+        raise ValueError(f"not a sharding spec: {text!r} (expected e.g. 'S0R', 'RS01')")
+    if "S10" in entries:
+        raise ValueError(f"S10 is not supported (use S01, axis 0 major): {text!r}")
+    table = {v: k for k, v in _NAMES.items()}
+    return tuple(table[e] for e in entries)
+
+
+class ShardingSpec(str):
+    """Per-dim mesh axes of one tensor (``dims``), written in Alpa notation.
+
+    A spec is its notation: ``ShardingSpec("S0R")`` is the string ``"S0R"`` (so it prints, compares,
+    hashes and serializes to JSON as that string) that also carries the parsed ``dims``
+    (``((0,), ())``) and the methods below; ``ShardingSpec(((0,), ()))`` builds the same spec
+    from its dims. Parsing happens once, where a spec enters (a plan file, a user option).
+
+    Raises:
+        ValueError: text that is not a sequence of R / S0 / S1 / S01, or a mesh axis used twice.
+    """
 
     dims: tuple[tuple[int, ...], ...]
 
-    def __post_init__(self):
-        used = [a for entry in self.dims for a in entry]
+    def __new__(cls, dims: str | tuple[tuple[int, ...], ...]) -> "ShardingSpec":
+        if isinstance(dims, ShardingSpec):
+            return dims
+        if isinstance(dims, str):
+            dims = _parse(dims)
+        dims = tuple(tuple(entry) for entry in dims)
+        used = [a for entry in dims for a in entry]
         if len(used) != len(set(used)):
-            raise ValueError(f"a mesh axis may split only one tensor dim: {self.dims}")
-        for entry in self.dims:
+            raise ValueError(f"a mesh axis may split only one tensor dim: {dims}")
+        for entry in dims:
             if entry not in _NAMES:
                 raise ValueError(f"unsupported dim entry {entry}; use R, S0, S1 or S01")
+        spec = super().__new__(cls, "".join(_NAMES[e] for e in dims))
+        spec.dims = dims
+        return spec
+
+    def __reduce__(self):
+        return ShardingSpec, (self.dims,)
 
     @classmethod
     def replicated(cls, ndim: int) -> "ShardingSpec":
@@ -43,16 +71,7 @@ class ShardingSpec:
         Raises:
             ValueError: on text that is not a sequence of R / S0 / S1 / S01.
         """
-        entries = _ENTRY.findall(text)
-        if "".join(entries) != text:
-            raise ValueError(f"not a sharding spec: {text!r} (expected e.g. 'S0R', 'RS01')")
-        table = {v: k for k, v in _NAMES.items()}
-        if "S10" in entries:
-            raise ValueError(f"S10 is not supported (use S01, axis 0 major): {text!r}")
-        return cls(tuple(table[e] for e in entries))
-
-    def __str__(self) -> str:
-        return "".join(_NAMES[e] for e in self.dims)
+        return cls(text)
 
     def __repr__(self) -> str:
         return f"ShardingSpec({str(self)!r})"

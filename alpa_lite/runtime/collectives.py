@@ -115,6 +115,15 @@ def run_step(x: torch.Tensor, step: Step, mesh: MeshGroups, phase: str) -> torch
         return torch.cat(recv, dim=step.dim)
 
 
+def gather_full(x: torch.Tensor, spec: ShardingSpec, shape: tuple[int, ...], mesh: MeshGroups) -> torch.Tensor:
+    """The full tensor of global ``shape`` from this rank's shard ``x`` stored in ``spec``
+    (all-gathers along the split axes; no autograd)."""
+    with torch.no_grad():
+        for step in forward_steps(spec, ShardingSpec.replicated(spec.ndim), shape, x.element_size(), mesh.shape):
+            x = run_step(x, step, mesh, "gather")
+    return x
+
+
 def all_reduce_bucket(tensors: list[torch.Tensor], axes: tuple[int, ...], mesh: MeshGroups) -> None:
     """Sum ``tensors`` in place over the devices of ``axes`` with one all-reduce of their
     concatenation (a gradient bucket, as DDP does)."""

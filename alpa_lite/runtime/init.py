@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..core.spec import ShardingSpec
-from .collectives import local_slice
+from .collectives import local_slice, reshard
 
 
 def module_seed(seed: int, name: str) -> int:
@@ -112,7 +112,7 @@ def local_shards(model: torch.nn.Module, cg, plan, groups, device, seed: int = 0
     by_fqn = {fqn: ph for ph, fqn in {**cg.param_fqns, **cg.buffer_fqns}.items()}
 
     def take(fqn: str, full: torch.Tensor) -> None:
-        spec = ShardingSpec.parse(plan.nodes[by_fqn[fqn]].out_specs[0])
+        spec = plan.nodes[by_fqn[fqn]].out_specs[0]
         shard = local_slice(full.detach(), spec, groups).to(device).clone()
         if by_fqn[fqn] in cg.param_fqns:
             params[fqn] = torch.nn.Parameter(shard)
@@ -121,3 +121,26 @@ def local_shards(model: torch.nn.Module, cg, plan, groups, device, seed: int = 0
 
     materialize_shards(model, by_fqn, take, seed, init_fn)
     return params, buffers
+
+
+def local_constants(cg, plan, groups, device) -> dict[str, torch.Tensor]:
+    """This rank's slices of the lifted tensor constants (tensor literals in ``forward``) that
+    ``plan``'s nodes read: placeholder name -> tensor in the spec ``plan`` gives it."""
+    return {ph: local_slice(value.detach(), plan.nodes[ph].out_specs[0], groups).to(device)
+            for ph, value in cg.constants.items() if ph in plan.nodes}
+
+
+def store_buffer_mutations(cg, plan, values: dict, buffers: dict[str, torch.Tensor], groups) -> None:
+    """Write the new values of mutated buffers (``cg.buffer_mutations``: batch-norm running
+    statistics ...) into this rank's stored shards: each value is resharded from the spec its
+    producer computed it in to the buffer's storage spec, so the stored shard gets the new value
+    whatever spec the op that updated it used. The new shard replaces the old tensor (autograd
+    may have saved the old one for backward)."""
+    by_fqn = {fqn: ph for ph, fqn in cg.buffer_fqns.items()}
+    with torch.no_grad():
+        for out_name, fqn in cg.buffer_mutations.items():
+            node = plan.nodes[out_name]
+            stored = plan.nodes[by_fqn[fqn]].out_specs[0]
+            shape = tuple(cg.node(out_name).meta["val"].shape)
+            x = reshard(values[out_name].detach(), node.out_specs[0], stored, None, shape, groups)
+            buffers[fqn] = x.clone()

@@ -18,6 +18,13 @@ from typing import IO
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
+def default_device():
+    """This rank's device: the current CUDA device when CUDA is available, else the CPU."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def init_distributed(timeout_s: float = 120.0) -> None:
     """Initialize the default ``torch.distributed`` process group from torchrun's env vars.
 

@@ -1,4 +1,4 @@
-"""Run a pipelined ``Plan``: each rank executes its stage's part of the graph on its submesh.
+"""Run a ``PipelinePlan``: each rank executes its stage's part of the graph on its submesh.
 
 Every stage is an SPMD program on its own submesh (``runtime/executor.py`` runs its nodes with
 the stage's intra-op plan: resharding collectives inside the stage's process groups). Between
@@ -9,17 +9,24 @@ sending device ``j mod d_send``, and slices what its consumers want (free). Grad
 same way: sending device ``i`` of the earlier stage takes the full gradient from receiving device
 ``i mod d_recv``. So stages may have different submesh and logical mesh shapes.
 
-A step: the batch is cut into ``B`` microbatches (dim 0); the schedule (``schedules.py``) gives
-each stage its order of forwards and backwards; gradients accumulate over microbatches (the loss
-of each is scaled by ``1/B``, so the sum is the gradient of the mean loss); then the deferred
-data-parallel gradient buckets of each stage are all-reduced, a weight used by several stages
-(tied embeddings) gets the sum of their gradients, and one optimizer step runs.
+A step: the batch is cut into ``B`` microbatches (dim 0); the schedule (``core/schedules.py``) gives
+each stage its order of forwards and backwards; gradients accumulate over microbatches; then the
+deferred data-parallel gradient buckets of each stage are all-reduced, a weight used by several
+stages (tied embeddings) gets the sum of their gradients, and one optimizer step runs.
+
+The step's loss is the loss of the whole batch, ``sum_m w_m L_m / Z``, by how the loss reduces
+over the batch (``PipelinePlan.loss_reduction``, ``core/losses.py``): a sum adds the microbatch losses
+(``w_m = 1``, ``Z = 1``), a mean averages them (``w_m = 1``, ``Z = B``), and a token mean over
+valid targets weighs each by its count (``w_m = D_m``, its denominator, ``Z = sum_m D_m``), so
+it is the ratio of the summed numerators and denominators. The last stage back-propagates
+``w_m L_m``; ``Z`` is known only after the last microbatch, so every rank divides its
+accumulated gradients by it before the optimizer step (one broadcast carries loss and ``Z``).
 
 ``torch.distributed.pipelining`` is not used: its stages are one module per rank with one
 process group, and its schedules drive ``PipelineStage`` objects that exchange tensors of fixed
 shapes with one peer each; alpa-lite's stages are slices of one captured graph, each SPMD over a
 submesh of its own shape, exchanging several values with several peers. What it shares with
-that package is the 1F1B and GPipe orders, restated in ``schedules.py``.
+that package is the 1F1B and GPipe orders, restated in ``core/schedules.py``.
 """
 from __future__ import annotations
 
@@ -30,23 +37,12 @@ import torch
 import torch.distributed as dist
 
 from ..core.capture import stage_view
-from ..core.plan import Plan, PlanError, gradient_buckets
-from ..core.resharding import forward_steps
-from .collectives import (
-    MeshGroups,
-    all_reduce_bucket,
-    local_slice,
-    reshard,
-    run_step,
-)
-from .executor import LocalExecutor
-from .init import local_shards
-from ..core.spec import ShardingSpec
+from ..core.plan import PipelinePlan, Plan, PlanError
 from ..core.schedules import get_schedule
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+from ..core.spec import ShardingSpec
+from .collectives import MeshGroups, local_slice, reshard
+from .init import store_buffer_mutations
+from .trainer import Trainer
 
 
 class _ActivationMeter:
@@ -76,14 +72,15 @@ class _ActivationMeter:
         self.live -= self.per_mb.pop(mb)
 
 
-class PipelineTrainer:
-    """Pipelined training: ``step(*batch) -> float`` and ``state_dict()`` on every rank.
+class PipelineTrainer(Trainer):
+    """Pipelined training of a ``PipelinePlan``: the ``Trainer`` interface on every rank.
 
     Args:
         model: the module (meta or real parameters; ``runtime.init`` semantics).
         captured: the ``CapturedGraph`` of ONE microbatch (the plan's fingerprint).
-        plan: a ``Plan`` with ``stages``; their ranks must tile the world.
-        optimizer: ``params -> torch.optim.Optimizer`` over this rank's shards.
+        plan: a ``PipelinePlan``; its stages' ranks must tile the world.
+        optimizer: ``params -> torch.optim.Optimizer`` over this rank's shards (not called on a
+            stage without parameters: it has nothing to update).
         timeout_s: timeout of the stage process groups' collectives, seconds (point-to-point
             transfers run on the default group, whose timeout ``init_distributed`` set).
 
@@ -95,7 +92,7 @@ class PipelineTrainer:
         PlanError: the plan's stages do not tile the world, or it was made for another model.
     """
 
-    def __init__(self, model, captured, plan: Plan, optimizer: Callable, seed: int = 0, init_fn=None,
+    def __init__(self, model, captured, plan: PipelinePlan, optimizer: Callable, seed: int = 0, init_fn=None,
                  timeout_s: float = 120.0):
         world, rank = dist.get_world_size(), dist.get_rank()
         all_ranks = sorted(r for s in plan.stages for r in s.ranks)
@@ -104,22 +101,21 @@ class PipelineTrainer:
         if plan.fingerprint != captured.fingerprint():
             raise PlanError("the plan was made for another model or other microbatch shapes "
                             f"(plan graph {plan.fingerprint}, this model {captured.fingerprint()})")
-        self.plan, self.cg, self.device = plan, captured, _device()
+        self.plan, self.cg = plan, captured
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.schedule = get_schedule(plan.schedule)
         self.num_stages, self.num_microbatches = len(plan.stages), plan.num_microbatches
         self.stage = next(i for i, s in enumerate(plan.stages) if rank in s.ranks)
         self.sp = plan.stages[self.stage]
+        self.reduction = plan.loss_reduction
+        if (self.reduction.kind == "ratio" and self.stage == self.num_stages - 1
+                and self.reduction.denominator not in (*self.sp.nodes, *self.sp.recv)):
+            raise PlanError(f"the loss's denominator {self.reduction.denominator} is not on the last stage")
         self.index = self.sp.ranks.index(rank)  # position in the stage's logical mesh (row-major)
         self.groups = self._make_groups(rank)
         self.view = stage_view(captured, list(self.sp.plan.nodes))
-        self.executor = LocalExecutor(self.view, self.sp.plan, self.groups, self.device)
         self.tied_groups = self._tied_groups(rank)
-        self.params, self.buffers = local_shards(model, self.view, self.sp.plan, self.groups, self.device, seed,
-                                                 init_fn)
-        self.buckets = gradient_buckets(self.view, self.sp.plan.nodes, self.sp.plan.grad_sync, self.groups.shape,
-                                        self.sp.plan.bucket_bytes)
-        self.optimizer = optimizer(list(self.params.values()))
+        self._build(model, self.sp.plan, optimizer, seed, init_fn)  # no optimizer on a stage with nothing to train
         self.peak_activation_bytes = 0
 
     # ---------------------------------------------------------------- process groups
@@ -161,9 +157,8 @@ class PipelineTrainer:
                     out[ph] = g
         return out
 
-    # ---------------------------------------------------------------- parameters
-    def _spec(self, placeholder: str) -> ShardingSpec:
-        return ShardingSpec.parse(self.sp.plan.nodes[placeholder].out_specs[0])
+    def _local_plan(self) -> Plan:
+        return self.sp.plan
 
     # ---------------------------------------------------------------- point to point
     def _meta(self, name: str):
@@ -198,22 +193,22 @@ class PipelineTrainer:
         return [r for i, r in enumerate(prev.ranks) if i % d == self.index]
 
     # ---------------------------------------------------------------- one step
-    def _forward(self, mb: int, batch, received: dict[str, torch.Tensor]):
-        """Run the stage's nodes on microbatch ``mb``; returns (values sent, loss or None)."""
+    def _forward(self, mb: int, batch: list[torch.Tensor], received: dict[str, torch.Tensor]):
+        """Run the stage's nodes on microbatch ``mb`` of the flat ``batch`` (``input_names`` order);
+        returns (values sent, the microbatch's weighted loss ``w_m L_m`` on the last stage, else None)."""
         size = batch[0].shape[0] // self.num_microbatches
         values: dict[str, object] = {}
         values |= {ph: self.params[fqn] for ph, fqn in self.view.param_fqns.items()}
         values |= {ph: self.buffers[fqn] for ph, fqn in self.view.buffer_fqns.items()}
+        values |= self.constants
         for name, x in zip(self.cg.input_names, batch):
             if name in self.view.input_names:
                 part = x[mb * size:(mb + 1) * size].to(self.device)
-                values[name] = local_slice(part, ShardingSpec.parse(self.sp.plan.input_specs[name]), self.groups)
+                values[name] = local_slice(part, self.sp.plan.input_specs[name], self.groups)
         values |= received
         for name in self.sp.nodes:
             values[name] = self.executor._call(self.cg.node(name), values)
-        for out_name, buffer_fqn in self.view.buffer_mutations.items():
-            with torch.no_grad():
-                self.buffers[buffer_fqn].copy_(values[out_name])
+        store_buffer_mutations(self.view, self.sp.plan, values, self.buffers, self.groups)
         sent = []
         for name in self.sp.send:
             x = values[name]
@@ -223,30 +218,32 @@ class PipelineTrainer:
                 x = reshard(x, spec, ShardingSpec.replicated(spec.ndim), () if name in self.cg.requires_grad else None,
                             shape, self.groups)
             sent.append(x)
-        loss = values[self.cg.loss_name] if self.stage == self.num_stages - 1 else None
-        return sent, loss
+        if self.stage != self.num_stages - 1:
+            return sent, None
+        return sent, self._loss_term(values)
 
-    def step(self, *batch) -> float:
-        """One training step on the global ``batch`` (inputs then targets, the same on every rank).
+    def _loss_term(self, values) -> torch.Tensor | None:
+        """``w_m L_m`` of this microbatch (None when ``w_m = 0``: a token mean without a valid
+        target adds nothing), recording ``(w_m L_m, w_m)`` for the step's loss."""
+        loss = values[self.cg.loss_name]
+        name = self.reduction.denominator
+        weight = (self.executor.denominators.get(name, values.get(name)) if self.reduction.kind == "ratio"
+                  else torch.ones(())).detach().to(loss)
+        if not weight:
+            self._terms.append((torch.zeros_like(loss), weight))
+            return None
+        term = loss * weight
+        self._terms.append((term.detach(), weight))
+        return term
 
-        Returns:
-            the mean loss over the microbatches (float, equal on all ranks).
-
-        Raises:
-            ValueError: the batch does not split into the plan's microbatches.
-        """
-        if len(batch) != len(self.cg.input_names):
-            raise ValueError(f"step() takes {len(self.cg.input_names)} tensors (inputs then targets), got {len(batch)}")
-        for name, x in zip(self.cg.input_names, batch):
-            expect = tuple(self.cg.node(name).meta["val"].shape)
-            if (x.shape[0] != expect[0] * self.num_microbatches) or tuple(x.shape[1:]) != expect[1:]:
-                raise ValueError(f"input {name} has shape {tuple(x.shape)}; the plan takes {self.num_microbatches} "
-                                 f"microbatches of {expect}")
-        self.optimizer.zero_grad(set_to_none=True)
+    def _train_step(self, batch: list[torch.Tensor]) -> float:
+        """The schedule's forwards, transfers and backwards of every microbatch; the loss of the
+        whole batch ``sum_m w_m L_m / Z`` (module docstring), gradients divided by ``Z`` and
+        synchronized."""
         self._pending = []
         meter = _ActivationMeter()
         saved: dict[int, tuple] = {}
-        losses = []
+        self._terms = []
         received: dict[int, dict[str, torch.Tensor]] = {}
         for action in self.schedule.actions(self.stage, self.num_stages, self.num_microbatches):
             mb = action.microbatch
@@ -254,19 +251,17 @@ class PipelineTrainer:
                 received[mb] = self._recv_acts(mb)
             elif action.kind == "forward":
                 with meter.hooks(mb):
-                    sent, loss = self._forward(mb, batch, received.get(mb, {}))
+                    saved[mb] = self._forward(mb, batch, received.get(mb, {}))
                 meter.forward_done(mb)
-                saved[mb] = (sent, loss)
-                if loss is not None:
-                    losses.append(loss.detach())
             elif action.kind == "send_act":
                 self._send([t.detach() for t in saved[mb][0]], self._next_peers(), mb, 0)
             elif action.kind == "recv_grad":
                 saved[mb] = saved[mb] + (self._recv_grads(mb, saved[mb][0]),)
             elif action.kind == "backward":
-                sent, loss, *grads = saved.pop(mb)
-                if loss is not None:
-                    (loss / self.num_microbatches).backward()
+                sent, term, *grads = saved.pop(mb)
+                if self.stage == self.num_stages - 1:
+                    if term is not None:
+                        term.backward()
                 else:
                     pairs = [(t, g) for t, g in zip(sent, grads[0]) if t.requires_grad]
                     if pairs:
@@ -281,9 +276,13 @@ class PipelineTrainer:
             w.wait()
         self._pending = []
         self.peak_activation_bytes = meter.peak
+        loss, z = self._broadcast_loss()
+        if z not in (0.0, 1.0):
+            for p in self.params.values():
+                if p.grad is not None:
+                    p.grad.div_(z)
         self._sync_gradients()
-        self.optimizer.step()
-        return self._broadcast_loss(losses)
+        return loss
 
     def _recv_grads(self, mb: int, sent: list[torch.Tensor]) -> list[torch.Tensor | None]:
         nxt = self.plan.stages[self.stage + 1]
@@ -299,47 +298,40 @@ class PipelineTrainer:
         return bufs
 
     def _sync_gradients(self) -> None:
-        for axes, members in self.buckets:  # deferred data-parallel gradients inside the stage
-            params = [self.params[self.view.param_fqns[ph]] for ph in members]
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            all_reduce_bucket([p.grad for p in params], axes, self.groups)
+        self._sync_buckets()  # deferred data-parallel gradients inside the stage
         for ph, group in self.tied_groups.items():  # a weight several stages use: sum their gradients
             p = self.params[self.view.param_fqns[ph]]
             spec = self._spec(ph)
-            full = self._full(p.grad if p.grad is not None else torch.zeros_like(p), spec, ph)
+            full = self._full(p.grad if p.grad is not None else torch.zeros_like(p), ph)
             if self.index != 0:  # every rank of a stage holds the same full gradient: count it once
                 full = torch.zeros_like(full)
             dist.all_reduce(full, group=group)
             p.grad = local_slice(full, spec, self.groups).clone()
 
-    def _full(self, x: torch.Tensor, spec: ShardingSpec, placeholder: str) -> torch.Tensor:
-        shape = tuple(self.cg.node(placeholder).meta["val"].shape)
-        with torch.no_grad():
-            for st in forward_steps(spec, ShardingSpec.replicated(spec.ndim), shape, x.element_size(), self.groups.shape):
-                x = run_step(x, st, self.groups, "gather")
-        return x
-
-    def _broadcast_loss(self, losses: list[torch.Tensor]) -> float:
-        value = torch.stack(losses).mean().reshape(1) if losses else torch.zeros(1, device=self.device)
+    def _broadcast_loss(self) -> tuple[float, float]:
+        """``(loss, Z)`` of the step from the last stage (module docstring), on every rank."""
+        value = torch.zeros(2, device=self.device)
+        if self._terms:
+            terms, weights = (torch.stack(x) for x in zip(*self._terms))
+            z = torch.ones_like(weights[0]) if self.reduction.kind == "sum" else weights.sum()
+            value = torch.stack([terms.sum() / z, z]).to(value)
         dist.broadcast(value, src=self.plan.stages[-1].ranks[0])
-        return float(value)
+        return float(value[0]), float(value[1])
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full parameters and buffers by FQN (tied names included), on every rank."""
+    def _gather(self, local: dict[str, torch.Tensor], placeholders: dict[str, str]) -> dict[str, torch.Tensor]:
+        """``placeholder -> fqn`` of ``placeholders``: the full tensor of each from the first stage
+        holding it (``local``: this stage's shards by FQN), broadcast to every rank."""
         out = {}
         owners = {}
         for i, s in enumerate(self.plan.stages):
             for ph in s.plan.nodes:
-                if ph in self.cg.param_fqns or ph in self.cg.buffer_fqns:
+                if ph in placeholders:
                     owners.setdefault(ph, i)
         for ph in sorted(owners):
-            fqn = self.cg.param_fqns.get(ph) or self.cg.buffer_fqns[ph]
+            fqn = placeholders[ph]
             shape, dtype = self._meta(ph)
             if owners[ph] == self.stage:
-                local = self.params.get(fqn, self.buffers.get(fqn)).detach()
-                x = self._full(local, self._spec(ph), ph).contiguous()
+                x = self._full(local[fqn], ph).contiguous()
             else:
                 x = torch.empty(shape, dtype=dtype, device=self.device)
             dist.broadcast(x, src=self.plan.stages[owners[ph]].ranks[0])
@@ -352,19 +344,3 @@ class PipelineTrainer:
 def _tag(mb: int, kind: int, k: int) -> int:
     """Message tag: microbatch, activation (0) or gradient (1), value index."""
     return (mb * 2 + kind) * 1024 + k
-
-
-def pipeline_trainer(model, example_inputs: tuple, loss_fn, targets: tuple, plan: Plan, optimizer, seed: int,
-                     init_fn, timeout_s: float = 120.0) -> PipelineTrainer:
-    """``parallelize``'s path for a plan with stages: capture one microbatch and build the trainer
-    (``optimizer`` None: AdamW(lr=1e-3))."""
-    from ..core.capture import capture
-
-    b = plan.num_microbatches
-    batch = int(example_inputs[0].shape[0])
-    if batch % b:
-        raise PlanError(f"the plan splits the batch into {b} microbatches; the example batch is {batch}")
-    mb = lambda xs: tuple(x[: batch // b] for x in xs)
-    captured = capture(model, mb(example_inputs), loss_fn, mb(targets))
-    optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
-    return PipelineTrainer(model, captured, plan, optimizer, seed, init_fn, timeout_s)

@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..core.mesh import COLLECTIVES
-from ..core.plan import Plan
+from ..core.plan import PipelinePlan, Plan
 
 REPORT_ENV = "ALPA_LITE_REPORT"
 REPORT_JSON_ENV = "ALPA_LITE_REPORT_JSON"
@@ -114,9 +114,10 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float:
 
 
 def predicted_collectives(plan: Plan) -> dict[tuple[str, str], tuple[int, float]]:
-    """``(kind, phase) -> (count, seconds)`` of one training step under ``plan``."""
+    """``(kind, phase) -> (count, seconds)`` of one training step under an SPMD ``plan`` (none
+    for a ``PipelinePlan``: its stages' collectives overlap in the schedule)."""
     out: dict[tuple[str, str], tuple[int, float]] = {}
-    for c in plan.collectives:
+    for c in [] if isinstance(plan, PipelinePlan) else plan.collectives:
         n, s = out.get((c.kind, c.phase), (0, 0.0))
         out[(c.kind, c.phase)] = (n + 1, s + c.seconds)
     return out
@@ -146,7 +147,7 @@ def make_record(plan: Plan, step_seconds: Sequence[float], collective_seconds: d
         "measured_s"}, ...]}``; the step has ``predicted_s``, ``predicted_compute_s``,
         ``predicted_comm_s``, ``measured_s`` (median of ``samples_s``), ``fastest_s``, ``samples_s``,
         ``measured_collective_s`` (all kinds), ``relative_error``. A pipelined plan (``stages``)
-        predicts only its step (``pipeline_seconds``): its compute / comm split is None and its
+        predicts only its step (``PipelinePlan.step_seconds``): its compute / comm split is None and its
         collectives rows list what ran inside the stages (predicted counts 0).
 
     Raises:
@@ -155,7 +156,7 @@ def make_record(plan: Plan, step_seconds: Sequence[float], collective_seconds: d
     if not step_seconds:
         raise ValueError("no timed step: run more steps than report_warmup before asking for the report")
     measured = statistics.median(step_seconds)
-    pipelined = bool(getattr(plan, "stages", None))  # its step is the stage DP's, not compute + comm
+    pipelined = isinstance(plan, PipelinePlan)  # its step is the stage DP's, not compute + comm
     pred = predicted_collectives(plan)
     rows = []
     for key in sorted(set(pred) | set(collective_counts) | set(collective_seconds), key=_order):

@@ -1,9 +1,13 @@
-"""``parallelize``: run a ``Plan`` as SPMD training, one process per device.
+"""The trainers: run a plan on the ranks of a job, one process per device.
 
-Each rank builds only its own parameter shards, runs the captured graph on local shards with the
+``Trainer`` is what both plan kinds offer (``step``, ``state_dict``, ``load_state_dict``,
+``gradients``, ``report``) and the code they share; ``ParallelTrainer`` runs an SPMD ``Plan``:
+each rank builds only its own parameter shards, runs the captured graph on local shards with the
 planned collectives (``executor.py``), back-propagates through them (each collective's dual is
-explicit, ``collectives.py``) and updates its shards with a standard ``torch.optim`` optimizer.
-Launch with ``torchrun`` (or ``alpa-lite run``); gloo on CPU, NCCL on CUDA, same code.
+explicit, ``collectives.py``), synchronizes the deferred data-parallel gradients in buckets and
+updates its shards with a standard ``torch.optim`` optimizer. ``PipelineTrainer``
+(``pipeline.py``) runs a ``PipelinePlan``. Launch with ``torchrun`` (or ``alpa-lite run``); gloo
+on CPU, NCCL on CUDA, same code.
 """
 from __future__ import annotations
 
@@ -16,20 +20,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..core.capture import capture
-from .launch import init_distributed
-from ..core.mesh import LogicalMesh
+from ..core.capture import CapturedGraph
 from ..core.plan import Plan, PlanError, gradient_buckets
-from .report import REPORT_JSON_ENV, StepTimer, print_report, report_requested, write_record
-from ..core.resharding import forward_steps
 from ..core.spec import ShardingSpec
-from .collectives import COUNTS, MeshGroups, all_reduce_bucket, local_slice, run_step
+from .collectives import COUNTS, MeshGroups, all_reduce_bucket, gather_full, local_slice
 from .executor import LocalExecutor
-from .init import local_shards
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+from .init import local_constants, local_shards, store_buffer_mutations
+from .launch import default_device
+from .report import REPORT_JSON_ENV, StepTimer, print_report, write_record
 
 
 def device_mesh(mesh, world_size: int | None = None):
@@ -56,74 +54,135 @@ def device_mesh(mesh, world_size: int | None = None):
                          f"{world_size}; launch {math.prod(shape)} processes or change the mesh")
     if isinstance(mesh, DeviceMesh):
         return mesh
-    return init_device_mesh(_device().type, shape, mesh_dim_names=("axis0", "axis1"))
+    return init_device_mesh(default_device().type, shape, mesh_dim_names=("axis0", "axis1"))
 
 
-class ParallelTrainer:
-    """The parallel model: ``step(*batch)`` trains one step on every rank.
+class Trainer:
+    """Training on the ranks of a job under a plan; the interface every plan kind's trainer has.
 
     Attributes:
-        plan: the ``Plan`` executed. mesh: the torch ``DeviceMesh``.
-        params: parameter FQN -> this rank's shard (an ``nn.Parameter``).
-        optimizer: the ``torch.optim`` optimizer over the local shards.
+        plan: the plan executed. cg: the captured graph it runs (one microbatch's for a pipeline).
+        view: the part of ``cg`` this rank holds (its stage's for a pipeline).
+        params: parameter FQN -> this rank's shard (an ``nn.Parameter``); buffers: the same for
+            buffers and frozen parameters.
+        optimizer: the ``torch.optim`` optimizer over the local shards (None: nothing to train here).
+        groups: this rank's ``MeshGroups``; buckets: its deferred gradient buckets.
+        timer: a ``StepTimer`` when the trainer reports (``parallelize(..., report=True)``).
     """
 
-    def __init__(self, model, device_mesh, captured, plan: Plan, optimizer: Callable, seed: int, init_fn):
-        self.plan, self.mesh, self.cg = plan, device_mesh, captured
-        self.device = _device()
-        coord = tuple(device_mesh.get_coordinate())
-        groups = tuple(device_mesh.get_group(a) for a in range(2))
-        ranks = sorted(int(r) for r in device_mesh.mesh.flatten())
-        flat = dist.group.WORLD if len(ranks) == dist.get_world_size() else dist.new_group(ranks)
-        self.groups = MeshGroups(tuple(device_mesh.mesh.shape), coord, groups, flat)
-        self.buckets = gradient_buckets(captured, plan.nodes, plan.grad_sync, self.groups.shape, plan.bucket_bytes)
-        self.executor = LocalExecutor(captured, plan, self.groups, self.device)
-        self.params, self.buffers = local_shards(model, captured, plan, self.groups, self.device, seed, init_fn)
-        self.optimizer = optimizer(list(self.params.values()))
-        self.timer: StepTimer | None = None  # set by parallelize(..., report=True)
+    plan: object
+    cg: CapturedGraph
+    view: CapturedGraph
+    groups: MeshGroups
+    num_microbatches: int = 1
+    timer: StepTimer | None = None
 
-    # ---------------------------------------------------------------- parameters
+    def _build(self, model, plan: Plan, optimizer: Callable, seed: int, init_fn) -> None:
+        """The state of this rank for the SPMD ``plan`` of ``self.view``: shards, constants,
+        gradient buckets, the optimizer."""
+        self.device = default_device()
+        self.executor = LocalExecutor(self.view, plan, self.groups, self.device, seed)
+        self.params, self.buffers = local_shards(model, self.view, plan, self.groups, self.device, seed, init_fn)
+        self.constants = local_constants(self.cg, plan, self.groups, self.device)
+        self.buckets = gradient_buckets(self.view, plan.nodes, plan.grad_sync, self.groups.shape, plan.bucket_bytes)
+        self.optimizer = optimizer(list(self.params.values())) if self.params else None
+
+    def _local_plan(self) -> Plan:
+        """This rank's SPMD plan (the whole plan, or its stage's)."""
+        raise NotImplementedError
+
     def _spec(self, placeholder: str) -> ShardingSpec:
-        return ShardingSpec.parse(self.plan.nodes[placeholder].out_specs[0])
+        return self._local_plan().nodes[placeholder].out_specs[0]
 
-    def _placeholder_values(self, batch) -> dict[str, torch.Tensor]:
-        env = {ph: self.params[fqn] for ph, fqn in self.cg.param_fqns.items()}
-        env |= {ph: self.buffers[fqn] for ph, fqn in self.cg.buffer_fqns.items()}
-        if len(batch) != len(self.cg.input_names):
-            raise ValueError(f"step() takes {len(self.cg.input_names)} tensors (inputs then targets), got {len(batch)}")
-        for name, x in zip(self.cg.input_names, batch):
-            expect = tuple(self.cg.node(name).meta["val"].shape)
-            if tuple(x.shape) != expect:
-                raise ValueError(f"input {name} has shape {tuple(x.shape)}, the plan was made for {expect}")
-            env[name] = local_slice(x.to(self.device), ShardingSpec.parse(self.plan.input_specs[name]), self.groups)
-        return env
-
-    # ---------------------------------------------------------------- training
-    def loss(self, *batch) -> torch.Tensor:
-        """The (replicated) loss of a global batch, with the autograd graph for backward."""
-        values = self.executor.run(self._placeholder_values(batch))
-        for out_name, buffer_fqn in self.cg.buffer_mutations.items():
-            with torch.no_grad():
-                self.buffers[buffer_fqn].copy_(values[out_name])
-        return values[self.cg.loss_name]
-
-    def step(self, *batch) -> float:
+    # ---------------------------------------------------------------- a step
+    def step(self, *batch, **kwargs) -> float:
         """Forward, backward and optimizer update on a global batch (the same on every rank).
 
+        Args:
+            batch: the model inputs then the targets, structured as the example inputs were
+                (tensors, nested tuples / lists / dicts of them), with global shapes.
+            kwargs: the model's keyword inputs, as ``example_kwargs`` were given.
+
         Returns:
-            the loss (float, equal on all ranks).
+            the loss of the whole batch (float, equal on all ranks).
+
+        Raises:
+            ValueError: the batch's structure or a tensor's shape is not the captured one.
         """
+        flat = self._flat_batch(batch, kwargs)
         with self.timer.step() if self.timer is not None else nullcontext():
-            self.optimizer.zero_grad(set_to_none=True)
-            loss = self.loss(*batch)
-            loss.backward()
-            self.sync_gradients()
-            self.optimizer.step()
-            loss = float(loss.detach())
+            for p in self.params.values():
+                p.grad = None
+            loss = self._train_step(flat)
+            if self.optimizer is not None:
+                self.optimizer.step()
         if self.timer is not None and self.timer.report_due():
             self.report(os.environ.get(REPORT_JSON_ENV) or None)
         return loss
 
+    def _train_step(self, flat: list[torch.Tensor]) -> float:
+        """Forward and backward of the flat batch, gradients synchronized; returns the loss."""
+        raise NotImplementedError
+
+    def _flat_batch(self, batch: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """The batch's tensors in ``cg.input_names`` order, checked against the captured shapes
+        (a pipeline's batch dim holds ``num_microbatches`` microbatches)."""
+        flat = self.cg.flat_inputs(batch, kwargs)
+        for name, x in zip(self.cg.input_names, flat):
+            expect = tuple(self.cg.node(name).meta["val"].shape)
+            want = (expect[0] * self.num_microbatches, *expect[1:]) if expect else expect
+            if tuple(x.shape) != want:
+                per = f" ({self.num_microbatches} microbatches of {expect})" if self.num_microbatches > 1 else ""
+                raise ValueError(f"input {name} has shape {tuple(x.shape)}, the plan was made for {want}{per}")
+        return flat
+
+    def _sync_buckets(self) -> None:
+        """All-reduce the deferred data-parallel gradients, one bucket at a time (``Plan.grad_sync``)."""
+        for axes, members in self.buckets:
+            params = [self.params[self.view.param_fqns[ph]] for ph in members]
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            all_reduce_bucket([p.grad for p in params], axes, self.groups)
+
+    def _full(self, x: torch.Tensor, placeholder: str) -> torch.Tensor:
+        """The full tensor of ``placeholder`` from this rank's shard ``x``."""
+        shape = tuple(self.cg.node(placeholder).meta["val"].shape)
+        return gather_full(x.detach(), self._spec(placeholder), shape, self.groups)
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (gathered) parameters and buffers by FQN, tied names included; on every rank."""
+        return self._gather({**self.params, **self.buffers}, {**self.cg.param_fqns, **self.cg.buffer_fqns})
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """Full gradients of the last step by parameter FQN (tied names included; zeros where a
+        parameter got none), after their synchronization; on every rank."""
+        grads = {fqn: p.grad if p.grad is not None else torch.zeros_like(p) for fqn, p in self.params.items()}
+        return self._gather(grads, self.cg.param_fqns)
+
+    def _gather(self, local: dict[str, torch.Tensor], placeholders: dict[str, str]) -> dict[str, torch.Tensor]:
+        """Placeholder -> FQN of ``placeholders``: each full tensor, on every rank (``local``:
+        this rank's shards by FQN)."""
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load full tensors (as ``model.state_dict()`` gives); each rank keeps its shards.
+
+        Raises:
+            KeyError: a parameter is missing (buffers missing from ``state`` keep their values:
+                non-persistent buffers are not in a state dict).
+        """
+        with torch.no_grad():
+            for ph, fqn in {**self.view.param_fqns, **self.view.buffer_fqns}.items():
+                if fqn not in state and ph in self.view.buffer_fqns:
+                    continue
+                if fqn not in state:
+                    raise KeyError(f"state dict has no {fqn!r}")
+                target = self.params.get(fqn, self.buffers.get(fqn))
+                target.copy_(local_slice(state[fqn], self._spec(ph), self.groups))
+
+    # ---------------------------------------------------------------- report
     def report(self, json_path: str | Path | None = None, name: str = "", console=None, show: bool = True) -> dict:
         """Predicted vs measured step and collective times (``alpa_lite.runtime.report``); call on every rank.
 
@@ -149,54 +208,74 @@ class ParallelTrainer:
                 write_record(record, json_path)
         return record
 
-    def _gather(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+
+class ParallelTrainer(Trainer):
+    """The SPMD trainer: ``step(*batch)`` trains one step of an SPMD ``Plan`` on every rank.
+
+    Args:
+        model: the module (meta or real parameters; ``runtime.init`` semantics).
+        device_mesh: the 2D torch ``DeviceMesh`` of the plan's shape.
+        captured: the ``CapturedGraph`` of the model (the plan's fingerprint).
+        plan: the ``Plan``.
+        optimizer: ``params -> torch.optim.Optimizer`` over this rank's shards.
+
+    Raises:
+        PlanError: the plan was made for another model, other input shapes or another mesh.
+    """
+
+    def __init__(self, model, device_mesh, captured: CapturedGraph, plan: Plan, optimizer: Callable, seed: int = 0,
+                 init_fn=None):
+        if plan.fingerprint != captured.fingerprint():
+            raise PlanError("the plan was made for another model or other input shapes "
+                            f"(plan graph {plan.fingerprint}, this model {captured.fingerprint()})")
+        shape = tuple(device_mesh.mesh.shape)
+        if tuple(plan.mesh.shape) != shape:
+            raise PlanError(f"the plan is for a {plan.mesh.shape[0]}x{plan.mesh.shape[1]} mesh, the device mesh is "
+                            f"{shape[0]}x{shape[1]}")
+        self.plan, self.mesh, self.cg, self.view = plan, device_mesh, captured, captured
+        coord = tuple(device_mesh.get_coordinate())
+        groups = tuple(device_mesh.get_group(a) for a in range(2))
+        ranks = sorted(int(r) for r in device_mesh.mesh.flatten())
+        flat = dist.group.WORLD if len(ranks) == dist.get_world_size() else dist.new_group(ranks)
+        self.groups = MeshGroups(shape, coord, groups, flat)
+        self._build(model, plan, optimizer, seed, init_fn)
+
+    def _local_plan(self) -> Plan:
+        return self.plan
+
+    def placeholder_values(self, flat: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every placeholder's local value for the flat batch ``flat`` (``cg.input_names`` order)."""
+        env = {ph: self.params[fqn] for ph, fqn in self.cg.param_fqns.items()}
+        env |= {ph: self.buffers[fqn] for ph, fqn in self.cg.buffer_fqns.items()}
+        env |= self.constants
+        for name, x in zip(self.cg.input_names, flat):
+            env[name] = local_slice(x.to(self.device), self.plan.input_specs[name], self.groups)
+        return env
+
+    def loss(self, *batch, **kwargs) -> torch.Tensor:
+        """The (replicated) loss of a global batch, with the autograd graph for backward (no
+        update; buffers such as batch-norm statistics are updated as in a forward)."""
+        return self._loss(self._flat_batch(batch, kwargs))
+
+    def _loss(self, flat: list[torch.Tensor]) -> torch.Tensor:
+        values = self.executor.run(self.placeholder_values(flat))
+        store_buffer_mutations(self.cg, self.plan, values, self.buffers, self.groups)
+        return values[self.cg.loss_name]
+
+    def _train_step(self, flat: list[torch.Tensor]) -> float:
+        loss = self._loss(flat)
+        loss.backward()
+        self._sync_buckets()
+        return float(loss.detach())
+
+    def _gather(self, local: dict[str, torch.Tensor], placeholders: dict[str, str]) -> dict[str, torch.Tensor]:
         out = {}
-        with torch.no_grad():
-            for ph, fqn in {**self.cg.param_fqns, **self.cg.buffer_fqns}.items():
-                if fqn not in local:
-                    continue
-                x, spec = local[fqn].detach(), self._spec(ph)
-                shape = tuple(self.cg.node(ph).meta["val"].shape)
-                for step in forward_steps(spec, ShardingSpec.replicated(spec.ndim), shape, x.element_size(),
-                                          self.groups.shape):
-                    x = run_step(x, step, self.groups, "gather")
-                out[fqn] = x.cpu()
+        for ph, fqn in placeholders.items():
+            if fqn in local:
+                out[fqn] = self._full(local[fqn], ph).cpu()
                 for alias in self.cg.tied.get(fqn, []):
                     out[alias] = out[fqn]
         return out
-
-    def sync_gradients(self) -> None:
-        """All-reduce the deferred data-parallel gradients, one bucket at a time (``Plan.grad_sync``)."""
-        for axes, members in self.buckets:
-            params = [self.params[self.cg.param_fqns[ph]] for ph in members]
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            all_reduce_bucket([p.grad for p in params], axes, self.groups)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full (gathered) parameters and buffers by FQN, tied names included; on every rank."""
-        return self._gather({**self.params, **self.buffers})
-
-    def gradients(self) -> dict[str, torch.Tensor]:
-        """Full (gathered) gradients of the last step by parameter FQN; on every rank."""
-        return self._gather({k: p.grad for k, p in self.params.items() if p.grad is not None})
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load full tensors (as ``model.state_dict()`` gives); each rank keeps its shards.
-
-        Raises:
-            KeyError: a parameter is missing (buffers missing from ``state`` keep their values:
-                non-persistent buffers are not in a state dict).
-        """
-        with torch.no_grad():
-            for ph, fqn in {**self.cg.param_fqns, **self.cg.buffer_fqns}.items():
-                if fqn not in state and ph in self.cg.buffer_fqns:
-                    continue
-                if fqn not in state:
-                    raise KeyError(f"state dict has no {fqn!r}")
-                target = self.params.get(fqn, self.buffers.get(fqn))
-                target.copy_(local_slice(state[fqn], self._spec(ph), self.groups))
 
 
 def collective_counts() -> dict[tuple[str, str], int]:

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..core.plan import Plan
-from ..compiler.stages import BACKWARD_SHARE
+from ..compiler.stage_dp import BACKWARD_SHARE
+from ..core.plan import PipelinePlan
 from ..core.schedules import get_schedule, simulate
 
 
-def _require_stages(plan: Plan) -> None:
-    if not plan.stages:
+def _require_stages(plan) -> None:
+    if not isinstance(plan, PipelinePlan):
         raise ValueError("this plan has no pipeline stages; plan with pipeline='auto' or num_stages=K")
 
 
@@ -21,7 +21,7 @@ def _ms(x: float) -> str:
     return f"{x * 1e3:.3f} ms"
 
 
-def stages_table(plan: Plan):
+def stages_table(plan: PipelinePlan):
     """A ``rich.table.Table`` of the plan's stages: layers, modules, submesh and ranks, logical
     mesh, time per microbatch (of which transfer), once-per-step time, memory, microbatches in
     flight; the caption gives the schedule, B, the bubble fraction and the step time.
@@ -32,7 +32,7 @@ def stages_table(plan: Plan):
     from rich.table import Table
 
     _require_stages(plan)
-    layers = getattr(plan, "layers", None)
+    layers = plan.layers or None
     n = len(plan.stages)
     t = Table(title=f"pipeline: {n} stage{'s' if n != 1 else ''}, {plan.schedule}, {plan.num_microbatches} microbatches",
               caption=f"predicted step {_ms(plan.step_seconds)}, bubble {plan.bubble_fraction:.1%}")
@@ -51,7 +51,7 @@ def stages_table(plan: Plan):
     return t
 
 
-def schedule_chart(plan: Plan, path: str | Path, title: str | None = None) -> Path:
+def schedule_chart(plan: PipelinePlan, path: str | Path, title: str | None = None) -> Path:
     """Save a Gantt chart (matplotlib, PNG by the suffix) of one training step: per stage, the
     forward (light) and backward (dark) of every microbatch, simulated from the predicted stage
     times (forward = 1/3 of a stage's time, backward = 2/3: backward costs 2x the forward FLOPs).

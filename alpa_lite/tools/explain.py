@@ -10,7 +10,7 @@ from collections import defaultdict
 
 from rich.table import Table
 
-from ..core.plan import Plan
+from ..core.plan import PipelinePlan, Plan
 
 
 def _seconds(s: float) -> str:
@@ -45,7 +45,7 @@ def summary_table(plan: Plan, title: str = "plan") -> Table:
                       f"{', '.join(_rate(1 / b) for b in m.mesh_beta)} (axis 0, axis 1)")
     budget = plan.options.get("memory_budget") or m.memory_bytes
     st = plan.stats
-    if plan.stages:  # stages overlap in time: the step is the pipeline formula, not a sum
+    if isinstance(plan, PipelinePlan):  # stages overlap in time: the step is the pipeline formula, not a sum
         n = len(plan.stages)
         t.add_row("step time (predicted)", f"{_seconds(plan.step_seconds)}: {n} stage{'s' if n != 1 else ''}, "
                                            f"{plan.num_microbatches} microbatches ({plan.schedule}), bubble "
@@ -111,7 +111,7 @@ def node_table(plan: Plan, node: str) -> Table:
     chosen one marked: "why this?" for a single op. Needs a plan made in this process."""
     from ..compiler.strategies import build_strategies
 
-    cg = getattr(plan, "captured", None)
+    cg = plan.captured
     if cg is None:
         raise ValueError("explaining a node needs the captured graph: use a plan made by alpa_lite.plan() here")
     by_fqn = {fqn: ph for ph, fqn in cg.param_fqns.items()}
@@ -125,7 +125,7 @@ def node_table(plan: Plan, node: str) -> Table:
     for col in ("", "strategy", "operand specs", "result", "partial", "compute", "all-reduce", "memory"):
         t.add_column(col)
     for s in sorted(ns.strategies, key=lambda s: s.cost):
-        mark = "*" if s.name == chosen.strategy and tuple(map(str, s.in_specs)) == chosen.in_specs else ""
+        mark = "*" if s.name == chosen.strategy and tuple(s.in_specs) == chosen.in_specs else ""
         t.add_row(mark, s.name, " ".join(map(str, s.in_specs)), " ".join(map(str, s.out_specs)),
                   "".join(map(str, s.partial_axes)) or "-", _seconds(s.compute), _seconds(s.comm), _bytes(s.memory))
     t.caption = "* chosen; resharding of operands is priced on the graph's edges"

@@ -38,10 +38,19 @@ Models and the source of each shape table:
   ``benchmark/alpa/suite_paper_wresnet.py``: image 224, depth 50, base channels, width
   factor, 1024 classes). Inputs ``images [batch, 3, H, W]`` (float32) and
   ``labels [batch]`` (int64). Loss: cross-entropy.
-- ``bert``, ``gpt2-hf``, ``llama``: small HuggingFace ``transformers`` models built from a
-  config with random weights (never downloaded), wrapped so ``forward`` returns ``.loss``.
-  Inputs ``input_ids [batch, seq]`` and ``labels [batch, seq]`` (int64). Needs the ``hf``
-  extra.
+- ``resnet``: ResNet-18 (He et al. 2016, Table 1: basic blocks, 2-2-2-2, 7x7/2 stem with
+  max-pool) as a :class:`WideResNet` of width factor 1 with narrow channels (8 ... 64) on
+  32x32 images, 10 classes; BatchNorm in training mode. (torchvision's ``resnet18`` has the
+  same structure; torchvision is not a dependency.) Inputs and loss as for ``wide-resnet``.
+- ``bert``, ``gpt2-hf``, ``llama``, ``mixtral``, ``t5``: small HuggingFace ``transformers``
+  models built from a config with random weights (never downloaded), wrapped by
+  :class:`LossWrapper` so ``forward`` passes its tensors as HF keyword inputs and returns
+  ``.loss``. ``gpt2-hf``, ``llama`` (grouped-query attention: 4 query heads, 2 key/value heads;
+  RoPE) and ``mixtral`` (4 experts, top-2 routing, no auxiliary loss): ``input_ids [batch,
+  seq]``, ``labels [batch, seq]`` (int64, HF shifts them). ``bert`` (masked LM): ``input_ids``,
+  ``attention_mask [batch, seq]`` (padding: rows of different lengths), ``labels``. ``t5``
+  (encoder-decoder): ``input_ids``, ``attention_mask``, ``labels [batch, seq // 2]``. Needs the
+  ``hf`` extra.
 
 A name of the form ``"package.module:callable"`` imports ``callable`` and calls it with
 ``batch=`` and ``seq=`` (and ``device=`` / the overrides, when its signature accepts them);
@@ -516,14 +525,22 @@ class WideResNet(nn.Module):
 
 
 class LossWrapper(nn.Module):
-    """Wraps a HuggingFace model: ``forward(input_ids, labels) -> model(...).loss``."""
+    """Wraps a HuggingFace model: ``forward(*tensors) -> model(**dict(zip(keys, tensors))).loss``.
 
-    def __init__(self, model: nn.Module):
+    ``keys`` names the model's keyword inputs in call order (default ``input_ids, labels``), so a
+    positional batch reaches an HF model as HF models are called.
+    """
+
+    def __init__(self, model: nn.Module, keys: tuple[str, ...] = ("input_ids", "labels")):
         super().__init__()
         self.model = model
+        self.keys = tuple(keys)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, labels=labels).loss
+    def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
+        if len(tensors) != len(self.keys):
+            raise TypeError(f"{type(self.model).__name__} wrapper takes {len(self.keys)} tensors "
+                            f"({', '.join(self.keys)}), got {len(tensors)}")
+        return self.model(**dict(zip(self.keys, tensors))).loss
 
 
 def _transformers():
@@ -531,7 +548,7 @@ def _transformers():
         import transformers
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "the HuggingFace models (bert, gpt2-hf, llama) need the transformers package: "
+            "the HuggingFace models (bert, gpt2-hf, llama, mixtral, t5) need the transformers package: "
             "pip install alpa-lite[hf]"
         ) from e
     return transformers
@@ -737,6 +754,13 @@ def _hf_config(cls, defaults: dict, ov: dict):
     return cls(**{**defaults, **ov})
 
 
+def _padding_mask(batch: int, seq: int, dev: torch.device) -> torch.Tensor:
+    """``[batch, seq]`` int64 attention mask: row i keeps its first ``seq - (i % 4) * (seq // 4)``
+    tokens (1) and pads the rest (0), so rows of one batch have different lengths."""
+    lengths = seq - (torch.arange(batch, device=dev) % 4) * (seq // 4)
+    return (torch.arange(seq, device=dev)[None, :] < lengths[:, None]).long()
+
+
 def _build_bert(name, batch, seq, dev, seed, **ov):
     tf = _transformers()
     seq = seq or 128
@@ -744,9 +768,10 @@ def _build_bert(name, batch, seq, dev, seed, **ov):
         vocab_size=1024, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=512, max_position_embeddings=max(512, seq), hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0, attn_implementation="sdpa"), ov)
-    model = LossWrapper(tf.BertForMaskedLM(cfg))
+    model = LossWrapper(tf.BertForMaskedLM(cfg), ("input_ids", "attention_mask", "labels"))
     ids = _randint(cfg.vocab_size, (batch, seq), dev, seed + 1)
-    return model, (ids, ids.clone())  # every position is a valid MLM target
+    # every position is a valid MLM target (padding is masked out of attention, not of the loss)
+    return model, (ids, _padding_mask(batch, seq, dev), ids.clone())
 
 
 def _build_gpt2_hf(name, batch, seq, dev, seed, **ov):
@@ -769,11 +794,43 @@ def _build_llama(name, batch, seq, dev, seed, **ov):
     seq = seq or 64
     cfg = _hf_config(tf.LlamaConfig, dict(
         vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=max(256, seq),
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(256, seq),
         attention_dropout=0.0, use_cache=False, attn_implementation="sdpa"), ov)
     model = LossWrapper(tf.LlamaForCausalLM(cfg))
     ids = _randint(cfg.vocab_size, (batch, seq), dev, seed + 1)
     return model, (ids, ids.clone())
+
+
+def _build_mixtral(name, batch, seq, dev, seed, **ov):
+    tf = _transformers()
+    seq = seq or 64
+    cfg = _hf_config(tf.MixtralConfig, dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=max(256, seq), attention_dropout=0.0, output_router_logits=False,
+        use_cache=False, attn_implementation="sdpa"), ov)
+    model = LossWrapper(tf.MixtralForCausalLM(cfg))
+    ids = _randint(cfg.vocab_size, (batch, seq), dev, seed + 1)
+    return model, (ids, ids.clone())
+
+
+def _build_t5(name, batch, seq, dev, seed, **ov):
+    tf = _transformers()
+    seq = seq or 32
+    cfg = _hf_config(tf.T5Config, dict(
+        vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
+        dropout_rate=0.0, use_cache=False, pad_token_id=0, decoder_start_token_id=0, eos_token_id=1,
+        attn_implementation="sdpa"), ov)
+    model = LossWrapper(tf.T5ForConditionalGeneration(cfg), ("input_ids", "attention_mask", "labels"))
+    ids = _randint(cfg.vocab_size, (batch, seq), dev, seed + 1)
+    labels = _randint(cfg.vocab_size, (batch, seq // 2), dev, seed + 2)  # HF shifts them into decoder inputs
+    return model, (ids, _padding_mask(batch, seq, dev), labels)
+
+
+def _build_resnet(name, batch, seq, dev, seed, **ov):
+    defaults = dict(stage_sizes=_RESNET_DEPTHS[18][0], bottleneck=False, num_filters=8, width_factor=1,
+                    image_size=32, num_classes=10, stem="imagenet")
+    return _build_wresnet(name, batch, seq, dev, seed, **{**defaults, **ov})
 
 
 _BUILDERS: dict[str, Callable] = {
@@ -788,12 +845,15 @@ _BUILDERS: dict[str, Callable] = {
     "bert": _build_bert,
     "gpt2-hf": _build_gpt2_hf,
     "llama": _build_llama,
+    "mixtral": _build_mixtral,
+    "t5": _build_t5,
+    "resnet": _build_resnet,
 }
 
 MODEL_NAMES: list[str] = list(_BUILDERS)
 """Every built-in model name accepted by :func:`build_model`."""
 
-HF_MODEL_NAMES: list[str] = ["bert", "gpt2-hf", "llama"]
+HF_MODEL_NAMES: list[str] = ["bert", "gpt2-hf", "llama", "mixtral", "t5"]
 """The built-ins that need ``transformers``."""
 
 

@@ -36,7 +36,19 @@ def check_init(args, shape) -> dict:
     trainer.load_state_dict(other)
     got = trainer.state_dict()
     load_err = max(float((got[k] - v).abs().max()) for k, v in other.items())
-    return {"init_err": init_err, "load_err": load_err, "param_specs": trainer.plan.param_specs}
+    return {"init_err": init_err, "load_err": load_err, "param_specs": trainer.plan.param_specs,
+                         "dtensor_mismatch": dtensor_bad}
+
+
+def dtensor_mismatch(trainer, model) -> list[str]:
+    """Parameters whose DTensor, built from the full tensor with the plan's placements on the
+    trainer's DeviceMesh, holds another local shard than the runtime (``Plan.placements``)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    full = dict(model.named_parameters())
+    return [fqn for fqn, shard in trainer.params.items()
+            if not torch.equal(distribute_tensor(full[fqn].detach(), trainer.mesh, trainer.plan.placements(fqn))
+                               .to_local(), shard.detach())]
 
 
 def megatron_specs(model) -> dict:
@@ -63,6 +75,7 @@ def main():
     for name, options in json.loads(args.plans).items():
         trainer = parallelize(copy.deepcopy(model), shape, example, optimizer=lambda p: torch.optim.AdamW(p, lr=LR),
                               **options)
+        dtensor_bad = dtensor_mismatch(trainer, model)
         before = collective_counts()
         losses = [trainer.step(*batches[0])]
         after = collective_counts()
@@ -74,7 +87,8 @@ def main():
         results[name] = {"losses": losses, "ref_losses": ref_losses, "grad_err": grad_err, "grad_scale": grad_scale,
                          "param_err": param_err, "param_scale": param_scale, "runtime_counts": runtime,
                          "plan_counts": {f"{k}|{ph}": n for (k, ph), n in trainer.plan.collective_counts().items()},
-                         "param_specs": trainer.plan.param_specs}
+                         "param_specs": trainer.plan.param_specs,
+                         "dtensor_mismatch": dtensor_bad}
     if args.check_init:
         results["init"] = check_init(args, shape)
     if dist.get_rank() == 0:

@@ -4,11 +4,11 @@ import copy
 import torch
 
 
-def reference(model, batches, lr):
-    """Train a copy of ``model`` with AdamW on ``batches``: (losses, first-step gradients, final
-    parameters by every name, tied ones included)."""
+def reference(model, batches, lr, optimizer=torch.optim.AdamW):
+    """Train a copy of ``model`` with ``optimizer`` (a ``torch.optim`` class) on ``batches``:
+    (losses, first-step gradients, final parameters by every name, tied ones included)."""
     model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = optimizer(model.parameters(), lr=lr)
     losses, grads = [], None
     for batch in batches:
         opt.zero_grad()

@@ -1,0 +1,117 @@
+"""Forced choices on a strategy table: forced parameter and input specs, data parallelism, a
+batch axis. One module for the intra-op pass and every stage of the inter-op pass, so both
+read the same options the same way (``PlanOptions``)."""
+from __future__ import annotations
+
+from ..core.options import PlanOptions
+from ..core.spec import ShardingSpec
+from .strategies import NodeStrategies
+
+
+def restrict(ns: NodeStrategies, keep) -> None:
+    """Keep the strategies of ``ns`` for which ``keep(strategy)`` holds.
+
+    Raises:
+        ValueError: none is left.
+    """
+    kept = [s for s in ns.strategies if keep(s)]
+    if not kept:
+        raise ValueError(f"the forced specs leave no strategy for {ns.node}")
+    ns.strategies[:] = kept
+
+
+def force(ns: NodeStrategies, spec: ShardingSpec, what: str, cg, mesh) -> None:
+    """Keep only the strategies of ``ns`` whose result is in ``spec`` (``what`` names the tensor).
+
+    Raises:
+        ValueError: ``spec`` does not fit or divide the tensor on ``mesh``, or no strategy has it.
+    """
+    shape = tuple(cg.node(ns.node).meta["val"].shape)
+    if spec.ndim != len(shape) or not spec.divides(shape, mesh.shape):
+        raise ValueError(f"spec {spec} for {what} does not divide its shape {shape} on mesh {mesh.shape}")
+    restrict(ns, lambda s: s.out_spec == spec)
+
+
+def on_mesh(spec: ShardingSpec, mesh_shape: tuple[int, int]) -> ShardingSpec:
+    """``spec`` without the mesh axes of size 1 (a split along one device is no split): a spec
+    written for the cluster (``S01R``) on a stage's ``1 x 2`` logical mesh is ``S1R``."""
+    return ShardingSpec(tuple(tuple(a for a in entry if mesh_shape[a] > 1) for entry in spec.dims))
+
+
+def check_names(cg, options: PlanOptions) -> dict[str, str]:
+    """Check that every name ``options`` forces a spec on exists in the captured graph ``cg``.
+
+    Returns:
+        every parameter / buffer FQN (tied names included) -> its placeholder.
+
+    Raises:
+        ValueError: a ``param_specs`` key that names no parameter or buffer, an ``input_specs`` key
+            that names no input (the message lists the inputs).
+    """
+    by_fqn = {fqn: ph for ph, fqn in {**cg.param_fqns, **cg.buffer_fqns}.items()}
+    for ph, fqn in {**cg.param_fqns, **cg.buffer_fqns}.items():
+        for alias in cg.tied.get(fqn, []):
+            by_fqn[alias] = ph
+    for fqn in options.param_specs:
+        if fqn not in by_fqn:
+            raise ValueError(f"param_specs names {fqn!r}, which is not a parameter (or buffer) of the model")
+    for key in options.input_specs:
+        if key.isdigit() and int(key) >= len(cg.input_names):
+            raise ValueError(f"input_specs names input {key}; the model takes {len(cg.input_names)} tensors "
+                             f"({', '.join(cg.input_names)})")
+        if not key.isdigit() and key not in cg.input_names:
+            raise ValueError(f"input_specs names {key!r}, which is not an input of the model "
+                             f"({', '.join(cg.input_names)})")
+    return by_fqn
+
+
+def apply_constraints(cg, table: dict[str, NodeStrategies], mesh, options: PlanOptions) -> None:
+    """Force ``options`` on ``table``: the strategies of the whole graph (the intra-op pass) or of
+    one pipeline stage's nodes (the inter-op pass), on ``mesh``.
+
+    - ``param_specs``: each named parameter (or frozen parameter, or buffer; a tied weight by any
+      of its names) keeps only strategies storing it in that spec, read on ``mesh`` (``on_mesh``);
+    - ``input_specs``: the same for user inputs, by name or position;
+    - ``force_data_parallel``: every other parameter replicated, the batch dim of every value split
+      over all mesh axes of more than one device; ``replicate_params``: only the former;
+    - ``batch_axis``: the batch dim of every value split along that axis (nothing on an axis of
+      size 1).
+    Parameters and inputs not in ``table`` (another stage's) are skipped.
+
+    Raises:
+        ValueError: a name the model does not have, a spec that does not divide its tensor, a batch
+            that does not divide over the forced axes.
+    """
+    by_fqn = check_names(cg, options)
+    forced = {by_fqn[fqn] for fqn in options.param_specs}
+    for fqn, text in options.param_specs.items():
+        if by_fqn[fqn] in table:
+            force(table[by_fqn[fqn]], on_mesh(ShardingSpec.parse(text), mesh.shape), f"parameter {fqn}", cg, mesh)
+    for key, text in options.input_specs.items():
+        name = cg.input_names[int(key)] if key.isdigit() else key
+        if name in table:
+            force(table[name], on_mesh(ShardingSpec.parse(text), mesh.shape), f"input {name}", cg, mesh)
+    if options.force_data_parallel or options.replicate_params:  # except those given a spec (ZeRO, Megatron)
+        for ph in cg.param_fqns:
+            if ph in table and ph not in forced:
+                restrict(table[ph], lambda s: not s.out_spec.axes())
+    axis = options.batch_axis
+    if options.force_data_parallel:
+        want = tuple(a for a in (0, 1) if mesh.shape[a] > 1)
+        keep = lambda entry: entry == want  # noqa: E731
+    elif axis is not None and mesh.shape[axis] > 1:
+        want = (axis,)
+        keep = lambda entry: axis in entry  # noqa: E731
+    else:
+        return
+    for name, ns in table.items():
+        d = ns.batch_dims[0]
+        if d is None or name in cg.param_fqns:
+            continue
+        ok = [s for s in ns.strategies if keep(s.out_spec.dims[d])]
+        if ok:
+            ns.strategies[:] = ok
+        elif name in cg.input_names:
+            shape = tuple(cg.node(name).meta["val"].shape)
+            raise ValueError(f"batch dim of input {name} (shape {shape}) does not divide over mesh axes "
+                             f"{list(want)} of mesh {mesh.shape}")

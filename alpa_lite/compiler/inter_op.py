@@ -1,0 +1,213 @@
+"""The inter-operator pass (Zheng et al., OSDI'22, section 5): stages, submeshes, microbatches.
+
+Zheng et al., "Alpa", OSDI'22, section 5. The captured forward graph is cut into ``L`` layers
+(section 5.2), consecutive layers are grouped into ``S`` pipeline stages, each stage runs on a
+submesh of the ``N x M`` cluster with its own intra-op plan (section 4, ``intra_op.py``), and a
+training step pushes ``B`` microbatches through the stages (GPipe or 1F1B, ``runtime/pipeline.py``).
+
+``plan_pipeline`` tries each microbatch count B, clusters the microbatch graph into layers
+(``clustering.py``), prices every (layer range, submesh) with the stage ILPs
+(``stage_costs.py``), runs the stage DP (``stage_dp.py``), places the chosen submeshes on the
+cluster and re-solves each chosen stage into its own ``Plan``.
+"""
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Callable, Sequence
+
+from ..core.capture import CapturedGraph, stage_view
+from ..core.mesh import LogicalMesh
+from ..core.options import PipelineOptions, PlanOptions
+from ..core.plan import PipelinePlan, Plan, StagePlan
+from .clustering import cluster_layers
+from .constraints import check_names
+from .loss_reduction import loss_reduction
+from .stage_costs import GraphStageCosts, solve_stage
+from .stage_dp import CostFn, PipelinePlanError, StageChoice, bubble_fraction, check_stage_count, stage_dp, submesh_shapes
+from .training_step import param_specs_of, training_step
+
+
+def place_submeshes(submeshes: Sequence[tuple[int, int]], cluster_shape: tuple[int, int]) -> list[list[int]]:
+    """Device ranks (``node * M + column``) of each submesh, tiling the ``N x M`` cluster: whole-node
+    submeshes take whole nodes, ``(1, m)`` ones pack into nodes first-fit by decreasing ``m``.
+
+    Raises:
+        PipelinePlanError: the shapes do not tile the cluster.
+    """
+    n, m = cluster_shape
+    free = [m] * n
+    ranks: list[list[int] | None] = [None] * len(submeshes)
+    order = sorted(range(len(submeshes)), key=lambda i: (-(submeshes[i][0] > 1 or submeshes[i][1] == m),
+                                                          -submeshes[i][0] * submeshes[i][1], i))
+    for i in order:
+        rows, cols = submeshes[i]
+        if rows > 1 or cols == m:
+            nodes = [j for j in range(n) if free[j] == m][:rows]
+            if len(nodes) < rows:
+                break
+            for j in nodes:
+                free[j] = 0
+            ranks[i] = [j * m + c for j in nodes for c in range(cols)]
+        else:
+            node = next((j for j in range(n) if free[j] >= cols), None)
+            if node is None:
+                break
+            start = m - free[node]
+            free[node] -= cols
+            ranks[i] = [node * m + c for c in range(start, start + cols)]
+    if any(r is None for r in ranks):
+        raise PipelinePlanError(f"submeshes {list(submeshes)} do not tile a {n}x{m} cluster")
+    return ranks
+
+
+def _cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh: LogicalMesh,
+                  options: PlanOptions, pipeline: PipelineOptions, progress=None) -> PipelinePlan:
+    """Plan stages, submeshes, microbatches and every stage's intra-op plan (Alpa, section 5).
+
+    Args:
+        capture_rows: ``capture_rows(rows)`` -> the ``CapturedGraph`` of a microbatch of ``rows``
+            samples (called once per microbatch count tried).
+        batch: the global batch, samples.
+        mesh: the cluster as a ``LogicalMesh`` of shape ``(N nodes, M devices per node)``; its
+            calibrated figures reach every stage (``LogicalMesh.as_cluster``).
+        options: the ``PlanOptions`` every stage's intra-op plan is made with.
+        pipeline: the ``PipelineOptions`` (stages, schedule, microbatches, layers, pruning).
+        progress: ``progress(message)`` as planning advances.
+
+    Returns:
+        the ``PipelinePlan``.
+
+    Raises:
+        PipelinePlanError: impossible stage counts (the message gives the limits), a batch that
+            ``num_microbatches`` does not divide, or nothing fits memory.
+        ValueError: an option names something the model does not have.
+    """
+    say = progress or (lambda message: None)
+    t0 = time.perf_counter()
+    if pipeline.num_microbatches is not None:
+        if batch % pipeline.num_microbatches:
+            raise PipelinePlanError(f"num_microbatches={pipeline.num_microbatches} must divide the batch of {batch}")
+        candidates = [pipeline.num_microbatches]
+    else:
+        candidates = [b for b in pipeline.microbatch_candidates if batch % b == 0] or [1]
+    cluster = mesh.as_cluster()
+    devices = mesh.num_devices
+    budget = mesh.memory_bytes if options.memory_budget is None else options.memory_budget
+    workers = pipeline.workers
+    if workers is None:  # ranks of a job plan at once: they fork no workers (nor copy live process groups)
+        import torch.distributed as dist
+        workers = 1 if dist.is_available() and dist.is_initialized() else _cpu_count()
+    best = None
+    tried = {}
+    for b in candidates:
+        say(f"capture (microbatch {batch // b}, B={b})")
+        cg = capture_rows(batch // b)
+        check_names(cg, options)
+        layers = cluster_layers(cg, pipeline.num_layers)
+        check_stage_count(pipeline.num_stages, len(layers), devices)
+        costs = GraphStageCosts(cg, layers, cluster, budget,
+                                max_in_flight=b if pipeline.schedule == "gpipe" else min(b, len(layers), devices),
+                                options=options, num_microbatches=b, schedule=pipeline.schedule,
+                                mode=pipeline.stage_solve)
+        pruned = _balanced(costs, layers, devices, pipeline.imbalance)
+        shapes = submesh_shapes(mesh.shape, pipeline.power_of_two)
+        say(f"stage costs (B={b}, {len(layers)} layers, {len(shapes)} submesh shapes, {workers} workers)")
+        costs.prefetch([(k, i, q) for k in range(len(layers)) for i in range(k + 1, len(layers) + 1) for q in shapes
+                        if pruned.kept(k, i, q)], workers)
+        say(f"stage DP (B={b})")
+        res = None
+        for cost in (pruned, costs):  # the FLOPs-balance pruning may leave no way to make num_stages
+            try:
+                res = stage_dp(len(layers), mesh.shape, cost, budget, b, num_stages=pipeline.num_stages,
+                               schedule=pipeline.schedule, submeshes=shapes)
+                break
+            except PipelinePlanError as e:
+                tried[b] = str(e)
+        if res is None:
+            continue
+        tried[b] = res.objective
+        if best is None or res.objective < best[0].objective:
+            best = (res, cg, layers, costs)
+    if best is None:
+        raise PipelinePlanError("no pipeline plan: " + "; ".join(f"B={k}: {v}" for k, v in tried.items()))
+    res, cg, layers, costs = best
+    reduction = loss_reduction(cg)
+    if res.num_microbatches > 1 and reduction.problems:
+        warnings.warn(f"{res.num_microbatches} microbatches change the loss: " + "; ".join(reduction.problems),
+                      stacklevel=3)
+    say("stage plans")
+    ranks = place_submeshes([s.submesh for s in res.stages], mesh.shape)
+    stage_plans = [_stage_plan(cg, costs, layers, st, rk, budget, options) for st, rk in zip(res.stages, ranks)]
+    stats = {"total_s": time.perf_counter() - t0, "microbatch_objectives": {str(k): v for k, v in tried.items()},
+             "layers": len(layers), "ilp_solves": costs.stats["ilp_solves"], "cache_hits": costs.stats["cache_hits"],
+             "ilp_s": costs.stats["ilp_s"], "t_max_tried": res.t_max_tried}
+    recorded = {"plan": options.to_dict() | {"memory_budget": budget}, "pipeline": pipeline.to_dict(),
+                "num_layers": len(layers)}
+    return PipelinePlan(mesh=mesh, stages=stage_plans, schedule=pipeline.schedule,
+                        num_microbatches=res.num_microbatches, step_seconds=res.objective,
+                        compute_seconds=res.num_microbatches * sum(s.plan.compute_seconds for s in stage_plans),
+                        bubble_fraction=bubble_fraction([s.seconds for s in stage_plans], res.num_microbatches),
+                        memory_bytes=max(s.memory_bytes for s in stage_plans), fingerprint=cg.fingerprint(),
+                        loss_reduction=reduction, options=recorded, stats=stats, captured=cg, layers=layers)
+
+
+def _balanced(costs: GraphStageCosts, layers, devices: int, imbalance: float) -> CostFn:
+    """``costs`` without the (range, submesh) pairs whose device share is off its FLOPs share by
+    more than ``imbalance`` (a single stage on every device is always kept)."""
+    total = sum(layer.flops for layer in layers) or 1.0
+
+    def kept(k, i, shape):
+        share = max(sum(layer.flops for layer in layers[k:i]) / total, 1e-12)
+        ratio = shape[0] * shape[1] / devices / share
+        return (k, i) == (0, len(layers)) or 1 / imbalance <= ratio <= imbalance
+
+    def cost(k, i, shape):
+        return costs(k, i, shape) if kept(k, i, shape) else []
+
+    cost.kept = kept
+    return cost
+
+
+def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budget: float,
+                options: PlanOptions) -> StagePlan:
+    """Re-solve a chosen stage on its own nodes and wrap it as a ``StagePlan``."""
+    names = costs.subset(st.start, st.end)
+    shape, scale = st.option.payload[:2]
+    mesh = costs.cluster.logical_mesh(shape)
+    view = stage_view(cg, names)
+    if len(st.option.payload) == 2:  # one ILP for the stage (exact mode, or the chain's fallback)
+        sol = solve_stage(cg, names, mesh, budget, scale, costs.table(shape, st.start, st.end), options,
+                          sync_weight=costs.sync_weight, sends=costs.sends(st.start, st.end))
+        nodes, compute = sol.nodes, sol.compute_seconds
+    else:  # the chain of per-layer solutions the DP priced, on this stage's own layers
+        fixed: dict = {}
+        real: dict = {}
+        boundary: dict = {}
+        compute = 0.0
+        for j in range(st.start, st.end):
+            part = costs.subset(j, j + 1)
+            sol = solve_stage(cg, part, mesh, st.option.payload[2], scale, costs.table(shape, j, j + 1), options,
+                              fixed=dict(fixed), sync_weight=costs.sync_weight)
+            compute += sol.compute_seconds
+            for n, np_ in sol.nodes.items():
+                (boundary if np_.strategy == "boundary" else real)[n] = np_
+            fixed.update({n: real[n].out_specs for n in part if n in real})
+        nodes = {n: np_ for n, np_ in boundary.items() if n not in real} | real
+    nodes, grad_sync, collectives = training_step(view, nodes, mesh, options.bucket_bytes)  # the whole stage's syncs
+    plan = Plan(mesh=mesh, param_specs=param_specs_of(view, nodes),
+                input_specs={n: nodes[n].out_specs[0] for n in view.input_names}, nodes=nodes,
+                collectives=collectives, compute_seconds=compute, comm_seconds=sum(c.seconds for c in collectives),
+                memory_bytes=st.option.weight_bytes + st.in_flight * st.option.act_bytes, fingerprint=cg.fingerprint(),
+                options={"memory_budget": budget, "activation_scale": scale, "mode": costs.mode}, grad_sync=grad_sync,
+                bucket_bytes=options.bucket_bytes)
+    return StagePlan((st.start, st.end), [n for layer in layers[st.start:st.end] for n in layer.nodes],
+                     st.submesh, list(ranks), plan, [n for n, _ in costs.crossing[st.start]],
+                     [n for n, _ in costs.crossing[st.end]], st.option.seconds, st.option.once_seconds,
+                     costs.transfer_seconds(st.start, st.submesh), st.option.weight_bytes, st.option.act_bytes,
+                     st.in_flight)

@@ -1,0 +1,68 @@
+"""The intra-operator pass (Alpa, OSDI'22, section 4): strategies -> constraints -> cost graph ->
+ILP -> ``Plan``, for a captured graph on one logical mesh."""
+from __future__ import annotations
+
+import math
+import time
+import warnings
+
+from ..core.capture import CapturedGraph
+from ..core.losses import LossReduction
+from ..core.mesh import LogicalMesh
+from ..core.options import PlanOptions
+from ..core.plan import Plan
+from .constraints import apply_constraints
+from .cost_graph import build_cost_graph
+from .ilp import solve
+from .strategies import build_strategies
+from .training_step import node_plan, param_specs_of, training_step
+
+
+def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, progress=None,
+                  loss_reduction: LossReduction | None = None) -> Plan:
+    """Find the sharding plan of ``cg`` on ``mesh`` that minimizes the predicted step time.
+
+    Args:
+        cg: the captured training loss (global shapes).
+        mesh: the logical mesh (``LogicalMesh``), real or only described.
+        options: the planning options (``PlanOptions``), recorded in the plan.
+        progress: ``progress(stage: str)`` called as planning advances.
+        loss_reduction: how the loss reduces over the batch (recorded for the runtime).
+
+    Returns:
+        the ``Plan`` (its ``captured`` is ``cg``).
+
+    Raises:
+        ValueError: a forced spec does not divide its tensor or names nothing in the model.
+        MemoryBudgetError: nothing fits the budget (the message gives the minimum needed).
+    """
+    say = progress or (lambda stage: None)
+    stats = {}
+    t1 = time.perf_counter()
+    say("strategies")
+    table = build_strategies(cg, mesh, warn=lambda msg: warnings.warn(msg, stacklevel=4))
+    apply_constraints(cg, table, mesh, options)
+    graph, where = build_cost_graph(cg, table, mesh, share_layers=options.share_layers)
+    stats["strategy_s"] = time.perf_counter() - t1
+    stats["nodes"] = len(table)
+    stats["ilp_variables"] = len(graph.costs)
+    stats["ilp_edges"] = len(graph.edges)
+    stats["ilp_strategy_vars"] = sum(len(c) for c in graph.costs if len(c) > 1)
+    stats["ilp_edge_vars"] = sum(len(m) * len(m[0]) for m in graph.edges.values())
+    t2 = time.perf_counter()
+    say("ilp")
+    budget = mesh.memory_bytes if options.memory_budget is None else options.memory_budget
+    sol = solve(graph, budget, time_limit=options.time_limit, solver=options.solver)
+    stats["ilp_s"] = time.perf_counter() - t2
+    chosen = {name: table[name].strategies[w.index[sol.choice[w.var]]] for name, w in where.items()}
+    nodes, grad_sync, collectives = training_step(cg, {name: node_plan(s, table[name]) for name, s in chosen.items()},
+                                                  mesh, options.bucket_bytes)
+    result = Plan(mesh=mesh, param_specs=param_specs_of(cg, nodes),
+                  input_specs={n: nodes[n].out_specs[0] for n in cg.input_names}, nodes=nodes,
+                  collectives=collectives, compute_seconds=sum(s.compute for s in chosen.values()),
+                  comm_seconds=sum(c.seconds for c in collectives), memory_bytes=sol.memory,
+                  fingerprint=cg.fingerprint(), options=options.to_dict() | {"memory_budget": budget if math.isfinite(budget) else None},
+                  stats=stats, grad_sync=grad_sync, bucket_bytes=options.bucket_bytes,
+                  loss_reduction=loss_reduction or LossReduction("mean", None), captured=cg)
+    stats["total_s"] = time.perf_counter() - t1
+    return result

@@ -1,0 +1,165 @@
+"""How a captured loss reduces over the batch (``LossReduction``), read from its graph.
+
+The captured graph is read back from the loss node through affine scalar ops (add, sub, mul
+or div by a value that does not depend on the batch, neg, casts) to its *leaves*, the nodes that reduce a per-sample tensor over the batch: a sum, a
+mean, a loss op, or a quotient of two batch sums (a hand-written masked token mean
+``(x * m).sum() / m.sum()``). Their kinds fix how microbatch losses combine:
+``sum`` (add them), ``mean`` (average them) or ``ratio`` (weigh each by its denominator).
+What cannot be combined exactly (a nonlinear function of a batch statistic such as an MoE
+load-balancing loss, batch-norm statistics, terms of different kinds) is reported in
+``LossReduction.problems``; the planner warns with them when it cuts microbatches.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from ..core.aten import bind_args
+from ..core.losses import RATIO_OPS, SUM, LossReduction
+from ..core.mesh import LogicalMesh
+from .ops import signature
+from .strategies import build_strategies
+
+aten = torch.ops.aten
+_MEAN_OPS = {aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_loss.default, aten.huber_loss.default,
+             aten.binary_cross_entropy.default, aten.binary_cross_entropy_with_logits.default,
+             aten.soft_margin_loss.default, aten.kl_div.default}
+_REDUCTIONS = {aten.sum.default: "sum", aten.sum.dim_IntList: "sum", aten.mean.default: "mean",
+               aten.mean.dim: "mean"}
+# scalar ops that are linear in their (first) operand
+_LINEAR = {aten.neg.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.clone.default,
+           aten.alias.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+           aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default,
+           aten.contiguous.default, aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim,
+           aten.expand.default, aten.type_as.default}
+_BATCH_NORMS = {aten.batch_norm.default, aten._native_batch_norm_legit_functional.default,
+                aten.native_batch_norm.default, aten._native_batch_norm_legit.default}
+# ops whose result depends on an operand's shape only, not on its values
+_SHAPE_ONLY = {aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
+               aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default,
+               aten.sym_size.int}
+
+
+def loss_reduction(cg) -> LossReduction:
+    """Read how ``cg``'s loss reduces over the batch (module docstring).
+
+    Args:
+        cg: a ``CapturedGraph``.
+
+    Returns:
+        the ``LossReduction``; a loss with no batch leaf (or only problems) is ``"mean"``.
+    """
+    return _Reader(cg).result()
+
+
+class _Reader:
+    def __init__(self, cg):
+        self.cg = cg
+        table = build_strategies(cg, LogicalMesh((1, 1)))
+        self.batch = {n: ns.batch_dims[0] for n, ns in table.items()}  # the dim of per-sample rows
+        self.depends: dict[str, bool] = {}  # depends on the batch's values
+        self.mixed: dict[str, str | None] = {}  # first op upstream that combines samples (a message)
+        self.problems: list[str] = []
+        for node in cg.graph.nodes:
+            ins = node.all_input_nodes
+            self.depends[node.name] = node.name in cg.input_names or (
+                node.target not in _SHAPE_ONLY and any(self.depends[i.name] for i in ins))
+            upstream = next((self.mixed[i.name] for i in ins if self.mixed[i.name]), None)
+            self.mixed[node.name] = upstream or self._mixes(node, signature(node) if node.op == "call_function"
+                                                            else None)
+
+    def _mixes(self, node, sig) -> str | None:
+        """Why ``node`` combines samples of the batch (a message), or None."""
+        row_ins = [i for i in node.all_input_nodes if self.batch.get(i.name) is not None and self.depends[i.name]]
+        if not row_ins or node.target in _SHAPE_ONLY:
+            return None
+        what = f"{node.name} ({node.target})"
+        if node.target in _BATCH_NORMS and bind_args(node.target, node.args, node.kwargs)["training"]:
+            return f"{what} normalizes with statistics over the batch"
+        if self.batch.get(node.name) is None:
+            return (f"{what} reduces over the batch" if sig is not None else
+                    f"{what} has no sharding rule, so alpa-lite cannot tell whether it combines samples")
+        for labels, i in zip(sig.inputs if sig is not None else (), node.all_input_nodes):
+            b = self.batch.get(i.name)
+            if b is not None and b < len(labels) and labels[b] in sig.fixed:
+                return f"{what} combines the samples of the batch"
+        return None
+
+    def result(self) -> LossReduction:
+        leaves = self._terms(self.cg.node(self.cg.loss_name))
+        kinds = {leaf for leaf in leaves if leaf != "const"}
+        if len(kinds) > 1:
+            self.problems.append(f"the loss adds terms reduced differently over the batch ({_names(kinds)})")
+            return LossReduction("mean", None, tuple(self.problems))
+        kind = next(iter(kinds), ("mean", None))
+        if kind[0] == "sum" and "const" in leaves:
+            self.problems.append("the summed loss has a term that does not depend on the batch: it would count "
+                                 "once per microbatch")
+        return LossReduction(kind[0], kind[1], tuple(self.problems))
+
+    def _terms(self, node) -> list:
+        """The leaves of the affine expression ``node``: ``(kind, denominator)`` or ``"const"``."""
+        if not isinstance(node, torch.fx.Node) or not self.depends[node.name]:
+            return ["const"]
+        t, args = node.target, node.args
+        if self._rows(node):  # still per sample: the loss reduces it later, or it is not a loss
+            return self._nonlinear(node)
+        if node.op == "placeholder":
+            return self._nonlinear(node)
+        if t in _REDUCTIONS or t in RATIO_OPS or t in _MEAN_OPS:
+            leaf = self._leaf(node)
+            if leaf is not None:
+                return [leaf]
+        if t in _LINEAR:
+            return self._terms(args[0])
+        if t in (aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar):
+            return self._terms(args[0]) + self._terms(args[1])
+        if t in (aten.mul.Tensor, aten.mul.Scalar):
+            a, b = args[:2]
+            if not self._depends(b):
+                return self._terms(a)
+            if not self._depends(a):
+                return self._terms(b)
+            return self._nonlinear(node)
+        if t in (aten.div.Tensor, aten.div.Scalar):
+            return self._quotient(node, *args[:2])
+        return self._nonlinear(node)
+
+    def _leaf(self, node):
+        """``(kind, denominator)`` of a node reducing a per-sample operand over the batch, or None."""
+        x = node.args[0]
+        if not (isinstance(x, torch.fx.Node) and self._rows(x) and self.depends[x.name]):
+            return None
+        if self.mixed[x.name]:
+            self.problems.append(f"{self.mixed[x.name]}: per microbatch it differs from the whole batch")
+        t = node.target
+        if t in _REDUCTIONS:
+            return (_REDUCTIONS[t], None)
+        reduction = bind_args(t, node.args, node.kwargs)["reduction"]
+        if reduction == SUM:
+            return ("sum", None)
+        return ("ratio", node.name) if t in RATIO_OPS else ("mean", None)
+
+    def _quotient(self, node, a, b) -> list:
+        if not self._depends(b):
+            return self._terms(a)
+        num, den = self._terms(a), self._terms(b)
+        if (len(den) == 1 and den[0] != "const" and den[0][0] in ("sum", "mean") and b.name not in self.cg.requires_grad
+                and all(leaf != "const" and leaf[0] == den[0][0] for leaf in num)):
+            return [("ratio", b.name)]
+        return self._nonlinear(node)
+
+    def _rows(self, x) -> bool:
+        return self.batch.get(x.name) is not None
+
+    def _depends(self, x) -> bool:
+        return isinstance(x, torch.fx.Node) and self.depends[x.name]
+
+    def _nonlinear(self, node) -> list:
+        self.problems.append(f"{node.name} ({node.target}) is not a sum, mean or ratio of batch reductions: "
+                             "the loss is a nonlinear function of the batch")
+        return []
+
+
+def _names(kinds) -> str:
+    return ", ".join(sorted(k if d is None else f"{k} over {d}" for k, d in kinds))

@@ -1,0 +1,493 @@
+"""The stage DP's costs from the intra-op ILP (Zheng et al., OSDI'22, sections 4 and 5).
+
+Stage costs (``GraphStageCosts``) come from the intra-op ILP (section 4) on the stage's
+subgraph (``cost_graph.build_cost_graph(..., nodes=...)``), for every logical shape of the submesh;
+the fastest wins. Values cross between stages as the runtime moves them (``pipeline/``): the
+sending stage all-gathers each value it produced to ``R`` on its mesh (priced from the spec it
+produced the value in), every device of the receiving stage gets the whole value from one
+sender, ``2 (alpha + bytes beta)`` forward and backward on the inter-node link, and slices the
+spec its consumers want (free: a received value enters the stage ILP in any spec).
+Two ways to solve a stage of layers ``[k, i)``:
+
+- ``mode="exact"``: one ILP over all its nodes; identical ranges (same node signature) share it.
+- ``mode="chain"`` (default): one ILP per layer, in order; layer ``j``'s ILP is charged the
+  resharding of each operand from the spec an earlier layer of the stage produced it in, and a
+  weight an earlier layer placed keeps its spec. Chains from every start share one cache keyed
+  by (layer signature, incoming specs, logical mesh), so the ILP count grows with the distinct
+  layers, not with the ``L^2`` ranges. The result is an executable plan (the runtime runs exactly
+  these specs) priced exactly; it may miss what a whole-range ILP finds (on GPT-3 2.6B over
+  2x4 A100s the pipeline's step time came out 0.006% above the exact mode's, in a fifth of
+  the planning time). Layer ``j`` may use the whole memory; if the stage then does not fit, every
+  layer gets ``M / 2^m`` for ``m = 1 .. ceil(log2 (i - k))`` until it does; when no split fits
+  although every layer fits alone, the stage falls back to one ILP (the exact mode).
+
+Data-parallel gradient all-reduces run once per step: the stage ILP, whose objective is per
+microbatch, weighs them ``1 / B`` and reports them as ``o``.
+
+Planning time. The memory sweeps above re-ask the same per-layer ILP under other constraints
+``w + s a <= M``; an answer found under a looser one that satisfies the tighter one is its
+optimum too, and an infeasible one stays infeasible, so those are reused (``_solve``). The
+options of different submeshes share no ILP (their logical shapes differ): ``prefetch`` computes
+them in forked worker processes, one submesh per task. On 2 cores GPT-3 39B on 8x8 A100s plans
+in ~30 s at B = 128 and ~60 s at B = 32 (docs/plan_quality.md).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import multiprocessing
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+
+from ..core.capture import nbytes_of, shape_of, stage_view
+from ..core.mesh import LogicalMesh
+from ..core.options import PlanOptions
+from ..core.plan import NodePlan
+from ..core.resharding import is_gradient_sync, reshard_costs
+from ..core.spec import ShardingSpec
+from .clustering import crossing_values
+from .constraints import apply_constraints, restrict
+from .cost_graph import build_cost_graph
+from .ilp import MemoryBudgetError, SolverError, solve
+from .stage_dp import CostFn, StageOption
+from .strategies import build_strategies
+from .training_step import node_plan, training_step
+
+
+def logical_shapes(submesh: tuple[int, int], devices_per_node: int) -> list[tuple[int, int]]:
+    """Logical meshes ``(d / w, w)`` of a submesh of ``d`` devices, ``w`` a power of two up to a
+    node's width. Inside one node ``(a, b)`` and ``(b, a)`` cost the same, so only ``a <= b``;
+    across nodes ``w >= 2`` (``(d, 1)``, pure data parallelism, is the batch split ``S01`` of
+    ``(k, M)``)."""
+    d = submesh[0] * submesh[1]
+    out, w = [], 2 if submesh[0] > 1 else 1
+    while w <= min(d, devices_per_node):
+        if d % w == 0 and (submesh[0] > 1 or d // w <= w):
+            out.append((d // w, w))
+        w *= 2
+    return out or [(1, d)]
+
+
+class GraphStageCosts:
+    """The DP's cost function for a captured graph (one microbatch): intra-op ILP per stage.
+
+    ``__call__(start, end, submesh)`` solves layers ``[start, end)`` (``mode``, module docstring)
+    on every logical shape of the submesh (``logical_shapes``); when the fastest does not fit the
+    in-flight activations a pipeline may need, it re-solves with the activation memory weighed
+    2x, 4x ... . It returns every option no other beats in all of time, once-per-step time,
+    weight and activation bytes: the DP picks per stage position (a lower ``t`` can be worth a
+    higher ``o`` when ``(B - 1) t_max`` dominates).
+
+    Args:
+        cg: the ``CapturedGraph`` at microbatch size.
+        layers: from ``cluster_layers``.
+        cluster: the ``ClusterSpec`` (figures, devices per node) the submeshes are laid on.
+        memory_bytes: device memory, bytes.
+        max_in_flight: the most microbatches a stage may hold (options stop there).
+        options: the ``PlanOptions`` every stage is planned with (forced specs, data parallelism,
+            batch axis, solver, time limit, layer sharing); the constraints are forced on
+            every stage (baselines), or None.
+        shapes: ``submesh -> [logical shapes]`` override (baselines pin one).
+        time_limit: ILP seconds per solve.
+        mode: ``"chain"`` or ``"exact"`` (module docstring).
+        num_microbatches: B; data-parallel gradient syncs weigh ``1 / B`` in the ILP.
+        schedule: under 1F1B a stage ending at layer ``i`` on ``d`` devices is at most
+            ``min(L - i, D - d) + 1`` stages from the end: options stop at that many in flight.
+    """
+
+    def __init__(self, cg, layers: list, cluster, memory_bytes: float, max_in_flight: int = 1,
+                 options: PlanOptions | None = None, shapes: Callable | None = None,
+                 mode: str = "chain", num_microbatches: int = 1, schedule: str = "1f1b"):
+        if mode not in ("chain", "exact"):
+            raise ValueError(f"mode must be 'chain' or 'exact', got {mode!r}")
+        self.cg, self.layers, self.cluster, self.mode = cg, layers, cluster, mode
+        self.sync_weight = 1.0 / num_microbatches
+        self.schedule = schedule
+        self._chains: dict[tuple, dict] = {}
+        self.memory_bytes, self.max_in_flight = memory_bytes, max_in_flight
+        self.options = options or PlanOptions()
+        self.shapes = shapes or (lambda submesh: logical_shapes(submesh, cluster.devices_per_node))
+        self._order = {n.name: i for i, n in enumerate(cg.graph.nodes)}
+        self._node_sig = {n.name: _node_signature(n, cg) for n in cg.graph.nodes}
+        self.crossing = crossing_values(cg, layers)
+        self._cache: dict[tuple, list] = {}  # ILP key -> [(scale, budget, result, memory terms)]
+        self._tables: dict[tuple, dict] = {}
+        self._context = None
+        self._memo: dict[tuple, list[StageOption]] = {}
+        self.stats = {"ilp_solves": 0, "cache_hits": 0, "ilp_s": 0.0}
+
+    def subset(self, start: int, end: int) -> list[str]:
+        """Node names of layers ``[start, end)``: placeholders first, then nodes, graph order."""
+        ph = {p for layer in self.layers[start:end] for p in layer.placeholders}
+        nodes = [n for layer in self.layers[start:end] for n in layer.nodes]
+        return sorted(ph, key=self._order.__getitem__) + nodes
+
+    def transfer_seconds(self, start: int, submesh: tuple[int, int]) -> float:
+        """Receiving the stage's inputs and returning their gradients, ``2 (alpha + bytes beta)``
+        over the inter-node link (intra-node on a one-node cluster): every receiving device gets
+        the full values from its own sender (``pipeline/executor.py``)."""
+        nbytes = sum(nbytes_of(self.cg.node(n).meta["val"]) for n, _ in self.crossing[start])
+        if nbytes == 0:
+            return 0.0
+        link = self.cluster.inter_node if self.cluster.num_nodes > 1 else self.cluster.intra_node
+        return 2 * (link.alpha + nbytes * link.beta)
+
+    def sends(self, start: int, end: int) -> list[str]:
+        """Values produced by layers ``[start, end)`` that later stages consume."""
+        return [n for n, j in self.crossing[end] if j >= start]
+
+    def __call__(self, start: int, end: int, submesh: tuple[int, int]) -> list[StageOption]:
+        key = (start, end, submesh)
+        if key not in self._memo:
+            self._memo[key] = self._options(start, end, submesh)
+        return self._memo[key]
+
+    def prefetch(self, keys: Sequence[tuple[int, int, tuple[int, int]]], workers: int = 1) -> None:
+        """Compute ``self(start, end, submesh)`` for every key of ``keys``, in up to ``workers``
+        forked processes, one task per submesh. Submeshes of different sizes have disjoint
+        logical shapes, so the tasks share no ILP and the options equal a serial run's."""
+        groups: dict[tuple[int, int], list] = {}
+        for key in keys:
+            if key not in self._memo:
+                groups.setdefault(key[2], []).append(key)
+        tasks = sorted(groups.values(), key=len, reverse=True)
+        if workers <= 1 or len(tasks) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+            for key in itertools.chain(*tasks):
+                self(*key)
+            return
+        global _PREFETCHING
+        _PREFETCHING = self  # what the forked workers inherit
+        try:
+            with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("fork")) as pool:
+                for memo, stats in pool.map(_prefetch_task, tasks):
+                    self._memo.update(memo)
+                    for k, v in stats.items():
+                        self.stats[k] += v
+        finally:
+            _PREFETCHING = None
+
+    def _options(self, start, end, submesh) -> list[StageOption]:
+        names = self.subset(start, end) if self.mode == "exact" else None
+        sig = self._signature(names) if self.mode == "exact" else None
+        transfer = self.transfer_seconds(start, submesh)
+        options: list[StageOption] = []
+        scale = 1
+        while True:
+            best = None
+            found = []
+            for shape in self.shapes(submesh):
+                if self.mode == "exact":
+                    opt = self._solve_cached(sig, names, shape, scale, start, end)
+                else:
+                    opt, layers_fit = self._chained(start, end, shape, scale)
+                    if opt is None and layers_fit:  # the memory split between layers failed: one ILP
+                        subset = self.subset(start, end)
+                        opt = self._solve_cached(self._signature(subset), subset, shape, scale, start, end)
+                if opt is not None:
+                    found.append(opt)
+                if opt is not None and (best is None or opt.seconds + opt.once_seconds < best.seconds + best.once_seconds):
+                    best = opt
+            options += [o for o in found if o not in options]
+            need = self.max_in_flight
+            if self.schedule == "1f1b":
+                need = min(need, len(self.layers) - end + 1, self.cluster.num_devices - submesh[0] * submesh[1] + 1)
+            if best is not None and best.fits(need, self.memory_bytes) or scale >= need:
+                break
+            scale *= 2
+        kept = [o for o in options if not any(_dominates(p, o) for p in options if p is not o)]
+        return [replace(o, seconds=o.seconds + transfer) for o in kept]
+
+    def _signature(self, names: list[str]) -> tuple:
+        index = {n: i for i, n in enumerate(names)}
+        forced = self.options.param_specs
+        out = []
+        for i, name in enumerate(names):
+            node = self.cg.node(name)
+            refs = tuple(index[a.name] - i if a.name in index else "ext" for a in node.all_input_nodes)
+            out.append((self._node_sig[name], refs, forced.get(self.cg.param_fqns.get(name))))
+        return tuple(out)
+
+    def table(self, shape: tuple[int, int], start: int = 0, end: int | None = None) -> dict:
+        """``build_strategies`` on logical mesh ``shape`` of the nodes of layers ``[start, end)``
+        (default all), built once per layer."""
+        if self._context is None:  # batch dims of every node, on a trivial mesh
+            self._context = build_strategies(self.cg, LogicalMesh((1, 1), cluster=self.cluster))
+        end = len(self.layers) if end is None else end
+        out: dict = {}
+        for j in range(start, end):
+            key = (shape, j)
+            if key not in self._tables:
+                names = set(self.subset(j, j + 1))
+                self._tables[key] = build_strategies(self.cg, self.cluster.logical_mesh(shape), nodes=names,
+                                                     context=self._context)
+            out |= self._tables[key]
+        return out
+
+    def _chained(self, start, end, shape, scale) -> tuple[StageOption | None, bool]:
+        """Layers ``[start, end)`` as a chain of per-layer ILPs, each given the specs its operands
+        from earlier layers of the stage were produced in (their resharding is in its objective).
+        Each layer may use the whole memory budget; when the sum does not fit, every layer gets
+        ``M / 2^j`` for ``j = 1 .. ceil(log2 n)`` until it does. Returns the option (None: no
+        split fits) and whether every layer fits the whole budget on its own."""
+        n = end - start
+        first = None
+        for j in range(math.ceil(math.log2(n)) + 1 if n > 1 else 1):
+            best = self._chain_option(start, end, shape, scale, self.memory_bytes / 2 ** j)
+            first = best if j == 0 else first
+            if best is not None and best.fits(scale, self.memory_bytes):
+                return best, True
+        return None, first is not None
+
+    def _chain_option(self, start, end, shape, scale, budget) -> StageOption | None:
+        key = (start, shape, scale, budget)
+        chain = self._chains.setdefault(key, {"parts": [], "fixed": {}, "dead": False})
+        while len(chain["parts"]) < end - start and not chain["dead"]:
+            j = start + len(chain["parts"])
+            names = self.subset(j, j + 1)
+            part = self._layer_part(j, names, shape, scale, budget, chain["fixed"])
+            if part is None:
+                chain["dead"] = True
+                break
+            chain["parts"].append(part)
+            chain["fixed"].update({n: s for n, s in zip(names, part[4]) if s is not None})
+        if len(chain["parts"]) < end - start:
+            return None
+        parts = chain["parts"][:end - start]
+        mesh = self.cluster.logical_mesh(shape)
+        gather = sum(send_gather_seconds(self.cg, n, chain["fixed"][n][0], mesh)
+                     for n in self.sends(start, end))
+        return StageOption(sum(p[0] for p in parts) + gather, sum(p[2] for p in parts), sum(p[3] for p in parts),
+                           sum(p[1] for p in parts), payload=(shape, scale, budget))
+
+    def _layer_part(self, layer, names, shape, scale, budget, fixed) -> tuple | None:
+        """``(seconds, once, weight, act, out specs by position)`` of one layer given ``fixed``."""
+        ext = [a.name for n in names for a in self.cg.node(n).all_input_nodes if a.name not in names]
+        given = {n: fixed[n] for n in dict.fromkeys(ext + names) if n in fixed}
+        key = (self._signature(names), tuple(given.get(n) for n in dict.fromkeys(ext + names)), shape)
+
+        def part():
+            sol = solve_stage(self.cg, names, self.cluster.logical_mesh(shape), budget, scale,
+                              self.table(shape, layer, layer + 1), self.options, fixed=given,
+                              sync_weight=self.sync_weight)
+            return (sol.seconds, sol.once_seconds, sol.weight_bytes, sol.act_bytes,
+                    [sol.nodes[n].out_specs if n in sol.nodes else None for n in names]), sol.ilp_memory
+
+        return self._solve(key, scale, budget, part)
+
+    def _solve_cached(self, sig, names, shape, scale, start, end) -> StageOption | None:
+        sends = self.sends(start, end)
+
+        def option():
+            mesh = self.cluster.logical_mesh(shape)
+            sol = solve_stage(self.cg, names, mesh, self.memory_bytes, scale, self.table(shape, start, end),
+                              self.options, sync_weight=self.sync_weight, sends=sends)
+            return StageOption(sol.seconds, sol.weight_bytes, sol.act_bytes, sol.once_seconds,
+                               payload=(shape, scale)), sol.ilp_memory
+
+        return self._solve((sig, tuple(names.index(n) for n in sends), shape), scale, self.memory_bytes, option)
+
+    def _solve(self, key, scale, budget, solve):
+        """``solve()`` for the ILP ``key`` whose memory constraint is ``w + scale a <= budget``, or
+        an earlier answer that is provably the same: an ILP solved under a looser constraint
+        (``scale' <= scale``, ``budget' >= budget``) whose optimum satisfies this one is optimal
+        here too (same objective, smaller feasible set); one that was infeasible stays so."""
+        entries = self._cache.setdefault(key, [])
+        for s, m, result, (w, a) in entries:
+            if s <= scale and m >= budget and (result is None or w + scale * a <= budget):
+                self.stats["cache_hits"] += 1
+                return result
+        t0 = time.perf_counter()
+        try:
+            result, terms = solve()
+        except _Infeasible:
+            result, terms = None, (0.0, 0.0)
+        self.stats["ilp_solves"] += 1
+        self.stats["ilp_s"] += time.perf_counter() - t0
+        entries.append((scale, budget, result, terms))
+        return result
+
+
+_PREFETCHING: GraphStageCosts | None = None
+
+
+def _prefetch_task(keys):
+    costs = _PREFETCHING
+    before = dict(costs.stats)
+    memo = {key: costs(*key) for key in keys}
+    return memo, {k: v - before[k] for k, v in costs.stats.items()}
+
+
+def _dominates(a: StageOption, b: StageOption) -> bool:
+    """``a`` is at least as good as ``b`` in every figure and better in one."""
+    fa = (a.seconds, a.once_seconds, a.weight_bytes, a.act_bytes)
+    fb = (b.seconds, b.once_seconds, b.weight_bytes, b.act_bytes)
+    return all(x <= y for x, y in zip(fa, fb)) and fa != fb
+
+
+class _Infeasible(Exception):
+    pass
+
+
+def _node_signature(node, cg) -> tuple:
+    val = node.meta.get("val")
+    dtype = str(getattr(val, "dtype", type(val).__name__))
+    kind = ("param" if node.name in cg.param_fqns else "buffer" if node.name in cg.buffer_fqns
+            else "input" if node.name in cg.input_names else node.op)
+    args = tuple(a if isinstance(a, (int, float, bool, str, type(None))) else
+                 tuple(x for x in a if isinstance(x, (int, float))) if isinstance(a, (list, tuple)) else "n"
+                 for a in node.args)
+    target = "placeholder" if node.op == "placeholder" else str(node.target)
+    return (kind, target, shape_of(node), dtype, args, node.name in cg.requires_grad)
+
+
+def send_gather_seconds(cg, name: str, spec, mesh) -> float:
+    """A stage sends ``name`` on replicated: all-gathering it from ``spec`` on the stage's mesh,
+    forward (its gradient comes back whole: the backward is a slice)."""
+    val = cg.node(name).meta["val"]
+    return reshard_costs(mesh)(spec, ShardingSpec.replicated(len(shape_of(cg.node(name)))),
+                               () if name in cg.requires_grad else None, tuple(val.shape), val.element_size())
+
+
+@dataclass
+class StageSolution:
+    """The intra-op solution of one stage: its node strategies and cost figures (seconds per
+    microbatch, bytes per device). ``nodes``: as chosen, every gradient sync still on its edge
+    (``training_step.training_step`` defers them once the whole stage is known). ``ilp_memory``: the
+    two parts of the ILP's memory constraint at the optimum, ``(w, a)`` with
+    ``w + act_scale a <= memory_bytes`` (``w`` includes weights an earlier layer placed, which
+    ``weight_bytes`` leaves out)."""
+
+    seconds: float
+    once_seconds: float
+    weight_bytes: float
+    act_bytes: float
+    nodes: dict
+    compute_seconds: float
+    ilp_memory: tuple[float, float]
+
+
+def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int = 1, table=None,
+                options: PlanOptions | None = None,
+                fixed: dict[str, tuple[ShardingSpec, ...]] | None = None, sync_weight: float = 1.0,
+                sends: Sequence[str] = ()) -> StageSolution:
+    """Solve the intra-op ILP (section 4) of the subgraph ``names`` on ``mesh``.
+
+    The memory constraint counts activations ``act_scale`` times (microbatches in flight).
+    Values produced outside ``names`` arrive free in the ILP, unless ``fixed`` gives the specs
+    they were produced in (earlier layers of a chained stage): then their resharding into each
+    consumer's spec is charged, and a placeholder in ``fixed`` (a weight an earlier layer already
+    placed, e.g. a tied embedding) keeps that spec and its memory is not counted again. At run
+    time a value from another stage crosses replicated (``boundary_spec``). ``table``:
+    ``build_strategies(cg, mesh)`` of the whole graph, reused. A data-parallel gradient
+    all-reduce runs once per step, after the last of ``B`` microbatches: the objective, which is
+    per microbatch, weighs it ``sync_weight = 1 / B``; the returned ``seconds`` leave it out and
+    ``once_seconds`` holds the bucketed all-reduces. ``sends``: values later stages consume; the
+    all-gather that sends them on replicated (``send_gather_seconds``) is in the objective.
+
+    Raises:
+        _Infeasible: nothing fits ``memory_bytes``, or a forced spec leaves no strategy.
+    """
+    options = options or PlanOptions()
+    subset = set(names)
+    fixed = fixed or {}
+    full = table if table is not None else build_strategies(cg, mesh)
+    table = {n: replace(full[n], strategies=list(full[n].strategies)) for n in names if n in full}
+    try:
+        apply_constraints(cg, table, mesh, options)
+        for n in names:
+            if n in fixed and n in table:
+                restrict(table[n], lambda s, spec=fixed[n][0]: s.out_spec == spec)
+    except ValueError as e:
+        raise _Infeasible(str(e)) from None
+    graph, where = build_cost_graph(cg, table, mesh, share_layers=options.share_layers, nodes=subset)
+    reshard = reshard_costs(mesh)
+    for n in names:  # operands produced in a known spec by an earlier layer: charge their resharding
+        if n not in where:
+            continue
+        ns = table[n]
+        for i, (src, r) in enumerate(zip(ns.inputs, ns.input_results)):
+            if src in subset or src not in fixed:
+                continue
+            val = cg.node(src).meta["val"]
+            val = val[r] if isinstance(val, (tuple, list)) else val
+            have = fixed[src][r]
+            for p, q in enumerate(where[n].index):
+                s = ns.strategies[q]
+                graph.costs[where[n].var][p] += reshard(have, s.in_specs[i], s.grad_partial[i], tuple(val.shape),
+                                                        val.element_size(), src in cg.param_fqns)
+    for n in sends:
+        for p, q in enumerate(where[n].index):
+            graph.costs[where[n].var][p] += send_gather_seconds(cg, n, table[n].strategies[q].out_specs[0], mesh)
+    if sync_weight != 1.0:
+        _discount_gradient_sync(cg, table, where, graph, names, reshard, sync_weight)
+    weight_vars = {where[p].var for p in names if p in cg.param_fqns or p in cg.buffer_fqns}
+    unscaled = graph.memory
+    if act_scale != 1:
+        graph.memory = [m if v in weight_vars else [x * act_scale for x in m] for v, m in enumerate(graph.memory)]
+    try:
+        sol = solve(graph, memory_bytes, time_limit=options.time_limit, solver=options.solver)
+    except (MemoryBudgetError, SolverError) as e:
+        raise _Infeasible(str(e)) from None
+    chosen = {n: table[n].strategies[w.index[sol.choice[w.var]]] for n, w in where.items()}
+    nodes = {n: node_plan(s, table[n]) for n, s in chosen.items()}
+    weights = sum(s.memory for n, s in chosen.items() if (n in cg.param_fqns or n in cg.buffer_fqns) and n not in fixed)
+    acts = sum(s.memory for n, s in chosen.items() if not (n in cg.param_fqns or n in cg.buffer_fqns))
+    # boundary values: replicated NodePlans so the collectives of the stage can be listed
+    for n in list(nodes):
+        for src in nodes[n].inputs:
+            if src not in nodes:
+                nodes[src] = boundary_node_plan(cg, src, fixed.get(src))
+    _, grad_sync, collectives = training_step(stage_view(cg, subset), nodes, mesh, options.bucket_bytes)
+    # the objective holds sync_weight x every gradient sync; per microbatch the deferred ones
+    # (bucketed, once per step) do not run and the others run in full
+    sync_all = sync_deferred = 0.0
+    for n, np_ in nodes.items():
+        if n not in chosen:
+            continue
+        for i, src in enumerate(np_.inputs):
+            if src in cg.param_fqns and src in chosen:
+                s = chosen[n]
+                val = cg.node(src).meta["val"]
+                src_spec = chosen[src].out_specs[0]
+                if is_gradient_sync(src_spec, s.in_specs[i], s.grad_partial[i]):
+                    cost = reshard(src_spec, s.in_specs[i], s.grad_partial[i], tuple(val.shape), val.element_size(), True)
+                    sync_all += cost
+                    sync_deferred += cost if src in grad_sync else 0.0
+    once = sum(c.seconds for c in collectives if c.node.startswith("gradient bucket"))
+    compute = sum(s.compute for s in chosen.values())
+    seconds = sol.objective + (1 - sync_weight) * sync_all - sync_deferred
+    terms = [0.0, 0.0]  # the ILP's memory: sum over weight variables, sum over the others (unscaled)
+    for v, m in enumerate(unscaled):
+        terms[v not in weight_vars] += m[sol.choice[v]]
+    return StageSolution(max(seconds, 0.0), once, weights, acts, nodes, compute,
+                         tuple(terms))
+
+
+def _discount_gradient_sync(cg, table, where, graph, names, reshard, weight: float) -> None:
+    """Scale the gradient-sync part of every parameter edge of the cost graph by ``weight``."""
+    for n in names:
+        if n not in where or n not in table:
+            continue
+        ns = table[n]
+        for i, src in enumerate(ns.inputs):
+            if src not in where or src not in cg.param_fqns:
+                continue
+            val = cg.node(src).meta["val"]
+            sv, dv = where[src], where[n]
+            outs = tuple(table[src].strategies[p].out_specs[0] for p in sv.index)
+            ins = tuple((ns.strategies[q].in_specs[i], ns.strategies[q].grad_partial[i]) for q in dv.index)
+            sync = reshard.sync_matrix(outs, ins, tuple(val.shape), val.element_size())
+            if any(any(row) for row in sync):
+                graph.add_edge(sv.var, dv.var, [[-(1 - weight) * c for c in row] for row in sync])
+
+
+def boundary_spec(cg, name: str) -> ShardingSpec:
+    """The spec a value crossing between stages travels in: replicated."""
+    return ShardingSpec.replicated(len(shape_of(cg.node(name)) or ()))
+
+
+def boundary_node_plan(cg, name: str, specs: tuple[ShardingSpec, ...] | None = None) -> NodePlan:
+    """The ``NodePlan`` of a value a stage receives: in ``specs`` (default ``boundary_spec``)."""
+    return NodePlan("boundary", (), tuple(specs) if specs else (boundary_spec(cg, name),))

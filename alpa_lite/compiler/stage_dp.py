@@ -1,0 +1,289 @@
+"""Alpa's stage/submesh dynamic program (Zheng et al., OSDI'22, section 5.1).
+
+Submesh shapes are ``(1, 1), (1, 2), (1, 4) ... (1, M)`` and ``(k, M)``
+for ``k = 2 .. N``. For layers ``[k, i)`` on submesh ``q`` the cost model gives options
+``(t, o, w, a)``: ``t`` seconds of forward + backward of one microbatch (its best logical mesh
+and intra-op plan, plus receiving its inputs and sending their gradients back), ``o`` seconds
+paid once per step (the bucketed data-parallel gradient all-reduce), ``w`` bytes of weights,
+gradients and optimizer state, ``a`` bytes of activations per microbatch in flight. Counting
+stages from the end (``s = 1`` is the last stage), a stage keeps ``n(s)`` microbatches in flight:
+``min(s, B)`` under 1F1B, ``B`` under GPipe; an option is feasible when ``w + n(s) a <= M_dev``.
+For a bound ``t_max`` on the per-microbatch time of every stage,
+
+    F(0, L, 0) = 0
+    F(s, k, d) = min_{k < i <= L, q : |q| <= d, t <= t_max, feasible(s)}  t + o + F(s - 1, i, d - |q|)
+
+and the pipeline step time (Alpa's eq. 2, with the once-per-step terms added) is
+
+    T* = min_{t_max} min_s  F(s, 0, N M) + (B - 1) t_max.
+
+``t_max`` runs over the distinct option times in increasing order; since every solution whose
+largest stage time is ``t_max`` costs at least ``B t_max``, the loop stops once
+``B t_max >= T*`` (the paper's pruning). ``stage_dp`` takes the cost model as a function, so it
+is tested against ``exhaustive_stage_search`` on fixed tables without torch.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..core.options import SCHEDULES
+
+BACKWARD_SHARE = 2 / 3  # backward's share of a stage's forward + backward time (2x the forward FLOPs)
+
+
+class PipelinePlanError(ValueError):
+    """No pipeline plan exists for the request (too many stages, nothing fits memory ...)."""
+
+
+@dataclass(frozen=True)
+class StageOption:
+    """One way to run a layer range on a submesh (units: seconds, bytes per device).
+
+    Attributes:
+        seconds: forward + backward of one microbatch, including its input transfer.
+        weight_bytes: parameters, gradients and optimizer state.
+        act_bytes: activations kept for backward per microbatch in flight.
+        once_seconds: paid once per training step (gradient synchronization).
+        payload: what the cost model needs to rebuild this option (not compared).
+    """
+
+    seconds: float
+    weight_bytes: float = 0.0
+    act_bytes: float = 0.0
+    once_seconds: float = 0.0
+    payload: object = field(default=None, compare=False)
+
+    def fits(self, in_flight: int, memory_bytes: float) -> bool:
+        return self.weight_bytes + in_flight * self.act_bytes <= memory_bytes
+
+
+CostFn = Callable[[int, int, tuple[int, int]], Sequence[StageOption]]
+
+
+@dataclass(frozen=True)
+class StageChoice:
+    """Stage ``[start, end)`` of the layers on a submesh of shape ``submesh`` with ``option``."""
+
+    start: int
+    end: int
+    submesh: tuple[int, int]
+    option: StageOption
+    in_flight: int
+
+
+@dataclass
+class DPResult:
+    """The DP's answer: ``objective`` = predicted step seconds = ``sum(t + o) + (B - 1) t_max``."""
+
+    objective: float
+    t_max: float
+    stages: list[StageChoice]
+    num_microbatches: int
+    schedule: str
+    t_max_tried: int = 0
+
+
+def submesh_shapes(cluster_shape: tuple[int, int], power_of_two: bool = False) -> list[tuple[int, int]]:
+    """Alpa's submesh shapes for an ``N x M`` cluster: ``(1, 2^j)`` up to ``(1, M)``, then ``(k, M)``
+    for ``k = 2 .. N`` (only powers of two with ``power_of_two``, as Alpa's implementation does)."""
+    n, m = cluster_shape
+    shapes = []
+    w = 1
+    while w < m:
+        shapes.append((1, w))
+        w *= 2
+    shapes.append((1, m))
+    shapes += [(k, m) for k in range(2, n + 1) if not power_of_two or k & (k - 1) == 0]
+    return shapes
+
+
+def in_flight(stage_from_end: int, num_microbatches: int, schedule: str) -> int:
+    """Microbatches whose activations a stage holds at its peak: stage ``i`` of ``S`` is
+    ``S - i`` from the end and keeps ``min(S - i, B)`` under 1F1B, ``B`` under GPipe."""
+    if schedule == "gpipe":
+        return num_microbatches
+    return min(stage_from_end, num_microbatches)
+
+
+def _check_schedule(schedule: str) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+
+
+def check_stage_count(num_stages: int | None, num_layers: int, num_devices: int) -> int:
+    """The most stages possible, ``min(num_layers, num_devices)``.
+
+    Raises:
+        PipelinePlanError: ``num_stages`` is given and outside ``1 .. that``.
+    """
+    limit = min(num_layers, num_devices)
+    if num_stages is not None and not 1 <= num_stages <= limit:
+        raise PipelinePlanError(f"num_stages={num_stages} is impossible: each stage needs at least one layer and "
+                                f"one device; there are {num_layers} layers and {num_devices} devices "
+                                f"(so 1 <= num_stages <= {limit})")
+    return limit
+
+
+def _objective(stages: Sequence[StageChoice], b: int) -> float:
+    return sum(s.option.seconds + s.option.once_seconds for s in stages) + (b - 1) * max(s.option.seconds for s in stages)
+
+
+def stage_dp(num_layers: int, cluster_shape: tuple[int, int], cost: CostFn, memory_bytes: float,
+             num_microbatches: int, *, num_stages: int | None = None, schedule: str = "1f1b",
+             submeshes: Sequence[tuple[int, int]] | None = None) -> DPResult:
+    """Alpa's stage/submesh DP (module docstring; OSDI'22 section 5.1, Algorithm 1).
+
+    Args:
+        num_layers: L, the layers ``0 .. L-1`` in pipeline order.
+        cluster_shape: ``(N, M)``: N nodes of M devices; every device is used.
+        cost: ``cost(start, end, submesh) -> [StageOption]`` for layers ``[start, end)``.
+        memory_bytes: device memory, bytes.
+        num_microbatches: B.
+        num_stages: fix S (None: any).
+        schedule: ``"1f1b"`` or ``"gpipe"`` (the activations each stage keeps in flight).
+        submeshes: the submesh shapes to use (default ``submesh_shapes(cluster_shape)``).
+
+    Returns:
+        the optimal ``DPResult``.
+
+    Raises:
+        PipelinePlanError: ``num_stages`` out of range, or no assignment fits memory.
+    """
+    _check_schedule(schedule)
+    n, m = cluster_shape
+    devices, b = n * m, int(num_microbatches)
+    if b < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    s_max = check_stage_count(num_stages, num_layers, devices)
+    if num_stages is not None:
+        s_max = num_stages
+    shapes = list(submeshes or submesh_shapes(cluster_shape))
+    sizes = [a * c for a, c in shapes]
+    L, Q = num_layers, len(shapes)
+    # per (k, i, q, s-1, option): the option's times where it fits a stage s-th from the end
+    table = {(k, i, q): list(cost(k, i, shape)) for k in range(L) for i in range(k + 1, L + 1)
+             for q, shape in enumerate(shapes) if sizes[q] <= devices}
+    P = max((len(v) for v in table.values()), default=1) or 1
+    t_arr = np.full((L, L + 1, Q, s_max, P), np.inf)
+    o_arr = np.zeros((L, L + 1, Q, s_max, P))
+    for (k, i, q), options in table.items():
+        for s in range(1, s_max + 1):
+            for j, o in enumerate(options):
+                if o.fits(in_flight(s, b, schedule), memory_bytes):
+                    t_arr[k, i, q, s - 1, j], o_arr[k, i, q, s - 1, j] = o.seconds, o.once_seconds
+    candidates = np.unique(t_arr[np.isfinite(t_arr)])
+    best_obj, best_t, tried = math.inf, None, 0
+    for t_max in candidates:
+        if t_max * b >= best_obj:
+            break
+        tried += 1
+        f, _ = _dp_table(t_arr, o_arr, t_max, sizes, devices, s_max, record=False)
+        totals = f[1:, 0, devices] if num_stages is None else f[num_stages:num_stages + 1, 0, devices]
+        obj = float(totals.min()) + (b - 1) * float(t_max)
+        if obj < best_obj:
+            best_obj, best_t = obj, float(t_max)
+    if best_t is None:
+        raise PipelinePlanError(f"no pipeline fits {memory_bytes / 2**30:.2f} GiB per device on a {n}x{m} cluster "
+                                f"with {b} microbatches ({schedule}); use more devices, more microbatches or "
+                                "a smaller batch")
+    f, choice = _dp_table(t_arr, o_arr, best_t, sizes, devices, s_max, record=True)
+    totals = f[:, 0, devices].copy()
+    totals[0] = np.inf
+    if num_stages is not None:
+        totals[np.arange(s_max + 1) != num_stages] = np.inf
+    s = int(np.argmin(totals))
+    stages, k, d = [], 0, devices
+    while s > 0:
+        i, q = choice[s, k, d]
+        masked = np.where(t_arr[k, i, q, s - 1] <= best_t, t_arr[k, i, q, s - 1] + o_arr[k, i, q, s - 1], np.inf)
+        option = table[(k, int(i), int(q))][int(np.argmin(masked))]
+        stages.append(StageChoice(k, int(i), shapes[q], option, in_flight(s, b, schedule)))
+        k, d, s = int(i), d - sizes[q], s - 1
+    return DPResult(_objective(stages, b), max(st.option.seconds for st in stages), stages, b, schedule, tried)
+
+
+def _dp_table(t_arr, o_arr, t_max, sizes, devices, s_max, record):
+    """``F[s, k, d]`` of the module docstring for one ``t_max`` (vectorized over ``s`` and ``d``)."""
+    L, Q = t_arr.shape[0], t_arr.shape[2]
+    f = np.full((s_max + 1, L + 1, devices + 1), np.inf)
+    f[0, L, 0] = 0.0
+    choice = np.zeros((s_max + 1, L + 1, devices + 1, 2), dtype=np.int64) if record else None
+    total = np.where(t_arr <= t_max, t_arr + o_arr, np.inf).min(axis=4)  # best option per stage position
+    usable = np.isfinite(total).any(axis=3)
+    for k in range(L - 1, -1, -1):
+        for i in range(k + 1, L + 1):
+            for q in range(Q):
+                if not usable[k, i, q]:
+                    continue
+                sz = sizes[q]
+                cand = total[k, i, q][:, None] + f[:s_max, i, :devices + 1 - sz]
+                cur = f[1:, k, sz:]
+                better = cand < cur
+                if better.any():
+                    f[1:, k, sz:] = np.where(better, cand, cur)
+                    if record:
+                        view = choice[1:, k, sz:]
+                        view[better] = (i, q)
+    return f, choice
+
+
+def exhaustive_stage_search(num_layers: int, cluster_shape: tuple[int, int], cost: CostFn, memory_bytes: float,
+                            num_microbatches: int, *, num_stages: int | None = None, schedule: str = "1f1b",
+                            submeshes: Sequence[tuple[int, int]] | None = None) -> DPResult:
+    """Every partition of the layers into stages and every submesh sequence using all devices
+    (the reference ``stage_dp`` is tested against; exponential, small cases only)."""
+    _check_schedule(schedule)
+    n, m = cluster_shape
+    devices, b = n * m, num_microbatches
+    check_stage_count(num_stages, num_layers, devices)
+    shapes = list(submeshes or submesh_shapes(cluster_shape))
+    best: list = [math.inf, None]
+
+    def rec(k: int, d: int, prefix: list[tuple[int, int, tuple[int, int]]]):
+        if k == num_layers:
+            if d == 0 and (num_stages is None or len(prefix) == num_stages):
+                evaluate(prefix)
+            return
+        for i in range(k + 1, num_layers + 1):
+            for shape in shapes:
+                if shape[0] * shape[1] <= d:
+                    rec(i, d - shape[0] * shape[1], prefix + [(k, i, shape)])
+
+    def evaluate(prefix):
+        total_s = len(prefix)
+        per_stage = []
+        for idx, (k, i, shape) in enumerate(prefix):
+            n_fl = in_flight(total_s - idx, b, schedule)
+            per_stage.append([StageChoice(k, i, shape, o, n_fl) for o in cost(k, i, shape) if o.fits(n_fl, memory_bytes)])
+        if not all(per_stage):
+            return
+        for combo in _product(per_stage):
+            obj = _objective(combo, b)
+            if obj < best[0] - 1e-12:
+                best[:] = [obj, list(combo)]
+
+    rec(0, devices, [])
+    if best[1] is None:
+        raise PipelinePlanError("no pipeline fits memory")
+    return DPResult(best[0], max(s.option.seconds for s in best[1]), best[1], b, schedule)
+
+
+def _product(lists):
+    if not lists:
+        yield ()
+        return
+    for head in lists[0]:
+        for tail in _product(lists[1:]):
+            yield (head,) + tail
+
+
+def bubble_fraction(stage_seconds: Sequence[float], num_microbatches: int) -> float:
+    """Idle share of the devices' time in one pipelined step: ``1 - B sum_i t_i / (S T)`` with
+    ``T = sum_i t_i + (B - 1) max_i t_i`` (equal stages: ``(S - 1) / (B + S - 1)``)."""
+    s, b = len(stage_seconds), num_microbatches
+    total = sum(stage_seconds) + (b - 1) * max(stage_seconds)
+    return 1.0 - b * sum(stage_seconds) / (s * total) if total > 0 else 0.0

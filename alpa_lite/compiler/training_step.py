@@ -1,0 +1,109 @@
+"""What a plan stores for chosen strategies: node plans, deferred gradient syncs and the
+collectives of one training step. The one place both plan kinds (an SPMD plan and a pipeline
+stage's) derive them."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..core.capture import CapturedGraph
+from ..core.mesh import LogicalMesh
+from ..core.plan import Collective, NodePlan, gradient_buckets, local_bytes
+from ..core.resharding import backward_steps, forward_steps, is_gradient_sync, step_cost
+from ..core.spec import ShardingSpec
+from .strategies import NodeStrategies, Strategy
+
+
+def defer_gradient_sync(cg: CapturedGraph, nodes: dict[str, NodePlan]
+                        ) -> tuple[dict[str, NodePlan], dict[str, tuple[int, ...]]]:
+    """Move data-parallel gradient all-reduces out of the graph: a parameter whose every use is a
+    gradient sync over the same axes (``is_gradient_sync``) gets its gradient reduced once, in a
+    bucket, after backward (after the last microbatch of a pipeline).
+
+    ``nodes`` are the strategies as chosen, every gradient sync still on its edge (an ILP's
+    ``node_plan``s, or the union of a chained stage's per-layer solutions); they are not edited.
+    Deciding on the whole program at once is what makes it right: a parameter used by two layers
+    is deferred only if both uses are syncs over the same axes.
+
+    Returns:
+        ``(nodes with those uses' grad_partial emptied, parameter placeholder -> axes)``.
+    """
+    uses: dict[str, list[tuple[str, int]]] = {ph: [] for ph in cg.param_fqns}
+    for name, np_ in nodes.items():
+        for i, src in enumerate(np_.inputs):
+            if src in uses:
+                uses[src].append((name, i))
+    out, deferred = dict(nodes), {}
+    for ph, edges in uses.items():
+        spec = nodes[ph].out_specs[0]
+        parts = {nodes[n].grad_partial[i] for n, i in edges}
+        if len(parts) != 1 or not all(
+                is_gradient_sync(spec, nodes[n].in_specs[i], nodes[n].grad_partial[i])
+                for n, i in edges):
+            continue
+        deferred[ph] = tuple(sorted(parts.pop()))
+        for n, i in edges:
+            gp = list(out[n].grad_partial)
+            gp[i] = ()
+            out[n] = replace(out[n], grad_partial=tuple(gp))
+    return out, deferred
+
+
+def training_step(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: LogicalMesh, bucket_bytes: float = 25 * 2**20
+                  ) -> tuple[dict[str, NodePlan], dict[str, tuple[int, ...]], list[Collective]]:
+    """What a ``Plan`` (an SPMD plan or one pipeline stage's) stores for the chosen strategies
+    ``nodes`` (gradient syncs on their edges): ``(nodes, grad_sync, collectives)`` with the
+    data-parallel gradient syncs deferred to buckets (``defer_gradient_sync``) and every
+    collective of one training step (``plan_collectives``). The one place both plan kinds derive
+    their gradient synchronization."""
+    nodes, grad_sync = defer_gradient_sync(cg, nodes)
+    return nodes, grad_sync, plan_collectives(cg, nodes, mesh, grad_sync, bucket_bytes)
+
+
+def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: LogicalMesh,
+                     grad_sync: dict[str, tuple[int, ...]] | None = None,
+                     bucket_bytes: float = 25 * 2**20) -> list[Collective]:
+    """Every collective of one training step for the chosen strategies: partial-sum all-reduces
+    inside ops, the resharding of every edge (forward, then backward in reverse), then the
+    bucketed gradient all-reduces."""
+    forward, backward = [], []
+    for name, np_ in nodes.items():
+        node = cg.node(name)
+        for i, (src_name, r) in enumerate(zip(np_.inputs, np_.input_results)):
+            val = cg.node(src_name).meta["val"]
+            val = val[r] if isinstance(val, (tuple, list)) else val
+            src = nodes[src_name].out_specs[r]
+            dst = np_.in_specs[i]
+            args = (tuple(val.shape), val.element_size(), mesh.shape)
+            gp = np_.grad_partial[i]
+            for phase, steps, out in (("forward", forward_steps(src, dst, *args), forward),
+                                      ("backward", [] if gp is None else backward_steps(src, dst, gp, *args), backward)):
+                out.extend(Collective(s.kind, (s.axis,), s.nbytes, phase, name, src_name, step_cost(s, mesh))
+                           for s in steps if s.is_collective)
+        if np_.partial_axes:
+            vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else [node.meta["val"]]
+            for spec, val in zip(np_.out_specs, vals):
+                local = local_bytes(val, spec, mesh.shape)
+                for axis in np_.partial_axes:
+                    forward.append(Collective("all-reduce", (axis,), float(local), "forward", name, name,
+                                              mesh.all_reduce_cost(local, (axis,))))
+    buckets = []
+    for k, (axes, members) in enumerate(gradient_buckets(cg, nodes, grad_sync or {}, mesh.shape, bucket_bytes)):
+        nbytes = float(sum(local_bytes(cg.node(ph).meta["val"], nodes[ph].out_specs[0], mesh.shape) for ph in members))
+        buckets.append(Collective("all-reduce", axes, nbytes, "backward", f"gradient bucket {k}",
+                                  f"{len(members)} parameters", mesh.all_reduce_cost(nbytes, axes)))
+    return forward + backward[::-1] + buckets
+
+
+def param_specs_of(cg: CapturedGraph, nodes: dict[str, NodePlan]) -> dict[str, str]:
+    """Parameter FQN (every name of a tied weight) -> its storage spec string."""
+    specs = {}
+    for ph, fqn in cg.param_fqns.items():
+        for name in [fqn, *cg.tied.get(fqn, [])]:
+            specs[name] = nodes[ph].out_specs[0]
+    return specs
+
+
+def node_plan(s: Strategy, ns: NodeStrategies) -> NodePlan:
+    """The ``NodePlan`` of strategy ``s`` of node ``ns``."""
+    return NodePlan(s.name, tuple(s.in_specs), tuple(s.out_specs), s.partial_axes, s.reduce,
+                    s.grad_partial, tuple(ns.inputs), tuple(ns.input_results))

@@ -1,0 +1,62 @@
+"""aten op schemas: arguments by name, in-place writes, randomness.
+
+Every op rule (``compiler/ops.py``) and every local variant (``runtime/executor.py``) reads an
+op's arguments through ``bind_args``, never by position: export writes arguments only up to the
+last non-default one, so a position means different arguments in different calls
+(``cross_entropy_loss``'s ``reduction`` is position 3, ``label_smoothing`` 5).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+
+def bind_args(target, args: tuple, kwargs: dict) -> dict[str, object]:
+    """The arguments of a call of the aten op ``target`` by their schema names, in schema order,
+    with the schema's defaults for those not given (positional or keyword alike).
+
+    Every rule and local variant reads arguments through this, never by position: an optional
+    argument moves when an earlier one is left out (``cross_entropy_loss``'s ``reduction`` is
+    position 3, ``label_smoothing`` 5), and export writes only up to the last non-default one.
+
+    Raises:
+        TypeError: ``target`` has no schema (not an aten op overload).
+    """
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        raise TypeError(f"{target} has no schema: its arguments cannot be read by name")
+    bound = {}
+    for i, arg in enumerate(schema.arguments):
+        if i < len(args) and not arg.kwarg_only:
+            bound[arg.name] = args[i]
+        elif arg.name in kwargs:
+            bound[arg.name] = kwargs[arg.name]
+        else:
+            bound[arg.name] = arg.default_value if arg.has_default_value() else None
+    return bound
+
+
+def op_args(node: torch.fx.Node) -> dict[str, object]:
+    """``bind_args`` of a graph node (operands stay ``torch.fx.Node``)."""
+    return bind_args(node.target, node.args, node.kwargs)
+
+
+def with_arg(target, args: tuple, kwargs: dict, name: str, value) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of a call of ``target`` with argument ``name`` set to ``value``, where
+    the call passes it (positionally or by keyword; keyword when it passes neither)."""
+    names = [a.name for a in target._schema.arguments]
+    i = names.index(name)
+    if i < len(args):
+        return args[:i] + (value,) + args[i + 1:], kwargs
+    return args, {**kwargs, name: value}
+
+
+def written_args(target) -> list[str]:
+    """Names of the arguments an aten op writes in place (``Tensor(a!)`` in its schema)."""
+    schema = getattr(target, "_schema", None)
+    return [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write] if schema else []
+
+
+def is_random(target) -> bool:
+    """Whether the op draws from the RNG (dropout, bernoulli, rand_like, attention dropout ...)."""
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags

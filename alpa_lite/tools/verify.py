@@ -1,0 +1,388 @@
+"""``alpa_lite.tools.verify``: does a plan train like one process?
+
+Runs the single-process reference (on rank 0) and the parallel run of a plan (on every rank) on
+the same batches from the same weights, and compares, per step, the loss and every gradient,
+and after the last step every parameter and buffer. The answer is a :class:`VerifyReport` with
+the largest difference of each tensor, the bound it was held to and a verdict.
+
+Tolerances (per dtype; ``RTOL``). A sharded run sums the same products in another order (a
+matmul split along its contracted dim adds partial sums; an all-reduce adds shards in ring
+order), so fp32 results differ by rounding: about 1e-6 relative for the matmuls of small models
+(``tests/test_runtime.py``). We allow ``RTOL[fp32] = 1e-4`` relative: 100x headroom for depth and
+steps, while a wrong plan (a missing gradient all-reduce, a wrong shard) is off by O(1) relative.
+The other dtypes get the same headroom over their unit roundoff. Each tensor is compared with
+
+    bound = RTOL[dtype] * max(scale, FLOOR * scale of its kind) + 4 * eps[dtype] * max|reference|
+
+where ``scale`` is the tensor's own magnitude: ``max|g|`` for a gradient, ``max|p_final - p_init|``
+(the reference's update) for a parameter, ``max|b|`` for a buffer, ``|loss|`` for a loss. The
+update, not the weight, is the scale of a parameter: a wrong update of a large weight is small
+next to the weight and would pass a weight-relative test. ``FLOOR`` (1e-3 of the largest value
+of the kind in the model) keeps tensors whose true value is a cancellation of rounding noise (a
+bias before a batch norm has gradient ~0) from failing on noise; the ``eps`` term is the
+rounding of storing the result. Integer buffers must be equal. A tensor the parallel run lacks,
+or a gradient only one side has (a frozen parameter that was trained), differs.
+
+The default optimizer is SGD (lr 1e-2): a gradient maps linearly to an update and exact zeros
+stay zero. AdamW divides each update by the root of the second moment, which turns the rounding
+of a near-zero gradient into a full step; pass ``optimizer=`` to check it anyway, knowing that
+its parameters may then exceed these bounds for reasons of arithmetic, not of the plan.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..core.plan import PipelinePlan
+
+RTOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}
+"""Relative tolerance per dtype (see the module docstring)."""
+FLOOR = 1e-3
+"""A tensor's scale is at least this share of the largest scale of its kind."""
+
+
+def sgd(params, lr: float = 1e-2) -> torch.optim.Optimizer:
+    """The default optimizer of :func:`verify`: plain SGD, ``lr`` 1e-2, no momentum."""
+    return torch.optim.SGD(params, lr=lr)
+
+
+@dataclass
+class Row:
+    """One compared tensor: ``kind`` is loss / grad / param / buffer; ``step`` the worst step
+    (grads and losses; -1 for final values); ``max_diff`` and ``bound`` are absolute; ``note``
+    says why a row differs without a number (absent, unexpected gradient)."""
+
+    kind: str
+    name: str
+    dtype: str
+    max_diff: float
+    bound: float
+    step: int = -1
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.note and self.max_diff <= self.bound
+
+
+@dataclass
+class VerifyReport:
+    """The answer of :func:`verify`: ``equal`` is True when every row is within its bound.
+
+    Attributes:
+        rows: every compared tensor (losses of each step, gradients of each parameter (worst step),
+            final parameters and buffers).
+        losses / ref_losses: the parallel and single-process loss of each step.
+        plan: a one-line description of the plan (stages, mesh, parameter specs that are not
+            replicated).
+        tolerance: ``RTOL`` by dtype name, and ``FLOOR``.
+    """
+
+    rows: list[Row]
+    losses: list[float]
+    ref_losses: list[float]
+    plan: str
+    tolerance: dict = field(default_factory=lambda: {"rtol": {str(k): v for k, v in RTOL.items()}, "floor": FLOOR})
+
+    @property
+    def equal(self) -> bool:
+        return all(r.ok for r in self.rows)
+
+    @property
+    def differing(self) -> list[Row]:
+        return [r for r in self.rows if not r.ok]
+
+    def to_dict(self) -> dict:
+        return {"verdict": "equal" if self.equal else "differs", "plan": self.plan, "losses": self.losses,
+                "ref_losses": self.ref_losses, "tolerance": self.tolerance,
+                "rows": [asdict(r) | {"ok": r.ok} for r in self.rows]}
+
+    def table(self, max_rows: int = 40):
+        """A rich ``Table``: the differing rows first, then the largest ratios diff / bound."""
+        from rich.table import Table
+
+        verdict = "[green]equal[/]" if self.equal else f"[red]differs[/] ({len(self.differing)} tensors)"
+        t = Table(title=f"verify: {verdict} to one process; {self.plan}")
+        for col in ("kind", "tensor", "dtype", "step", "max |diff|", "bound", ""):
+            t.add_column(col, justify="right" if col in ("step", "max |diff|", "bound") else "left")
+        ranked = sorted(self.rows, key=_badness, reverse=True)
+        for r in ranked[:max_rows]:
+            t.add_row(r.kind, r.name, r.dtype, "" if r.step < 0 else str(r.step), f"{r.max_diff:.3g}",
+                      f"{r.bound:.3g}", "ok" if r.ok else f"[red]{r.note or 'DIFFERS'}[/]")
+        if len(ranked) > max_rows:
+            t.caption = f"{len(ranked) - max_rows} more rows within bounds"
+        return t
+
+
+def _eps(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+
+
+def _rtol(dtype: torch.dtype) -> float:
+    return RTOL.get(dtype, 0.0)
+
+
+def _amax(x: torch.Tensor) -> float:
+    return float(x.detach().abs().max()) if x.numel() else 0.0
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return math.inf
+    return _amax(a.double() - b.double())
+
+
+def _compare(kind: str, got: dict, want: dict, scale: dict, step: int = -1) -> list[Row]:
+    """Rows for ``want``'s tensors (by name): ``got`` may lack some (absent) or have extras."""
+    top = max([*scale.values(), 0.0])
+    rows = []
+    for name, ref in want.items():
+        if name not in got:
+            rows.append(Row(kind, name, str(ref.dtype).removeprefix("torch."), math.inf, 0.0, step,
+                            "absent from the parallel run"))
+            continue
+        s = max(scale[name], FLOOR * top)
+        bound = _rtol(ref.dtype) * s + 4 * _eps(ref.dtype) * _amax(ref)
+        rows.append(Row(kind, name, str(ref.dtype).removeprefix("torch."), _diff(got[name].cpu(), ref.cpu()),
+                        bound, step))
+    for name in sorted(set(got) - set(want)):
+        rows.append(Row(kind, name, str(got[name].dtype).removeprefix("torch."), math.inf, 0.0, step,
+                        "only the parallel run has it" if kind == "grad" else "not in the model"))
+    return rows
+
+
+def _badness(r: Row) -> tuple[bool, float]:
+    return not r.ok, r.max_diff / r.bound if r.bound else math.inf
+
+
+def _worst(rows: list[Row]) -> list[Row]:
+    """Per (kind, name): the row of the step with the largest diff / bound."""
+    worst: dict[tuple[str, str], Row] = {}
+    for r in rows:
+        key = (r.kind, r.name)
+        if key not in worst or _badness(r) > _badness(worst[key]):
+            worst[key] = r
+    return list(worst.values())
+
+
+@dataclass
+class _Trace:
+    """What one run produced: losses and gradients of each step, initial and final state."""
+
+    init: dict[str, torch.Tensor] = field(default_factory=dict)
+    losses: list[float] = field(default_factory=list)
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _reference(model, batches, loss_fn, num_inputs: int, optimizer: Callable, device) -> _Trace:
+    """Train a copy of ``model`` in this process (the loss exactly as ``capture`` wraps it)."""
+    from ..core.capture import TrainingLoss
+
+    wrapped = TrainingLoss(copy.deepcopy(model), loss_fn, num_inputs).to(device)
+    opt = optimizer([p for p in wrapped.parameters() if p.requires_grad])
+    trace = _Trace({k: v.detach().cpu().clone() for k, v in model.named_parameters(remove_duplicate=False)})
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = wrapped(*(x.to(device) for x in batch))
+        loss.backward()
+        trace.grads.append({k: p.grad.detach().cpu().clone()  # tied names too, as trainer.gradients()
+                            for k, p in wrapped.model.named_parameters(remove_duplicate=False) if p.grad is not None})
+        opt.step()
+        trace.losses.append(float(loss.detach()))
+    m = wrapped.model
+    trace.params = {k: v.detach().cpu() for k, v in m.named_parameters(remove_duplicate=False)}
+    trace.buffers = {k: v.detach().cpu() for k, v in m.named_buffers(remove_duplicate=False)}
+    return trace
+
+
+def _parallel(trainer, batches, names: set[str]) -> _Trace:
+    trace = _Trace()
+    for batch in batches:
+        trace.losses.append(trainer.step(*batch))
+        trace.grads.append(trainer.gradients())
+    state = trainer.state_dict()
+    trace.params = {k: v for k, v in state.items() if k in names}
+    trace.buffers = {k: v for k, v in state.items() if k not in names}
+    return trace
+
+
+def _plan_line(plan) -> str:
+    if isinstance(plan, PipelinePlan):
+        inner = "; ".join(f"stage {i}: {s.plan.mesh.shape[0]}x{s.plan.mesh.shape[1]}"
+                          for i, s in enumerate(plan.stages))
+        return (f"{len(plan.stages)} stages ({inner}), {plan.num_microbatches} microbatches, {plan.schedule}")
+    split = sum(1 for s in plan.param_specs.values() if s.axes())
+    return f"mesh {plan.mesh.shape[0]}x{plan.mesh.shape[1]}, {split} of {len(plan.param_specs)} parameters sharded"
+
+
+def _judge(ref: _Trace, par: _Trace, plan_line: str) -> VerifyReport:
+    rows = []
+    for i, (a, b) in enumerate(zip(par.losses, ref.losses)):
+        t = torch.tensor(b)
+        rows += _compare("loss", {"loss": torch.tensor(a)}, {"loss": t}, {"loss": abs(b)}, i)
+    for i, (got, want) in enumerate(zip(par.grads, ref.grads)):
+        if got is not None:
+            rows += _compare("grad", got, want, {k: _amax(v) for k, v in want.items()}, i)
+    update = {k: _amax(v - ref.init[k]) if v.is_floating_point() else 0.0 for k, v in ref.params.items()}
+    rows += _compare("param", par.params, ref.params, update)
+    rows += _compare("buffer", par.buffers, ref.buffers, {k: _amax(v) if v.is_floating_point() else 0.0
+                                                           for k, v in ref.buffers.items()})
+    return VerifyReport(_worst(rows), par.losses, ref.losses, plan_line)
+
+
+def verify(model: torch.nn.Module, inputs, mesh, *, loss_fn: Callable | None = None, targets: tuple = (),
+           batches: list[tuple] | None = None, steps: int = 3, optimizer: Callable = sgd, plan=None,
+           show: bool = True, console=None, **plan_options) -> VerifyReport:
+    """Train ``model`` with a plan and in one process on the same batches; compare (every rank).
+
+    Args:
+        model: the module with real weights (CPU; moved to the rank's device as the trainer does:
+            CUDA when available, else CPU). Neither run changes it.
+        inputs: model inputs with GLOBAL shapes (a tensor or a tuple); ``targets`` follow them.
+        mesh: a 2D ``DeviceMesh`` or a shape such as ``(2, 2)`` for the current world.
+        loss_fn: ``loss_fn(output, *targets)``; None when the model returns its loss.
+        batches: the batches (``(*inputs, *targets)`` tuples, global shapes) of each step;
+            default: ``steps`` times the example batch.
+        optimizer: ``params -> torch.optim.Optimizer`` for both runs; default :func:`sgd`.
+        plan: a ``Plan`` or plan JSON path; None plans with ``plan_options`` (``alpa_lite.plan``'s
+            options: ``force_data_parallel``, ``param_specs``, ``pipeline`` ...).
+        show: print the report table on rank 0 (to ``console``, a rich ``Console``).
+
+    Returns:
+        The same :class:`VerifyReport` on every rank (rank 0's comparison, broadcast).
+
+    Raises:
+        ValueError: the model has meta (unmaterialized) weights, or no step is asked for.
+        PlanError: (from ``parallelize``) the plan does not fit the model or the mesh.
+    """
+    from ..api import parallelize
+    from ..runtime.launch import default_device
+
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("verify needs a model with real weights (build it on the CPU, not on 'meta')")
+    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    batches = [(*inputs, *targets)] * steps if batches is None else [tuple(b) for b in batches]
+    if not batches:
+        raise ValueError(f"verify needs at least one step, got steps={steps}")
+    trainer = parallelize(copy.deepcopy(model), mesh, inputs, loss_fn, targets=tuple(targets),
+                          optimizer=optimizer, plan=plan, **plan_options)
+    ref = None
+    if dist.get_rank() == 0:
+        ref = _reference(model, batches, loss_fn, len(inputs), optimizer, default_device())
+    par = _parallel(trainer, batches, {k for k, _ in model.named_parameters(remove_duplicate=False)})
+    box = [_judge(ref, par, _plan_line(trainer.plan)) if ref is not None else None]
+    dist.broadcast_object_list(box, src=0)
+    report = box[0]
+    if show and dist.get_rank() == 0:
+        from rich.console import Console
+        (console or Console()).print(report.table())
+    return report
+
+
+# ------------------------------------------------------------------------------------ command line
+
+def add_arguments(p) -> None:
+    """``alpa-lite verify``'s options."""
+    from ..zoo.models import MODEL_NAMES
+    p.add_argument("model", help=f"built-in model ({', '.join(MODEL_NAMES)}) or module:callable "
+                                 "returning (model, example_inputs)")
+    p.add_argument("--mesh", default="2x2", help="logical mesh over the processes (default 2x2)")
+    p.add_argument("--nproc", type=int, default=None, help="processes (default: the mesh's size)")
+    p.add_argument("--steps", type=int, default=3, help="training steps compared (default 3)")
+    p.add_argument("--batch", type=int, default=8, help="global batch size")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (language models)")
+    p.add_argument("--lr", type=float, default=1e-2, help="learning rate")
+    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"),
+                   help="sgd (default: exact zeros stay zero) or adamw (amplifies rounding)")
+    p.add_argument("--plan", default=None, help="verify this plan JSON instead of planning")
+    p.add_argument("--cluster", default=None, help="preset or cluster JSON to plan with (default as the trainer)")
+    p.add_argument("--force-dp", "--force-data-parallel", dest="force_dp", action="store_true",
+                   help="pure data parallel")
+    p.add_argument("--batch-axis", type=int, choices=(0, 1), default=None, help="force the batch onto a mesh axis")
+    p.add_argument("--param-specs", default=None, metavar="JSON",
+                   help='force parameter specs, e.g. \'{"layers.0.weight": "S1R"}\'')
+    p.add_argument("--pipeline", default=None, metavar="auto|K", help="pipeline stages: 'auto' or a stage count")
+    p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"), help="pipeline schedule")
+    p.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches")
+    p.add_argument("--layers", type=int, default=None, help="layers to cluster the graph into")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON here")
+
+
+def _plan_options(args) -> dict:
+    opts = {"force_data_parallel": True} if args.force_dp else {}
+    if args.batch_axis is not None:
+        opts["batch_axis"] = args.batch_axis
+    if args.param_specs:
+        opts["param_specs"] = json.loads(args.param_specs)
+    if args.pipeline is not None:
+        opts |= {"pipeline": int(args.pipeline) if args.pipeline.isdigit() else args.pipeline,
+                 "schedule": args.schedule, "num_microbatches": args.microbatches, "num_layers": args.layers}
+    if args.cluster:
+        opts["cluster"] = args.cluster
+    return opts
+
+
+def _worker(args) -> int:
+    from ..runtime.launch import init_distributed
+    from ..core.mesh import parse_mesh_shape
+    from ..zoo.models import build_model
+
+    init_distributed(120)
+    model, example = build_model(args.model, args.batch, args.seq, device="cpu")
+    builtin = ":" not in args.model  # built-ins take a seed: a different batch each step
+    batches = [build_model(args.model, args.batch, args.seq, device="cpu", seed=100 + s)[1] if builtin else example
+               for s in range(args.steps)]
+    opt = (lambda ps: sgd(ps, args.lr)) if args.optimizer == "sgd" else \
+        (lambda ps: torch.optim.AdamW(ps, lr=args.lr))
+    report = verify(model, example, parse_mesh_shape(args.mesh), batches=batches, optimizer=opt, plan=args.plan,
+                    **_plan_options(args))
+    if dist.get_rank() == 0:
+        with open(args.json, "w") as f:
+            json.dump(report.to_dict(), f, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
+def main(args) -> int:
+    """Entry of ``alpa-lite verify``: launch the ranks (``launch.torchrun``) unless already one.
+
+    Returns 0 when the plan trains like one process, 1 when it differs, the launcher's code when a
+    rank failed. Rank 0 prints the report; ``--json PATH`` also writes it (``VerifyReport.to_dict``).
+    """
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _worker(args)
+    from ..runtime.launch import torchrun
+    from ..core.mesh import parse_mesh_shape
+
+    n0, n1 = parse_mesh_shape(args.mesh)  # bad input fails here, once, not on every rank
+    nproc = args.nproc or n0 * n1
+    if n0 * n1 != nproc:
+        raise ValueError(f"mesh {args.mesh} has {n0 * n1} devices but --nproc is {nproc}")
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if args.param_specs:
+        json.loads(args.param_specs)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = args.json or os.path.join(tmp, "verify.json")
+        options = {k: v for k, v in vars(args).items() if k not in ("func", "command")} | {"json": out}
+        code = torchrun(["-m", "alpa_lite.tools.verify", json.dumps(options)], nproc=nproc)
+        if code != 0:
+            return code
+        with open(out) as f:
+            return 0 if json.load(f)["verdict"] == "equal" else 1
+
+
+if __name__ == "__main__":
+    import argparse
+    sys.exit(main(argparse.Namespace(**json.loads(sys.argv[1]))))

@@ -1,0 +1,127 @@
+"""The API boundary: typed options reach every pass unchanged (the intra-op pass and every stage
+of a pipelined plan), the two plan kinds round-trip through JSON, and a planning call captures
+the model once per shape it plans."""
+import dataclasses
+import json
+
+import pytest
+
+import alpa_lite
+from alpa_lite import LogicalMesh, PipelineOptions, PipelinePlan, Plan, PlanError, PlanOptions, load_plan, plan
+from alpa_lite.core.mesh import get_cluster
+from alpa_lite.zoo.models import build_model
+
+MLP = dict(hidden=32, num_layers=4)
+
+
+def mlp(batch=8):
+    return build_model("mlp", batch, device="meta", **MLP)
+
+
+def test_unknown_option_keyword_lists_the_fields():
+    model, example = mlp()
+    with pytest.raises(TypeError, match="unknown planning option.*memroy_budget.*PlanOptions has .*memory_budget"):
+        plan(model, example, LogicalMesh((1, 4), cluster="unit"), memroy_budget=1.0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"batch_axis": 2}, "batch_axis must be 0, 1 or None"),
+    ({"memory_budget": -1.0}, "memory_budget must be a positive"),
+    ({"solver": "gurobi"}, "unknown solver 'gurobi'"),
+])
+def test_plan_options_are_checked_when_made(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PlanOptions(**kwargs)
+
+
+@pytest.mark.parametrize("pipeline", [None, PipelineOptions(num_stages=2, num_microbatches=2)])
+def test_unknown_param_spec_name_raises_on_both_paths(pipeline):
+    model, example = mlp()
+    with pytest.raises(ValueError, match="param_specs names 'layers.9.weight', which is not a parameter"):
+        plan(model, example, LogicalMesh((1, 4), cluster="cpu-gloo"), pipeline=pipeline,
+             param_specs={"layers.9.weight": "S1R"})
+
+
+def test_options_reach_every_stage(monkeypatch):
+    """``solver``, ``input_specs``, ``share_layers`` and ``bucket_bytes`` (dropped by the pipeline
+    path before) reach every stage's ILP and plan."""
+    import alpa_lite.compiler.stage_costs as stage_costs
+
+    seen = []
+    real = stage_costs.build_cost_graph
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["share_layers"])
+        return real(*args, **kwargs)
+
+    solvers = []
+    real_solve = stage_costs.solve
+
+    def solve_spy(graph, budget, time_limit, solver):
+        solvers.append(solver)
+        return real_solve(graph, budget, time_limit=time_limit, solver="cbc")
+
+    monkeypatch.setattr(stage_costs, "build_cost_graph", spy)
+    monkeypatch.setattr(stage_costs, "solve", solve_spy)
+    model, example = mlp()
+    p = plan(model, example, LogicalMesh((1, 4), cluster="cpu-gloo"), share_layers=False, solver="highs",
+             bucket_bytes=1024.0, input_specs={"0": "S1R"},
+             pipeline=PipelineOptions(num_stages=2, num_microbatches=2, workers=1))
+    assert isinstance(p, PipelinePlan) and len(p.stages) == 2
+    assert seen and not any(seen) and solvers and set(solvers) == {"highs"}
+    assert all(s.plan.bucket_bytes == 1024.0 for s in p.stages)
+    first = p.stages[0].plan
+    assert first.input_specs == {p.captured.input_names[0]: "S1R"}  # S1R on the stage's 1x2 mesh
+    assert p.options["plan"]["solver"] == "highs" and p.options["plan"]["share_layers"] is False
+
+
+def test_calibrated_cluster_reaches_every_stage():
+    """A cluster's measured figures (``kernel_flops``, ``mesh_links``) reach the logical mesh of
+    every stage (``LogicalMesh.as_cluster``); the pipeline path used to rebuild the cluster from
+    the mesh's alpha-beta figures alone."""
+    base = get_cluster("cpu-gloo")
+    link = dataclasses.replace(base.intra_node, alpha=base.intra_node.alpha * 3)
+    calibrated = dataclasses.replace(base, name="calibrated", kernel_flops={"pointwise": base.peak_flops / 7},
+                                     mesh_links={"1x2": (link, link)})
+    model, example = mlp()
+    p = plan(model, example, calibrated.logical_mesh((1, 4)), pipeline=PipelineOptions(num_stages=2, num_microbatches=2,
+                                                                                       workers=1))
+    for s in p.stages:
+        assert dict(s.plan.mesh.kernel_flops) == {"pointwise": base.peak_flops / 7}
+        assert s.plan.mesh.mesh_alpha[1] == pytest.approx(link.alpha)
+
+
+def test_two_plan_kinds_round_trip_and_old_files_load(tmp_path):
+    model, example = mlp()
+    spmd = plan(model, example, LogicalMesh((2, 2), cluster="cpu-gloo"), force_data_parallel=True)
+    piped = plan(model, example, LogicalMesh((1, 4), cluster="cpu-gloo"), pipeline=2, num_microbatches=2)
+    assert type(spmd) is Plan and type(piped) is PipelinePlan
+    for p in (spmd, piped):
+        back = load_plan(p.to_json())
+        assert type(back) is type(p) and back.to_json() == p.to_json()
+    # specs are objects in memory and strings in JSON
+    spec = spmd.param_specs["layers.0.weight"]
+    assert isinstance(spec, alpa_lite.ShardingSpec) and spec.dims == ((), ()) and spec == "RR"
+    assert json.loads(spmd.to_json())["param_specs"]["layers.0.weight"] == "RR"
+    with pytest.raises(PlanError, match="pipelined plan.*load_plan"):
+        Plan.from_json(piped.to_json())
+    # a version-1 file (one type, an optional "pipeline" object) still loads
+    v1 = {k: v for k, v in json.loads(spmd.to_json()).items() if k != "kind"} | {"version": 1}
+    assert load_plan(json.dumps(v1)).to_json() == spmd.to_json()
+    with pytest.raises(PlanError, match="unsupported plan version 7 .*versions 1 and 2"):
+        load_plan(json.dumps(v1 | {"version": 7}))
+
+
+def test_a_planning_call_captures_once(monkeypatch):
+    import alpa_lite.api as api
+
+    calls = []
+    real = api.capture
+    monkeypatch.setattr(api, "capture", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model, example = mlp()
+    p = plan(model, example, LogicalMesh((2, 2), cluster="cpu-gloo"))
+    assert len(calls) == 1 and p.captured is not None
+    calls.clear()
+    plan(model, example, LogicalMesh((1, 4), cluster="cpu-gloo"), pipeline=PipelineOptions(num_stages=2,
+                                                                                          num_microbatches=4))
+    assert len(calls) == 1  # one microbatch shape planned

@@ -1,0 +1,83 @@
+"""Run on every rank by torchrun: ``alpa_lite.tools.verify`` on several cases in one launch.
+
+``--cases`` is a JSON object ``name -> {"model": zoo name, "batch": B, "seq": T, "overrides": {...},
+"options": {plan options}, "break": how to break the plan (optional), "keywords": true to verify
+the HF model inside the zoo's ``LossWrapper`` called with a dict of keyword inputs}``. A case with ``break``
+plans on rank 0 with its options, breaks the plan JSON and verifies the broken plan:
+
+- ``"drop-grad-sync"``: remove one parameter's deferred gradient all-reduce (``Plan.grad_sync``);
+- ``"drop-partial"``: claim the first node with a pending partial sum is complete (no all-reduce);
+- ``"spec:<fqn>=<spec>"``: store that parameter with another spec (its placeholder's output spec),
+  leaving every consumer as planned.
+
+Rank 0 writes ``{name: VerifyReport.to_dict()}`` (or ``{"error": ...}`` when the case raised).
+"""
+import argparse
+import json
+import sys
+
+import torch.distributed as dist
+
+from alpa_lite import LogicalMesh, plan as make_plan, verify
+from alpa_lite.core.capture import capture
+from alpa_lite.runtime.launch import init_distributed
+from alpa_lite.zoo.models import build_model
+from alpa_lite.core.plan import Plan
+
+STEPS = 2
+
+
+def broken_plan(model, example, shape, options: dict, how: str) -> str:
+    p = make_plan(model, example, LogicalMesh(shape, cluster="cpu-gloo"), **options)
+    d = json.loads(p.to_json())
+    if how == "drop-grad-sync":
+        ph = sorted(d["grad_sync"])[0]
+        del d["grad_sync"][ph]
+    elif how == "drop-partial":
+        node = next(v for v in d["nodes"].values() if v["partial_axes"])
+        node["partial_axes"] = []
+    else:
+        fqn, _, spec = how.removeprefix("spec:").partition("=")
+        ph = next(ph for ph, name in capture(model, example).param_fqns.items() if name == fqn)
+        d["nodes"][ph]["out_specs"] = [spec]
+        d["param_specs"][fqn] = spec
+    return Plan.from_json(json.dumps(d)).to_json()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", required=True)
+    ap.add_argument("--mesh", default="2x2")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    init_distributed(120)
+    shape = tuple(int(x) for x in args.mesh.split("x"))
+    results = {}
+    for name, case in json.loads(args.cases).items():
+        build = lambda seed: build_model(case["model"], case.get("batch", 8), case.get("seq"), device="cpu",  # noqa
+                                         seed=seed, **case.get("overrides", {}))
+        model, example = build(0)
+        batches = [build(100 + s)[1] for s in range(STEPS)]
+        if case.get("keywords"):  # the HF model itself, called with one dict of keyword inputs
+            keys, model = model.keys, model.model
+            example, batches = (dict(zip(keys, example)),), [(dict(zip(keys, b)),) for b in batches]
+        options = dict(case.get("options", {}))
+        try:
+            if "break" in case:
+                box = [broken_plan(model, example, shape, options, case["break"]) if dist.get_rank() == 0 else None]
+                dist.broadcast_object_list(box, src=0)
+                options = {"plan": box[0]}
+            report = verify(model, example, shape, batches=batches, show=False, **options)
+            results[name] = report.to_dict()
+        except Exception as e:  # noqa: BLE001 - recorded for the test (the coordinator retests after merges)
+            results[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
