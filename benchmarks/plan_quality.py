@@ -40,6 +40,7 @@ from rich.table import Table
 from alpa_lite.core.capture import capture
 from alpa_lite.core.mesh import LogicalMesh, get_cluster
 from alpa_lite.zoo.models import build_model
+from alpa_lite import plan
 from alpa_lite.compiler.clustering import cluster_layers
 from alpa_lite.compiler.stage_costs import GraphStageCosts
 from alpa_lite.compiler.stage_dp import PipelinePlanError, in_flight

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from alpa_lite import CaptureError, LogicalMesh, plan
 from alpa_lite.core.capture import capture

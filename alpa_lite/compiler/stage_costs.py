@@ -51,7 +51,7 @@ from .clustering import crossing_values
 from .constraints import apply_constraints, restrict
 from .cost_graph import build_cost_graph
 from .ilp import MemoryBudgetError, SolverError, solve
-from .stage_dp import CostFn, StageOption
+from .stage_dp import StageOption
 from .strategies import build_strategies
 from .training_step import node_plan, training_step
 

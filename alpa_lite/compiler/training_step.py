@@ -9,7 +9,6 @@ from ..core.capture import CapturedGraph
 from ..core.mesh import LogicalMesh
 from ..core.plan import Collective, NodePlan, gradient_buckets, local_bytes
 from ..core.resharding import backward_steps, forward_steps, is_gradient_sync, step_cost
-from ..core.spec import ShardingSpec
 from .strategies import NodeStrategies, Strategy
 
 

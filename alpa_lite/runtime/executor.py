@@ -32,7 +32,6 @@ from ..core.aten import bind_args, is_random, op_args, with_arg, written_args
 from ..core.capture import CapturedGraph
 from ..core.losses import is_ratio, ratio_parts
 from ..core.plan import NodePlan, Plan
-from ..core.spec import ShardingSpec
 from .collectives import AllReducePartial, MeshGroups, reshard
 
 aten = torch.ops.aten

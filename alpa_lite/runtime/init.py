@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ..core.spec import ShardingSpec
 from .collectives import local_slice, reshard
 
 

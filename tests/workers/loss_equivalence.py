@@ -7,12 +7,12 @@ import copy
 import json
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from alpa_lite.runtime.launch import init_distributed
 from alpa_lite import parallelize
+from single_process import finish
 
 V, H, BATCH, SEQ, STEPS = 16, 8, 8, 4, 3
 IGNORE = -100
@@ -114,11 +114,7 @@ def main():
                          "grad_scale": max(float(v.abs().max()) for v in ref_grads.values()),
                          "first_step_param_err": first, "param_err": max_err(trainer.state_dict(), ref_params[-1]),
                          "loss_reduction": getattr(trainer.plan.loss_reduction, "kind", None)}
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(results, args.out)
 
 
 if __name__ == "__main__":

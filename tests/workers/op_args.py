@@ -4,7 +4,6 @@ same batches). Then the dropout masks of a data-parallel and a batch-only plan. 
 JSON record per (model, plan) and one per dropout plan."""
 import argparse
 import copy
-import json
 
 import torch
 import torch.distributed as dist
@@ -13,6 +12,7 @@ import torch.nn.functional as F
 
 from alpa_lite.runtime.launch import init_distributed
 from alpa_lite import parallelize
+from single_process import finish
 
 B, D, C, V = 8, 16, 8, 16  # batch, features, classes, vocabulary
 STEPS = 2
@@ -196,11 +196,7 @@ def main():
     init_distributed(180)
     shape = (2, 2)
     results = {"equivalence": equivalence(shape), "dropout": dropout(shape)}
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(results, args.out)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from alpa_lite.runtime.launch import init_distributed
 from alpa_lite.zoo.models import build_model
 from alpa_lite import parallelize
-from single_process import reference
+from single_process import finish, reference
 
 STEPS = 3
 
@@ -49,11 +49,7 @@ def main():
                          "stages": [{"ranks": s.ranks, "logical": list(s.plan.mesh.shape), "layers": list(s.layers),
                                      "param_specs": s.plan.param_specs} for s in trainer.plan.stages],
                          "peak_activation_bytes": peaks}
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(results, args.out)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from alpa_lite.core.mesh import LogicalMesh
 from alpa_lite.zoo.models import build_model
 from alpa_lite import load_plan, plan as make_plan
 from alpa_lite.runtime.pipeline import PipelineTrainer
-from single_process import reference
+from single_process import finish, reference
 
 STEPS = 3
 LR = 1e-2
@@ -120,11 +120,7 @@ def main():
                 param_err = max_err(trainer.state_dict(), ref_params)
                 record[opt] = {"losses": losses, "ref_losses": ref_losses, "grad_err": grad_err, "param_err": param_err}
             results[f"{name}/{schedule}"] = record
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(results, args.out)
 
 
 if __name__ == "__main__":

@@ -7,13 +7,13 @@ import copy
 import json
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from alpa_lite.runtime.launch import init_distributed
 from alpa_lite import parallelize
+from single_process import finish
 
 STEPS = 3
 LR = 1e-2
@@ -177,11 +177,7 @@ def main():
                 "ref_trainable": sum(1 for p in model.parameters() if p.requires_grad),
                 "pipelined": trainer.plan.kind == "pipeline",
             }
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(results, args.out)
 
 
 if __name__ == "__main__":

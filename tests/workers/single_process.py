@@ -1,7 +1,10 @@
-"""The single-process reference run the parallel workers compare against."""
+"""What the multi-rank test workers share: the single-process reference run they compare
+against, and writing their results."""
 import copy
+import json
 
 import torch
+import torch.distributed as dist
 
 
 def reference(model, batches, lr, optimizer=torch.optim.AdamW):
@@ -19,3 +22,12 @@ def reference(model, batches, lr, optimizer=torch.optim.AdamW):
         opt.step()
         losses.append(float(loss.detach()))
     return losses, grads, {k: v.detach() for k, v in model.named_parameters(remove_duplicate=False)}
+
+
+def finish(results: dict, path: str) -> None:
+    """Rank 0 writes ``results`` as JSON to ``path``; every rank then leaves the process group."""
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
