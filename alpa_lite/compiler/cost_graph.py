@@ -1,7 +1,7 @@
 """The intra-op ILP's cost graph: one variable per node (or per group of nodes), edges priced
 by resharding (Alpa, OSDI'22, section 4.2).
 
-Building the cost graph shrinks the ILP two ways (docs/planner.md, "Shrink it"):
+Building the cost graph shrinks the ILP two ways (docs/planner.md, "The ILP ... and its size"):
 - a *follower* (view, transpose, unary elementwise, getitem) joins its operand's variable when
   every operand strategy has a matching follower strategy (Alpa's merged nodes);
 - nodes at the same place in identical repeated blocks (``h.0.attn`` ... ``h.31.attn``, same

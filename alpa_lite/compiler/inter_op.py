@@ -1,6 +1,7 @@
-"""The inter-operator pass (Zheng et al., OSDI'22, section 5): stages, submeshes, microbatches.
+"""The inter-operator pass (Zheng et al., "Alpa", OSDI'22, section 5): stages, submeshes,
+microbatches.
 
-Zheng et al., "Alpa", OSDI'22, section 5. The captured forward graph is cut into ``L`` layers
+The captured forward graph is cut into ``L`` layers
 (section 5.2), consecutive layers are grouped into ``S`` pipeline stages, each stage runs on a
 submesh of the ``N x M`` cluster with its own intra-op plan (section 4, ``intra_op.py``), and a
 training step pushes ``B`` microbatches through the stages (GPipe or 1F1B, ``runtime/pipeline.py``).

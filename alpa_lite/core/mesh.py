@@ -1,6 +1,6 @@
 """Cluster descriptions, logical device meshes and the alpha-beta collective cost model.
 
-Every collective's cost formula lives here (DESIGN.md, "Cost model"). For a collective along
+Every collective's cost formula lives here (docs/planner.md, "Costs per strategy"). For a collective along
 mesh axis ``k`` with ``n`` devices, latency ``alpha_k`` (seconds) and inverse bandwidth
 ``beta_k`` (seconds/byte), moving ``B`` bytes:
 

@@ -1,4 +1,4 @@
-"""Collectives as autograd functions with explicit backward duals (DESIGN.md, "Runtime").
+"""Collectives as autograd functions with explicit backward duals (docs/runtime.md).
 
 ``Reshard`` runs the forward steps of ``resharding.forward_steps`` and, in backward, the steps of
 ``resharding.backward_steps``: the same plan the cost model priced. ``AllReducePartial`` reduces
