@@ -162,10 +162,10 @@ class _Tiny(nn.Module):
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"batch_axis": 2}, "batch_axis must be 0 or 1"),
-    ({"solver": "gurobi"}, "solver must be"),
-    ({"num_microbatches": 4}, "num_microbatches apply to pipelined plans only"),
-    ({"num_stages": 2, "input_specs": {"0": "S0R"}}, "pipelined plan does not take input_specs"),
+    ({"batch_axis": 2}, "batch_axis must be 0, 1 or None, got 2"),
+    ({"solver": "gurobi"}, "unknown solver 'gurobi'"),
+    ({"num_microbatches": 3}, "num_microbatches=3 must divide the batch of 8"),
+    ({"num_stages": 2, "input_specs": {"1": "S0R"}}, "names input 1; the model takes 1"),
     ({"input_specs": {"3": "S0R"}}, "names input 3; the model takes 1"),
     ({"param_specs": {"fc9.weight": "S0R"}}, "fc9.weight"),
 ])

@@ -52,6 +52,10 @@ class CapturedGraph:
         loss_name: the node holding the scalar loss.
         tied: parameter FQN -> other FQNs of the same tensor (weight tying).
         buffer_mutations: output node name -> FQN of the buffer it updates (batch-norm statistics).
+        param_mutations: node name -> placeholder of the parameter whose new value it computes (an
+            in-place update of a parameter that export functionalized, e.g. ``max_norm``'s
+            ``embedding_renorm``): the runtime writes it into the stored parameter when the node
+            runs, and the node's other consumers read the parameter itself, as in eager mode.
         requires_grad: names of the nodes whose value autograd tracks (depends on a parameter).
         constants: placeholder name -> lifted tensor constant (a tensor literal in ``forward``).
         in_spec: pytree structure of the call ``((*inputs, *targets), kwargs)``.
@@ -66,6 +70,7 @@ class CapturedGraph:
     loss_name: str
     tied: dict[str, list[str]] = field(default_factory=dict)
     buffer_mutations: dict[str, str] = field(default_factory=dict)
+    param_mutations: dict[str, str] = field(default_factory=dict)
     requires_grad: set[str] = field(default_factory=set)
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     in_spec: pytree.TreeSpec | None = None
@@ -259,8 +264,25 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets
     tied = {fqn: [n for n in group if n != fqn] for group in names.values() if len(group) > 1
             for fqn in group if fqn in owned}
     mutations = {k: strip(v) for k, v in sig.buffers_to_mutate.items()}
-    return CapturedGraph(gm, param_fqns, buffer_fqns, input_names, loss.name, tied, mutations,
+    param_mutations = _parameters_read_in_place(gm, sig.parameters_to_mutate, {v: k for k, v in
+                                                {**param_fqns, **buffer_fqns}.items()}, strip)
+    return CapturedGraph(gm, param_fqns, buffer_fqns, input_names, loss.name, tied, mutations, param_mutations,
                          _tracked_by_autograd(gm, set(param_fqns)), constants, ep.call_spec.in_spec, static)
+
+
+def _parameters_read_in_place(gm: torch.fx.GraphModule, mutated: dict[str, str], placeholder_of: dict[str, str],
+                              strip) -> dict[str, str]:
+    """Undo functionalization's renaming of an in-place parameter update: the consumers of the
+    new value read the parameter again (so gradients flow to it, as in eager mode, where the op
+    wrote the parameter's storage through a ``detach``). Returns node -> parameter placeholder."""
+    out = {}
+    for node_name, target in mutated.items():
+        node = next(n for n in gm.graph.nodes if n.name == node_name)
+        ph = next(n for n in gm.graph.nodes if n.name == placeholder_of[strip(target)])
+        node.replace_all_uses_with(ph, delete_user_cb=lambda user: user.op != "output")
+        out[node_name] = ph.name
+    gm.recompile()
+    return out
 
 
 def _bake(gm: torch.fx.GraphModule, placeholder: str, value) -> None:
@@ -473,4 +495,5 @@ def stage_view(cg, names):
     return replace(cg, param_fqns={k: v for k, v in cg.param_fqns.items() if k in keep},
                    buffer_fqns={k: v for k, v in cg.buffer_fqns.items() if k in keep},
                    input_names=[n for n in cg.input_names if n in keep],
-                   buffer_mutations={k: v for k, v in cg.buffer_mutations.items() if k in keep})
+                   buffer_mutations={k: v for k, v in cg.buffer_mutations.items() if k in keep},
+                   param_mutations={k: v for k, v in cg.param_mutations.items() if k in keep})

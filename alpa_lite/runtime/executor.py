@@ -113,6 +113,8 @@ class LocalExecutor:
             out = self._local(node, np_, target, args, kwargs)
         for name in written_args(target):
             self._write_back(node, name, out, values)
+        if node.name in self.cg.param_mutations:  # the new value of a parameter (a functionalized in-place op)
+            self._store(node.name, np_.out_specs[0], out, self.cg.param_mutations[node.name], values)
         return out
 
     def _local(self, node, np_: NodePlan, target, args, kwargs):
@@ -138,8 +140,14 @@ class LocalExecutor:
         if root.op != "placeholder" or out.untyped_storage().data_ptr() == stored.untyped_storage().data_ptr():
             return
         wanted = next(dst for name, _, dst, _, _ in self.operands[node.name] if name == src.name)
+        self._store(node.name, wanted, out, root.name, values)
+
+    def _store(self, name: str, spec, out: torch.Tensor, placeholder: str, values) -> None:
+        """Write ``out`` (node ``name``'s value, local in ``spec``) into the stored shard of
+        ``placeholder``, resharded to its storage spec (no autograd: an in-place state update)."""
+        shape = tuple(self.cg.node(placeholder).meta["val"].shape)
         with torch.no_grad():
-            stored.copy_(reshard(out, wanted, self.specs[root.name][0], None, tuple(root.meta["val"].shape), self.mesh))
+            values[placeholder].copy_(reshard(out.detach(), spec, self.specs[placeholder][0], None, shape, self.mesh))
 
     def _ratio(self, node, np_: NodePlan, args, kwargs):
         """A mean cross-entropy / nll: local loss sum and valid-target count, all-reduced together

@@ -43,7 +43,7 @@ def dtensor_mismatch(trainer, model) -> list[str]:
     trainer's DeviceMesh, holds another local shard than the runtime (``Plan.placements``)."""
     from torch.distributed.tensor import distribute_tensor
 
-    full = dict(model.named_parameters())
+    full = dict(model.named_parameters(remove_duplicate=False))  # tied weights by every name
     return [fqn for fqn, shard in trainer.params.items()
             if not torch.equal(distribute_tensor(full[fqn].detach(), trainer.mesh, trainer.plan.placements(fqn))
                                .to_local(), shard.detach())]
