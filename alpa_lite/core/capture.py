@@ -256,18 +256,39 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets
     unsupported = [n for n in gm.graph.nodes if n.op == "call_function" and not _is_op(n.target)]
     if unsupported:
         raise CaptureError(f"unsupported construct in the graph: {unsupported[0].target}")
-    # weight tying: one placeholder for several names of the same tensor; record the other names
-    names: dict[int, list[str]] = {}
-    for fqn, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(fqn)
-    owned = {*param_fqns.values(), *buffer_fqns.values()}
-    tied = {fqn: [n for n in group if n != fqn] for group in names.values() if len(group) > 1
-            for fqn in group if fqn in owned}
+    tied = _one_placeholder_per_tensor(gm, model, param_fqns, buffer_fqns)
     mutations = {k: strip(v) for k, v in sig.buffers_to_mutate.items()}
-    param_mutations = _parameters_read_in_place(gm, sig.parameters_to_mutate, {v: k for k, v in
-                                                {**param_fqns, **buffer_fqns}.items()}, strip)
+    placeholder_of = {name: ph for ph, fqn in {**param_fqns, **buffer_fqns}.items()
+                      for name in (fqn, *tied.get(fqn, ()))}
+    param_mutations = _parameters_read_in_place(gm, sig.parameters_to_mutate, placeholder_of, strip)
     return CapturedGraph(gm, param_fqns, buffer_fqns, input_names, loss.name, tied, mutations, param_mutations,
                          _tracked_by_autograd(gm, set(param_fqns)), constants, ep.call_spec.in_spec, static)
+
+
+def _one_placeholder_per_tensor(gm: torch.fx.GraphModule, model: torch.nn.Module, param_fqns: dict[str, str],
+                                buffer_fqns: dict[str, str]) -> dict[str, list[str]]:
+    """Weight tying: export lifts one placeholder per name of a tensor used under several names
+    (GPT's ``wte.weight`` and ``lm_head.weight``) and feeds every use through one of them. Keep that
+    one (the most used), move any other use to it, and drop the others from ``param_fqns`` /
+    ``buffer_fqns`` (edited in place), so a tied weight is one parameter: one shard, one
+    gradient, one optimizer state. Returns the kept FQN -> the tensor's other names."""
+    names: dict[int, list[str]] = {}
+    for fqn, p in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(p), []).append(fqn)
+    nodes = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    tied = {}
+    for group in (g for g in names.values() if len(g) > 1):
+        for table in (param_fqns, buffer_fqns):
+            held = [ph for ph, fqn in table.items() if fqn in group]
+            if not held:
+                continue
+            keep = max(held, key=lambda ph: len(nodes[ph].users))
+            for ph in held:
+                if ph != keep:
+                    nodes[ph].replace_all_uses_with(nodes[keep])
+                    del table[ph]
+            tied[table[keep]] = [fqn for fqn in group if fqn != table[keep]]
+    return tied
 
 
 def _parameters_read_in_place(gm: torch.fx.GraphModule, mutated: dict[str, str], placeholder_of: dict[str, str],
@@ -276,9 +297,9 @@ def _parameters_read_in_place(gm: torch.fx.GraphModule, mutated: dict[str, str],
     new value read the parameter again (so gradients flow to it, as in eager mode, where the op
     wrote the parameter's storage through a ``detach``). Returns node -> parameter placeholder."""
     out = {}
+    nodes = {n.name: n for n in gm.graph.nodes}
     for node_name, target in mutated.items():
-        node = next(n for n in gm.graph.nodes if n.name == node_name)
-        ph = next(n for n in gm.graph.nodes if n.name == placeholder_of[strip(target)])
+        node, ph = nodes[node_name], nodes[placeholder_of[strip(target)]]
         node.replace_all_uses_with(ph, delete_user_cb=lambda user: user.op != "output")
         out[node_name] = ph.name
     gm.recompile()
