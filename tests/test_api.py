@@ -125,3 +125,14 @@ def test_a_planning_call_captures_once(monkeypatch):
     plan(model, example, LogicalMesh((1, 4), cluster="cpu-gloo"), pipeline=PipelineOptions(num_stages=2,
                                                                                           num_microbatches=4))
     assert len(calls) == 1  # one microbatch shape planned
+
+
+def test_a_tied_weight_is_one_parameter():
+    """GPT's ``wte.weight`` is ``lm_head.weight``: export lifts a placeholder per name; the plan
+    holds one parameter (one spec, one gradient, one optimizer state) under both names."""
+    model, example = build_model("gpt-tiny", 8, 16, device="meta")
+    p = plan(model, example, LogicalMesh((2, 2), cluster="cpu-gloo"))
+    held = [f for f in p.captured.param_fqns.values() if f in ("wte.weight", "lm_head.weight")]
+    assert len(held) == 1 and p.captured.tied[held[0]] == [({"wte.weight", "lm_head.weight"} - set(held)).pop()]
+    assert p.param_specs["wte.weight"] == p.param_specs["lm_head.weight"]
+    assert sum(1 for ph in p.captured.param_fqns if ph in p.grad_sync or ph in p.nodes) == len(p.captured.param_fqns)
