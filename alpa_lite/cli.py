@@ -50,6 +50,13 @@ def cmd_plan(args) -> int:
     if args.memory_budget is not None and not args.memory_budget > 0:
         raise ValueError(f"--memory-budget must be a positive number of GiB, got {args.memory_budget}")
     budget = None if args.memory_budget is None else args.memory_budget * 2**30
+    if args.schedule_chart:
+        if args.pipeline is None:
+            raise ValueError("--schedule-chart draws the stages of a pipeline: add --pipeline auto (or a stage count)")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ImportError("--schedule-chart needs matplotlib: pip install 'alpa-lite[plot]'") from None
     for out in (args.json, args.schedule_chart):  # fail before planning, not after
         if out and not Path(out).resolve().parent.is_dir():
             raise ValueError(f"cannot write {out}: the directory {Path(out).parent} does not exist")
@@ -115,31 +122,56 @@ def cmd_profile(args) -> int:
     return run(args)
 
 
-def main(argv=None) -> int:
+# Examples shown by ``alpa-lite SUBCOMMAND --help``: commands of README.md, which tests/test_docs.py runs.
+EXAMPLES = {
+    "plan": ["alpa-lite plan gpt3-2.6b --mesh 2x4 --cluster a100 --batch 16 --json plan.json",
+             "alpa-lite plan mlp --mesh 1x4 --cluster unit --memory-budget 0.002 --explain linear_1",
+             "alpa-lite plan gpt-tiny --mesh 2x4 --cluster cluster.json"],
+    "run": ["alpa-lite run --report --nproc 4 examples/parallel_mlp.py"],
+    "train": ["alpa-lite train --model gpt-tiny --nproc 4 --mesh 2x2 --steps 200",
+              "alpa-lite train --nproc 1 --mesh 1x1 --cluster cpu.json --steps 10 --report"],
+    "verify": ["alpa-lite verify llama --mesh 2x2 --seq 8 --steps 3"],
+    "profile": ["alpa-lite profile --nproc 4 --mesh 2x2 --out cluster.json",
+                "alpa-lite profile --nproc 1 --out cpu.json"],
+}
+
+
+def _subparser(sub, name: str, what: str) -> argparse.ArgumentParser:
+    epilog = "example" + ("s" if len(EXAMPLES[name]) > 1 else "") + ":\n" + "\n".join(f"  {c}" for c in EXAMPLES[name])
+    return sub.add_parser(name, help=what, description=what[0].upper() + what[1:] + ".", epilog=epilog,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``alpa-lite`` parser: one subcommand per ``cmd_*`` above, each ``--help`` ending with its examples."""
     parser = argparse.ArgumentParser(prog="alpa-lite", description="Alpa-style automatic parallelization for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plan", help="plan a model on a (possibly hypothetical) device mesh and show the plan")
+    p = _subparser(sub, "plan", "plan a model on a (possibly hypothetical) device mesh and show the plan")
     _plan_args(p)
     p.set_defaults(func=cmd_plan)
-    r = sub.add_parser("run", help="run a script on N processes with torchrun")
-    r.add_argument("--nproc", type=int, default=4)
+    r = _subparser(sub, "run", "run a script on N processes with torchrun")
+    r.add_argument("--nproc", type=int, default=4, help="processes (default 4)")
     r.add_argument("--report", action="store_true", help="print predicted vs measured times (sets ALPA_LITE_REPORT=1)")
     r.add_argument("target", nargs=argparse.REMAINDER, help="script.py [args...]")
     r.set_defaults(func=cmd_run)
     from .train import add_arguments as train_args
-    t = sub.add_parser("train", help="train a GPT on tinyshakespeare with the auto plan on N CPU processes")
+    t = _subparser(sub, "train", "train a GPT on tinyshakespeare with the auto plan on N processes")
     train_args(t)
     t.set_defaults(func=cmd_train)
     from .tools.verify import add_arguments as verify_args
-    v = sub.add_parser("verify", help="train a plan and one process on the same batches; compare losses, "
-                                      "gradients, parameters and buffers")
+    v = _subparser(sub, "verify", "train a plan and one process on the same batches; compare losses, "
+                                  "gradients, parameters and buffers")
     verify_args(v)
     v.set_defaults(func=cmd_verify)
     from .tools.profile import add_arguments as profile_args
-    f = sub.add_parser("profile", help="measure collectives and compute; write a cluster JSON")
+    f = _subparser(sub, "profile", "measure collectives and compute; write a cluster JSON")
     profile_args(f)
     f.set_defaults(func=cmd_profile)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, RuntimeError, ImportError) as e:  # clear one-line errors for bad input

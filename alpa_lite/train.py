@@ -4,7 +4,11 @@ Run outside torchrun, it relaunches itself with ``torchrun`` (``alpa_lite.runtim
 On every rank: build the model (same seed everywhere), plan it with the auto planner (rank 0
 plans, the plan is broadcast), train with AdamW on character-level text, and on rank 0 print the
 plan, a progress bar with loss and step time, and write ``plan.json``, ``log.jsonl`` (one record
-per step) and ``summary.json`` under ``--out``.
+per step) and ``summary.json`` under ``--out``. The summary records what ran, as the ranks saw it:
+``processes`` (the world size), ``mesh``, ``device`` (``cpu``/``cuda``), ``backend``
+(``gloo``/``nccl``), ``dtype`` (of the parameters), ``cluster`` (what the planner priced),
+``plan_file`` (the ``--plan`` given, or null when the run planned itself), the losses and the
+parameter specs.
 """
 from __future__ import annotations
 
@@ -30,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", default="cpu-gloo", help="cluster preset or JSON file used for planning")
     p.add_argument("--plan", default=None, help="run this plan JSON instead of planning")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--report", action="store_true",
+                   help="print predicted vs measured step and collective times after 2 warm-up + 5 timed steps")
     p.add_argument("--out", default="runs/train", help="directory for plan.json, log.jsonl, summary.json "
                                                          "(replaced by a new run)")
 
@@ -54,7 +60,7 @@ def _worker(args) -> int:
     from .api import parallelize
 
     init_distributed(120)
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     console = Console()
     tok, tokens = load_tokens()
     split = int(0.9 * tokens.numel())
@@ -65,13 +71,14 @@ def _worker(args) -> int:
     shape = parse_mesh_shape(args.mesh)
     t0 = time.perf_counter()
     trainer = parallelize(model, shape, first, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
-                          plan=args.plan, cluster=args.cluster)
+                          plan=args.plan, cluster=args.cluster, report=args.report or None)
     plan_s = time.perf_counter() - t0
     out = Path(args.out)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         trainer.plan.to_json(out / "plan.json")
-        console.print(summary_table(trainer.plan, f"{args.model} on {args.nproc} CPU processes, mesh {args.mesh}"))
+        console.print(summary_table(trainer.plan, f"{args.model} on {world} {trainer.device.type.upper()} "
+                                                  f"process{'es' if world > 1 else ''}, mesh {args.mesh}"))
         console.print(param_table(trainer.plan))
         console.print(collective_table(trainer.plan))
     log = open(out / "log.jsonl", "w") if rank == 0 else None
@@ -96,7 +103,9 @@ def _worker(args) -> int:
     if rank == 0:
         log.close()
         k = max(1, min(20, len(losses) // 5))
-        summary = {"model": args.model, "mesh": args.mesh, "nproc": args.nproc, "steps": args.steps,
+        summary = {"model": args.model, "processes": world, "mesh": args.mesh, "device": trainer.device.type,
+                   "backend": dist.get_backend(), "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+                   "cluster": trainer.plan.mesh.cluster, "plan_file": args.plan, "steps": args.steps,
                    "plan_seconds": plan_s, "first_loss": losses[0], "final_loss_avg": sum(losses[-k:]) / k,
                    "val_loss": val_loss, "param_specs": trainer.plan.param_specs}
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -128,9 +137,9 @@ def _as_argv(args) -> list[str]:
     it for its own abbreviated ``--nproc-per-node``)."""
     out = []
     for key, value in vars(args).items():
-        if key in ("func", "command", "nproc") or value is None:
+        if key in ("func", "command", "nproc") or value is None or value is False:
             continue
-        out += [f"--{key.replace('_', '-')}", str(value)]
+        out += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
     return out
 
 

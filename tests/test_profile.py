@@ -265,7 +265,9 @@ def _args(*argv) -> argparse.Namespace:
 def test_run_rejects_bad_arguments(tmp_path, capsys):
     assert run(_args("--nproc", "4", "--mesh", "2x3", "--out", str(tmp_path / "c.json"))) == 2
     assert "2x3" in capsys.readouterr().out
-    assert run(_args("--nproc", "1", "--out", str(tmp_path / "c.json"))) == 2
+    assert run(_args("--nproc", "0", "--out", str(tmp_path / "c.json"))) == 2
+    assert run(_args("--nproc", "1", "--base", "no-such-cluster", "--out", str(tmp_path / "c.json"))) == 2
+    assert "unknown cluster 'no-such-cluster'" in capsys.readouterr().out
 
 
 def test_profile_two_processes(tmp_path):

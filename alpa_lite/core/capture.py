@@ -21,6 +21,7 @@ with the buffers, so it gets no gradient, no gradient sync and no optimizer stat
 from __future__ import annotations
 
 import hashlib
+import inspect
 import operator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -183,6 +184,21 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
+def _check_loss_fn_arity(loss_fn, targets: tuple) -> None:
+    """Raise CaptureError, saying what to pass, when ``loss_fn(output, *targets)`` cannot bind."""
+    if loss_fn is None:
+        return
+    try:
+        inspect.signature(loss_fn).bind(None, *targets)
+    except ValueError:  # no signature to read (some builtins): export reports any mismatch
+        return
+    except TypeError as e:
+        raise CaptureError(
+            f"loss_fn is called as loss_fn(output, *targets) with {len(targets)} target(s), which it cannot take "
+            f"({e}); pass the example targets with global shapes as targets=(y, ...) to plan() / parallelize(), "
+            "and give the same targets after the inputs to trainer.step(*inputs, *targets)") from None
+
+
 def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets: tuple = (),
             example_kwargs: dict | None = None) -> CapturedGraph:
     """Capture ``loss_fn(model(*example_inputs, **example_kwargs), *targets)`` (or the model's own
@@ -198,12 +214,14 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets
         example_kwargs: keyword inputs of the model (``input_ids=``, ``labels=`` ...).
 
     Raises:
-        CaptureError: torch.export failed (the message names the construct or op), the graph
+        CaptureError: ``loss_fn`` cannot take ``(output, *targets)`` (the message says to pass
+            ``targets=``), torch.export failed (the message names the construct or op), the graph
             holds a construct the runtime cannot run (a higher-order op such as ``torch.cond``,
             a custom object, an effectful op), or the captured value is not a scalar loss.
     """
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
+    _check_loss_fn_arity(loss_fn, tuple(targets))
     args = tuple(example_inputs) + tuple(targets)
     kwargs = dict(example_kwargs or {})
     wrapper = TrainingLoss(model, loss_fn, len(example_inputs))

@@ -18,7 +18,9 @@ axis-0 groups the columns) the workers measure:
   quarter of the largest size, as nccl-tests does); a rank's figure is its median, the point is
   the maximum over ranks;
 - send/recv between rank 0 and the last rank (ping-pong, half the round trip);
-- one device's matmul FLOP/s (``2 n^3`` FLOPs per ``n x n`` matmul) and memory bandwidth
+- one device's matmul FLOP/s (``2 n^3`` FLOPs per ``n x n`` matmul) in each dtype of
+  :data:`MATMUL_DTYPES` (``peak_flops`` is the one of ``--dtype``, the dtype the model trains in;
+  every dtype's figure is kept under ``measurements["compute"]["matmul_flops"]``) and memory bandwidth
   (a large tensor copy moves ``2 x`` its bytes: read + write) as an SPMD step sees them: every
   rank runs the same segment of back-to-back calls (about ``SEGMENT_SECONDS`` long) between two
   world barriers, so the segment lasts until the slowest rank is done, as a compute segment
@@ -29,7 +31,13 @@ axis-0 groups the columns) the workers measure:
   be dominated by noise;
 - the same way, the FLOP/s of the kernel classes that run far below the matmul peak
   (:data:`alpa_lite.core.mesh.KERNEL_CLASSES`): causal scaled-dot-product attention and a GELU, each
-  forward plus backward (``kernel_flops`` of the cluster file);
+  forward plus backward, in ``--dtype`` (``kernel_flops`` of the cluster file);
+
+With one rank (``--nproc 1``) or ``--compute-only`` only the compute figures are measured: the
+cluster file is the ``--base`` cluster (a preset or a cluster JSON: its node layout, links and any
+measured collectives) with this device's ``peak_flops``, ``mem_bandwidth``, ``memory_bytes`` and
+``kernel_flops``, so one GPU (or one CPU process) calibrates the compute side of a cluster whose
+network it cannot measure; ``measurements["network_from"]`` names the base.
 
 Each curve is fitted by :func:`fit_alpha_beta` to the alpha-beta model of
 :mod:`alpa_lite.core.mesh` (Thakur et al., IJHPCA 2005; Alpa, OSDI'22, section 4.2). Rank 0 writes a
@@ -51,18 +59,19 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from alpa_lite.core.mesh import COLLECTIVES, ClusterSpec, Link, bytes_factor, parse_mesh_shape
+from alpa_lite.core.mesh import COLLECTIVES, ClusterSpec, Link, bytes_factor, get_cluster, parse_mesh_shape
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 CPU_SIZES = tuple(4 * KiB * 4**i for i in range(6))      # 4 KiB .. 4 MiB, x4 steps
 CUDA_SIZES = tuple(256 * KiB * 4**i for i in range(7))   # 256 KiB .. 1 GiB, x4 steps
 P2P = "send-recv"
 SEGMENT_SECONDS, SEGMENTS = 0.15, 8  # lock-step compute segments per compute figure (see the docstring)
+MATMUL_DTYPES = {"cpu": ("float32", "bfloat16"), "cuda": ("float32", "bfloat16", "float16")}
 
 
 @dataclass(frozen=True)
@@ -231,8 +240,9 @@ def _worker(args: argparse.Namespace) -> int:
     warmup = args.warmup if args.warmup is not None else (3 if cuda else 2)
     repeats = args.repeats if args.repeats is not None else (10 if cuda else 5)
 
+    compute_only = args.compute_only or world == 1
     # Every rank creates every group in the same order (new_group is collective over the world).
-    groups = mesh_groups((n0, n1))
+    groups = {} if compute_only else mesh_groups((n0, n1))
     mine: dict[str, tuple[object, int]] = {}
     for axes, members in groups.items():
         for ranks in members:
@@ -240,7 +250,9 @@ def _worker(args: argparse.Namespace) -> int:
             if rank in ranks:
                 mine[axes] = (g, len(ranks))
 
-    progress = _Progress(args.progress, total=len(groups) * len(COLLECTIVES) + 4, enabled=rank == 0)
+    dtypes = tuple(dict.fromkeys((*MATMUL_DTYPES[dev.type], args.dtype)))
+    progress = _Progress(args.progress, total=len(groups) * len(COLLECTIVES) + len(dtypes) + 2 + (not compute_only),
+                         enabled=rank == 0)
     medians: list[float] = []  # this rank's median per measured point, in a fixed order
 
     def inner_for(size: int) -> int:
@@ -286,14 +298,15 @@ def _worker(args: argparse.Namespace) -> int:
             times.append((time.perf_counter() - t0) / calls)
         return min(times)
 
-    # --- compute: matmul FLOP/s and copy bandwidth, on every rank at once
+    # --- compute: matmul FLOP/s per dtype and copy bandwidth, on every rank at once
     mm_n = args.matmul_n or (8192 if cuda else 1024)
-    mm_dtype = torch.bfloat16 if cuda else torch.float32
-    a = torch.randn(mm_n, mm_n, device=dev, dtype=mm_dtype)
-    b = torch.randn(mm_n, mm_n, device=dev, dtype=mm_dtype)
-    medians.append(lockstep_seconds(lambda: torch.mm(a, b)))
-    del a, b
-    progress.step("matmul")
+    mm_dtype = getattr(torch, args.dtype)
+    for name in dtypes:
+        a = torch.randn(mm_n, mm_n, device=dev, dtype=getattr(torch, name))
+        b = torch.randn(mm_n, mm_n, device=dev, dtype=getattr(torch, name))
+        medians.append(lockstep_seconds(lambda: torch.mm(a, b)))
+        del a, b
+        progress.step(f"matmul {name}")
     copy_bytes = args.copy_bytes or (2 * GiB if cuda else 64 * MiB)
     src = torch.empty(copy_bytes // 4, device=dev, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
@@ -344,7 +357,7 @@ def _worker(args: argparse.Namespace) -> int:
     # --- point to point: rank 0 <-> last rank ping-pong, one way = half the round trip
     last = world - 1
     p2p_bytes = []
-    for numel in sorted({max(1, size // 4) for size in sizes}):
+    for numel in [] if compute_only else sorted({max(1, size // 4) for size in sizes}):
         p2p_bytes.append(numel * 4)
         buf = torch.ones(numel, device=dev)
         if rank == 0:
@@ -354,31 +367,35 @@ def _worker(args: argparse.Namespace) -> int:
         else:
             fn = lambda: None  # noqa: E731
         medians.append(timed(fn, inner_for(numel * 4)) / 2)
-    progress.step(f"send/recv 0<->{last}")
+    if not compute_only:
+        progress.step(f"send/recv 0<->{last}")
 
     # --- max over ranks of the medians; rank 0 writes the cluster file
     t = torch.tensor(medians, dtype=torch.float64, device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     t = t.cpu().tolist()
     if rank == 0:
-        spec = _build_cluster(args, t, points, p2p_bytes, groups, (n0, n1), world, mm_n, str(mm_dtype).split(".")[-1],
-                              copy_bytes, warmup, repeats, cuda, dev, kernels)
+        spec = _build_cluster(args, t, points, p2p_bytes, groups, (n0, n1), world, mm_n, dtypes, copy_bytes, warmup,
+                              repeats, cuda, dev, kernels, compute_only)
         Path(args.out).write_text(spec.to_json())
     dist.barrier()
     dist.destroy_process_group()
     return 0
 
 
-def _build_cluster(args, t, points, p2p_bytes, groups, shape, world, mm_n, mm_dtype, copy_bytes, warmup, repeats,
-                   cuda, dev, kernels: dict[str, float]) -> ClusterSpec:
+def _build_cluster(args, t, points, p2p_bytes, groups, shape, world, mm_n, dtypes, copy_bytes, warmup, repeats,
+                   cuda, dev, kernels: dict[str, float], compute_only: bool) -> ClusterSpec:
     import torch
+    import torch.distributed as dist
 
     n0, n1 = shape
     key = f"{n0}x{n1}"
-    mm_s, copy_s = t[0], t[1]
-    kernel_flops = {kind: flops / seconds for (kind, flops), seconds in zip(kernels.items(), t[2:4])}
-    coll_t, p2p_t = t[4:4 + len(points)], t[4 + len(points):]
-    peak_flops = 2.0 * mm_n**3 / mm_s
+    matmul_flops = {name: 2.0 * mm_n**3 / seconds for name, seconds in zip(dtypes, t)}
+    t = t[len(dtypes):]
+    copy_s = t[0]
+    kernel_flops = {kind: flops / seconds for (kind, flops), seconds in zip(kernels.items(), t[1:3])}
+    coll_t, p2p_t = t[3:3 + len(points)], t[3 + len(points):]
+    peak_flops = matmul_flops[args.dtype]
     mem_bw = 2.0 * copy_bytes / copy_s  # read + write
     if cuda:
         memory = float(torch.cuda.get_device_properties(dev).total_memory)
@@ -386,6 +403,18 @@ def _build_cluster(args, t, points, p2p_bytes, groups, shape, world, mm_n, mm_dt
     else:
         memory = _memory_bytes_total() / world  # the ranks share this machine's memory
         device_name = "cpu"
+    compute = {"matmul_n": mm_n, "matmul_dtype": args.dtype, "matmul_seconds": 2.0 * mm_n**3 / peak_flops,
+               "matmul_flops": matmul_flops, "peak_flops": peak_flops, "copy_bytes": copy_bytes,
+               "copy_seconds": copy_s, "mem_bandwidth": mem_bw, "memory_bytes": memory,
+               "kernel_flops": kernel_flops, "kernel_flops_per_call": kernels}
+    about = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+             "torch": torch.__version__, "backend": dist.get_backend(), "device": device_name, "world_size": world,
+             "warmup": warmup, "repeats": repeats, "compute": compute}
+    if compute_only:
+        base = get_cluster(args.base or ("a100" if cuda else "cpu-gloo"))
+        return replace(base, name=f"profiled-{device_name}-compute+{base.name}", peak_flops=peak_flops,
+                       mem_bandwidth=mem_bw, memory_bytes=memory, kernel_flops=kernel_flops,
+                       measurements={**base.measurements, **about, "network_from": base.name})
 
     curves: dict[str, dict[str, dict]] = {}
     for axes in groups:
@@ -418,19 +447,11 @@ def _build_cluster(args, t, points, p2p_bytes, groups, shape, world, mm_n, mm_dt
     whole = "01" if "01" in groups else ("1" if n1 > 1 else "0")  # the group spanning every rank
     world_link = ar_link(whole)
     links = (ar_link("0") if n0 > 1 else world_link, ar_link("1") if n1 > 1 else world_link)
-    import torch.distributed as dist
-
     measurements = {
         "units": {"alpha": "s", "beta": "s per effective byte (all-reduce 2(n-1)/n*B, others (n-1)/n*B, "
                   "send-recv B)", "bytes": "B as in LogicalMesh.collective_cost", "seconds": "s, max over ranks "
                   "of each rank's median", "residual": "relative RMS error of the fit"},
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__, "backend": dist.get_backend(), "device": device_name, "world_size": world,
-        "warmup": warmup, "repeats": repeats,
-        "compute": {"matmul_n": mm_n, "matmul_dtype": mm_dtype, "matmul_seconds": mm_s, "peak_flops": peak_flops,
-                    "copy_bytes": copy_bytes, "copy_seconds": copy_s, "mem_bandwidth": mem_bw,
-                    "memory_bytes": memory, "kernel_flops": kernel_flops,
-                    "kernel_flops_per_call": kernels},
+        **about,
         "meshes": {key: {"groups": groups, "collectives": curves, "p2p": p2p}},
     }
     return ClusterSpec(name=f"profiled-{device_name}-{key}", num_nodes=1, devices_per_node=world,
@@ -450,7 +471,8 @@ def _sizes_arg(values: list[str] | None) -> list[int] | None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``alpa-lite profile``."""
-    parser.add_argument("--nproc", type=int, required=True, help="ranks (devices) to profile, >= 2")
+    parser.add_argument("--nproc", type=int, required=True,
+                        help="ranks (devices) to profile; 1 measures the compute figures only")
     parser.add_argument("--mesh", default=None, help="logical mesh shape n0xn1 over the ranks (default 1xNPROC)")
     parser.add_argument("--out", default="cluster.json", help="cluster JSON to write (default cluster.json)")
     parser.add_argument("--sizes", nargs="+", default=None, metavar="SIZE",
@@ -461,6 +483,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=None, help="warm-up calls per point (default 2 CPU, 3 CUDA)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per point (default 5 CPU, 10 CUDA)")
     parser.add_argument("--timeout", type=float, default=600.0, help="limit for the whole run, s (default 600)")
+    parser.add_argument("--compute-only", action="store_true",
+                        help="measure only the compute figures (matmul FLOP/s per dtype, memory bandwidth, kernel "
+                             "classes); the network comes from --base (always so with --nproc 1)")
+    parser.add_argument("--base", default=None, metavar="CLUSTER",
+                        help="preset or cluster JSON whose nodes and links a compute-only profile keeps "
+                             "(default cpu-gloo on CPU, a100 on CUDA)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="the dtype the model trains in: peak_flops and the kernel classes are measured in it "
+                             "(default float32)")
 
 
 def _worker_parser() -> argparse.ArgumentParser:
@@ -476,6 +507,9 @@ def _worker_parser() -> argparse.ArgumentParser:
     p.add_argument("--coll-timeout", type=float, default=60.0)
     p.add_argument("--matmul-n", type=int, default=None)
     p.add_argument("--copy-bytes", type=int, default=None)
+    p.add_argument("--compute-only", action="store_true")
+    p.add_argument("--base", default=None)
+    p.add_argument("--dtype", default="float32")
     return p
 
 
@@ -496,8 +530,10 @@ def run(args: argparse.Namespace) -> int:
         nproc = int(args.nproc)
         shape = parse_mesh_shape(args.mesh) if args.mesh else (1, nproc)
         sizes = _sizes_arg(args.sizes)
-        if nproc < 2:
-            raise ValueError("profiling needs --nproc >= 2 (collectives on one device cost nothing)")
+        if nproc < 1:
+            raise ValueError(f"--nproc must be >= 1, got {nproc}")
+        if args.base is not None:
+            get_cluster(args.base)  # an unknown preset or unreadable file fails before the ranks start
         if shape[0] * shape[1] != nproc:
             raise ValueError(f"--mesh {shape[0]}x{shape[1]} has {shape[0] * shape[1]} devices, --nproc is {nproc}")
         for opt in ("warmup", "repeats"):
@@ -524,6 +560,11 @@ def run(args: argparse.Namespace) -> int:
                 target += [f"--{opt}", str(getattr(args, opt))]
         if getattr(args, "use_curves", False):
             target.append("--use-curves")
+        if args.compute_only:
+            target.append("--compute-only")
+        if args.base is not None:
+            target += ["--base", str(Path(args.base).resolve()) if Path(args.base).is_file() else args.base]
+        target += ["--dtype", args.dtype]
         if out.exists():
             out.unlink()
         result: dict = {}
@@ -595,9 +636,14 @@ def print_report(spec: ClusterSpec, console=None) -> None:
                               f"{1 / e['beta'] / 1e9:.3f}", f"{e['residual']:.1%}")
         console.print(table)
     c = m.get("compute", {})
+    others = {k: v for k, v in c.get("matmul_flops", {}).items() if k != c.get("matmul_dtype")}
     console.print(f"device: {spec.peak_flops / 1e9:.1f} GFLOP/s ({c.get('matmul_n', '?')}^3 {c.get('matmul_dtype', '')} "
-                  f"matmul), {spec.mem_bandwidth / 1e9:.2f} GB/s copy, {spec.memory_bytes / GiB:.2f} GiB memory"
+                  f"matmul{''.join(f'; {k} {v / 1e9:.1f}' for k, v in others.items())}), "
+                  f"{spec.mem_bandwidth / 1e9:.2f} GB/s copy, {spec.memory_bytes / GiB:.2f} GiB memory"
                   + "".join(f", {kind} {rate / 1e9:.1f} GFLOP/s" for kind, rate in spec.kernel_flops.items()))
+    if "network_from" in m:
+        console.print(f"compute measured on {m.get('world_size', '?')} rank(s); nodes and links from "
+                      f"cluster {m['network_from']!r} ({spec.num_nodes} x {spec.devices_per_node} devices)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
