@@ -11,6 +11,11 @@ import torch
 import torch.fx
 
 
+ALIAS_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+"""Ops whose result shares its operand's storage unchanged: a write into the result is a write
+into the operand."""
+
+
 def bind_args(target, args: tuple, kwargs: dict) -> dict[str, object]:
     """The arguments of a call of the aten op ``target`` by their schema names, in schema order,
     with the schema's defaults for those not given (positional or keyword alike).
