@@ -7,7 +7,8 @@ batch on axis 0) and a 2-stage x 2-device pipeline with 2 microbatches. The mode
 Patterns: weight tying under two names with ``GELU(approximate="tanh")`` and ``F.layer_norm``
 without affine (``tied``); a non-persistent and a persistent buffer (``buffers``); in-place ops
 on activations (``inplace``: ``mul_``, ``add_``, ``ReLU(inplace=True)``, ``+=``, ``tanh_``; the
-pipeline used to die: a stage's received activation is an autograd leaf); ``torch.no_grad()``
+pipeline used to die: a stage's received activation is an autograd leaf, now copied when the
+stage writes it); ``torch.no_grad()``
 in ``forward`` and a ``kl_div(reduction="batchmean")`` loss (``nograd``; the pipeline used to
 double the loss: the microbatch's ``sum / 4`` was read as a sum); bool and integer inputs with an
 sdpa ``attn_mask``, ``masked_fill``, ``torch.where``, ``gather`` and ``index_select`` (``masks``);

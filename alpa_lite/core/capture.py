@@ -32,8 +32,6 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind, TensorArgument
 
-from .aten import ALIAS_OPS, op_args, written_args
-
 
 class CaptureError(RuntimeError):
     """The model (or loss) could not be captured; the message names the construct or op."""
@@ -214,9 +212,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets
             except Exception:  # noqa: BLE001
                 raise CaptureError(f"cannot capture {type(model).__name__}: {_first_line(first)}") from first
     _inline_regions(ep.graph_module)
-    params = {s.arg.name for s in ep.graph_signature.input_specs if s.kind is InputKind.PARAMETER}
-    if _should_functionalize(ep.graph_module, params):  # export's training IR keeps in-place ops
-        ep = ep.run_decompositions({})  # (keeps the ops; buffer mutations become outputs, ``buffers_to_mutate``)
+    if _mutated_placeholders(ep.graph_module):  # export's training IR writes buffers in place: functionalize
+        ep = ep.run_decompositions({})  # (keeps the ops; mutations become outputs, ``buffers_to_mutate``)
     gm = ep.graph_module
     sig = ep.graph_signature
     if sig.user_inputs_to_mutate:
@@ -424,31 +421,25 @@ def _fresh_attr(gm: torch.fx.GraphModule, base: str) -> str:
     return f"{base}_inlined{k}"
 
 
-def _should_functionalize(gm: torch.fx.GraphModule, params: set[str]) -> bool:
-    """Whether capture functionalizes ``gm``: an op writes an operand in place, a buffer
-    (``batch_norm``'s running statistics, ``add_`` on a counter) or an activation (``relu_``,
-    ``x += y``, ``ReLU(inplace=True)``), so that every pass and every pipeline stage sees values,
-    never a write into a value another op (or another stage) holds. Not when a parameter is
-    written (``embedding_renorm_`` of ``max_norm`` through a detached alias): export would then
-    feed the lookup the detached new weight and cut the parameter's gradient, so the write stays
-    in place and the executor applies it to the stored shard."""
-    writes = [op_args(n)[a] for n in gm.graph.nodes if n.op == "call_function"
-              and isinstance(n.target, torch._ops.OpOverload) for a in written_args(n.target)]
-    for w in writes:
-        while isinstance(w, torch.fx.Node) and w.op == "call_function" and w.target in ALIAS_OPS:
-            w = w.args[0]
-        if isinstance(w, torch.fx.Node) and w.name in params:
-            return False
-    return bool(writes)
-
-
 def _tracked_by_autograd(gm: torch.fx.GraphModule, params: set[str]) -> set[str]:
     """Nodes whose result requires grad when only the parameters do, found by running the graph
-    on fake tensors with ``params`` requiring grad (exact autograd semantics: a view of data stays
-    untracked, for example)."""
+    on fake tensors (exact autograd semantics: a view of data stays untracked, for example)."""
+    return _fake_run(gm, params)[0]
+
+
+def _mutated_placeholders(gm: torch.fx.GraphModule) -> set[str]:
+    """Placeholders the graph writes in place (``batch_norm``'s running statistics, ``add_`` on
+    a counter ...), found by their version counters on a fake run."""
+    return _fake_run(gm, set())[1]
+
+
+def _fake_run(gm: torch.fx.GraphModule, params: set[str]) -> tuple[set[str], set[str]]:
+    """Run ``gm`` on fake tensors with ``params`` requiring grad: (nodes autograd tracks,
+    placeholders written in place)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     tracked: set[str] = set()
+    inputs: dict[str, tuple[torch.Tensor, int]] = {}
     mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     class Tracker(torch.fx.Interpreter):
@@ -458,6 +449,8 @@ def _tracked_by_autograd(gm: torch.fx.GraphModule, params: set[str]) -> set[str]
                 out = mode.from_tensor(val) if isinstance(val, torch.Tensor) else val
                 if isinstance(out, torch.Tensor):  # only the parameters: export may mark a meta input too
                     out = out.detach().requires_grad_(n.name in params)
+                if isinstance(out, torch.Tensor):
+                    inputs[n.name] = (out, out._version)
             else:
                 out = super().run_node(n)
             vals = out if isinstance(out, (tuple, list)) else [out]
@@ -467,7 +460,7 @@ def _tracked_by_autograd(gm: torch.fx.GraphModule, params: set[str]) -> set[str]
 
     with mode:
         Tracker(gm).run(*[None for n in gm.graph.nodes if n.op == "placeholder"])
-    return tracked
+    return tracked, {name for name, (t, version) in inputs.items() if t._version != version}
 
 
 def _is_op(target) -> bool:

@@ -28,7 +28,7 @@ import zlib
 import torch
 import torch.fx
 
-from ..core.aten import ALIAS_OPS, bind_args, is_random, op_args, with_arg, written_args
+from ..core.aten import alias_root, bind_args, is_random, op_args, with_arg, written_args
 from ..core.capture import CapturedGraph
 from ..core.losses import is_ratio, ratio_parts
 from ..core.plan import NodePlan, Plan
@@ -131,9 +131,8 @@ class LocalExecutor:
         """``out``, written in place into argument ``arg`` of ``node``, into the stored tensor that
         argument aliases (a placeholder behind ``detach``/``alias``) when the op ran on a
         resharded copy of it."""
-        src = root = op_args(node)[arg]
-        while root.op == "call_function" and root.target in ALIAS_OPS:
-            root = root.args[0]
+        src = op_args(node)[arg]
+        root = alias_root(src)
         stored = values[root.name]
         if root.op != "placeholder" or out.untyped_storage().data_ptr() == stored.untyped_storage().data_ptr():
             return
