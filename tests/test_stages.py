@@ -242,3 +242,25 @@ def test_stage_plans_carry_the_gradient_syncs_of_their_specs(mode):
             assert not [n for n, np_ in s.plan.nodes.items() for src, gp in zip(np_.inputs, np_.grad_partial)
                         if src in params and gp]  # none left in the graph: each is synced once
             assert s.once_seconds > 0 and any(c.node.startswith("gradient bucket") for c in s.plan.collectives)
+
+
+def test_layers_that_differ_only_in_a_keyword_argument_do_not_share_an_ilp_answer():
+    """``_node_signature`` reads arguments by schema name with defaults: sdpa's ``scale`` given by
+    keyword (it is keyword-only) differs from the default scale, and ``is_causal`` counts the same
+    given by keyword or by position."""
+    import torch.fx
+    from alpa_lite.compiler.stage_costs import _node_signature
+
+    aten = torch.ops.aten
+    sdpa = aten.scaled_dot_product_attention.default
+    g = torch.fx.Graph()
+    q, k, v = (g.placeholder(n) for n in "qkv")
+    calls = {"default": g.call_function(sdpa, (q, k, v)),
+             "kw-scale": g.call_function(sdpa, (q, k, v), {"scale": 0.5}),
+             "kw-causal": g.call_function(sdpa, (q, k, v), {"is_causal": True}),
+             "pos-causal": g.call_function(sdpa, (q, k, v, None, 0.0, True)),
+             "pos-default": g.call_function(sdpa, (q, k, v, None, 0.0, False))}
+    cg = type("CG", (), {"param_fqns": {}, "buffer_fqns": {}, "input_names": [], "requires_grad": set()})()
+    sig = {name: _node_signature(n, cg) for name, n in calls.items()}
+    assert sig["kw-scale"] != sig["default"] == sig["pos-default"]
+    assert sig["kw-causal"] == sig["pos-causal"] != sig["default"]

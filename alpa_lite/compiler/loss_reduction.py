@@ -3,7 +3,10 @@
 The captured graph is read back from the loss node through affine scalar ops (add, sub, mul
 or div by a value that does not depend on the batch, neg, casts) to its *leaves*, the nodes that reduce a per-sample tensor over the batch: a sum, a
 mean, a loss op, or a quotient of two batch sums (a hand-written masked token mean
-``(x * m).sum() / m.sum()``). Their kinds fix how microbatch losses combine:
+``(x * m).sum() / m.sum()``). A batch sum divided by the number the batch's rows had at capture
+is a batch mean: export bakes ``x.size(0)`` into the graph as that number (``kl_div``'s
+``"batchmean"``, ``loss.sum() / len(x)``), and a microbatch's graph holds the microbatch's size.
+Their kinds fix how microbatch losses combine:
 ``sum`` (add them), ``mean`` (average them) or ``ratio`` (weigh each by its denominator).
 What cannot be combined exactly (a nonlinear function of a batch statistic such as an MoE
 load-balancing loss, batch-norm statistics, terms of different kinds) is reported in
@@ -15,6 +18,7 @@ import torch
 import torch.fx
 
 from ..core.aten import bind_args
+from ..core.capture import shape_of
 from ..core.losses import RATIO_OPS, SUM, LossReduction
 from ..core.mesh import LogicalMesh
 from .ops import signature
@@ -60,6 +64,8 @@ class _Reader:
         self.depends: dict[str, bool] = {}  # depends on the batch's values
         self.mixed: dict[str, str | None] = {}  # first op upstream that combines samples (a message)
         self.problems: list[str] = []
+        rows = {shape_of(cg.node(n))[self.batch[n]] for n in cg.input_names if self.batch.get(n) is not None}
+        self.rows = rows.pop() if len(rows) == 1 else None  # the batch size the graph was captured at
         for node in cg.graph.nodes:
             ins = node.all_input_nodes
             self.depends[node.name] = node.name in cg.input_names or (
@@ -142,7 +148,10 @@ class _Reader:
 
     def _quotient(self, node, a, b) -> list:
         if not self._depends(b):
-            return self._terms(a)
+            num = self._terms(a)
+            if b == self.rows and num and all(leaf == ("sum", None) for leaf in num):
+                return [("mean", None)]  # sum / x.size(0): a batch mean
+            return num
         num, den = self._terms(a), self._terms(b)
         if (len(den) == 1 and den[0] != "const" and den[0][0] in ("sum", "mean") and b.name not in self.cg.requires_grad
                 and all(leaf != "const" and leaf[0] == den[0][0] for leaf in num)):

@@ -41,6 +41,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
+import torch
+import torch.fx
+
+from ..core.aten import op_args
 from ..core.capture import nbytes_of, shape_of, stage_view
 from ..core.mesh import LogicalMesh
 from ..core.options import PlanOptions
@@ -331,15 +335,30 @@ class _Infeasible(Exception):
 
 
 def _node_signature(node, cg) -> tuple:
+    """What makes two nodes interchangeable in an ILP: role, op, shape, dtype, whether autograd
+    tracks it, and every non-tensor argument by its schema name with the schema's defaults
+    (``core.aten.op_args``), so an argument given by keyword (sdpa's ``scale=``, ``is_causal=``)
+    or left at its default counts as the same argument written positionally."""
     val = node.meta.get("val")
     dtype = str(getattr(val, "dtype", type(val).__name__))
     kind = ("param" if node.name in cg.param_fqns else "buffer" if node.name in cg.buffer_fqns
             else "input" if node.name in cg.input_names else node.op)
-    args = tuple(a if isinstance(a, (int, float, bool, str, type(None))) else
-                 tuple(x for x in a if isinstance(x, (int, float))) if isinstance(a, (list, tuple)) else "n"
-                 for a in node.args)
+    bound = op_args(node) if isinstance(node.target, torch._ops.OpOverload) else dict(enumerate(node.args))
+    args = tuple((k, _arg_key(a)) for k, a in bound.items())
     target = "placeholder" if node.op == "placeholder" else str(node.target)
     return (kind, target, shape_of(node), dtype, args, node.name in cg.requires_grad)
+
+
+def _arg_key(a):
+    """A hashable stand-in of an argument: a graph operand is ``"n"`` (its producer has its own
+    signature), scalars, dtypes and devices are themselves, sequences element by element."""
+    if isinstance(a, torch.fx.Node):
+        return "n"
+    if isinstance(a, (list, tuple)):
+        return tuple(_arg_key(x) for x in a)
+    if isinstance(a, (int, float, bool, str, type(None))):
+        return a
+    return str(a)  # torch.dtype, torch.device, torch.layout, torch.memory_format
 
 
 def send_gather_seconds(cg, name: str, spec, mesh) -> float:

@@ -11,6 +11,19 @@ import torch
 import torch.fx
 
 
+ALIAS_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+"""Ops whose result shares its operand's storage unchanged: a write into the result is a write
+into the operand."""
+
+
+def alias_root(value):
+    """The value ``value`` aliases: followed back through ``ALIAS_OPS`` (a write into ``value``
+    is a write into it)."""
+    while isinstance(value, torch.fx.Node) and value.op == "call_function" and value.target in ALIAS_OPS:
+        value = value.args[0]
+    return value
+
+
 def bind_args(target, args: tuple, kwargs: dict) -> dict[str, object]:
     """The arguments of a call of the aten op ``target`` by their schema names, in schema order,
     with the schema's defaults for those not given (positional or keyword alike).

@@ -28,7 +28,7 @@ import zlib
 import torch
 import torch.fx
 
-from ..core.aten import bind_args, is_random, op_args, with_arg, written_args
+from ..core.aten import alias_root, bind_args, is_random, op_args, with_arg, written_args
 from ..core.capture import CapturedGraph
 from ..core.losses import is_ratio, ratio_parts
 from ..core.plan import NodePlan, Plan
@@ -38,7 +38,6 @@ aten = torch.ops.aten
 _SHAPE_ARG = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
 _BIAS_AFTER = {aten.linear.default: "bias", aten.conv2d.default: "bias", aten.conv1d.default: "bias",
                aten.convolution.default: "bias", aten.addmm.default: "self", aten.baddbmm.default: "self"}
-_ALIASES = {aten.detach.default, aten.alias.default}
 
 
 class LocalExecutor:
@@ -133,9 +132,8 @@ class LocalExecutor:
         """``out``, written in place into argument ``arg`` of ``node``, into the stored tensor that
         argument aliases (a placeholder behind ``detach``/``alias``) when the op ran on a
         resharded copy of it."""
-        src = root = op_args(node)[arg]
-        while root.op == "call_function" and root.target in _ALIASES:
-            root = root.args[0]
+        src = op_args(node)[arg]
+        root = alias_root(src)
         stored = values[root.name]
         if root.op != "placeholder" or out.untyped_storage().data_ptr() == stored.untyped_storage().data_ptr():
             return

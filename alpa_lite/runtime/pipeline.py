@@ -36,6 +36,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ..core.aten import alias_root, op_args, written_args
 from ..core.capture import stage_view
 from ..core.plan import PipelinePlan, Plan, PlanError
 from ..core.schedules import get_schedule
@@ -107,6 +108,8 @@ class PipelineTrainer(Trainer):
         self.num_stages, self.num_microbatches = len(plan.stages), plan.num_microbatches
         self.stage = next(i for i, s in enumerate(plan.stages) if rank in s.ranks)
         self.sp = plan.stages[self.stage]
+        self._written = {alias_root(op_args(node)[a]).name for node in map(self.cg.node, self.sp.nodes)
+                         if isinstance(node.target, torch._ops.OpOverload) for a in written_args(node.target)}
         self.reduction = plan.loss_reduction
         if (self.reduction.kind == "ratio" and self.stage == self.num_stages - 1
                 and self.reduction.denominator not in (*self.sp.nodes, *self.sp.recv)):
@@ -205,7 +208,9 @@ class PipelineTrainer(Trainer):
             if name in self.view.input_names:
                 part = x[mb * size:(mb + 1) * size].to(self.device)
                 values[name] = local_slice(part, self.sp.plan.input_specs[name], self.groups)
-        values |= received
+        # a received activation is an autograd leaf, which no op may write in place (relu_, +=):
+        # the stage's in-place ops write a copy of it
+        values |= {n: t.clone() if n in self._written else t for n, t in received.items()}
         for name in self.sp.nodes:
             values[name] = self.executor._call(self.cg.node(name), values)
         store_buffer_mutations(self.view, self.sp.plan, values, self.buffers, self.groups)

@@ -186,7 +186,10 @@ class _Trace:
 
 
 def _reference(model, batches, loss_fn, num_inputs: int, optimizer: Callable, device) -> _Trace:
-    """Train a copy of ``model`` in this process (the loss exactly as ``capture`` wraps it)."""
+    """Train a copy of ``model`` in this process (the loss exactly as ``capture`` wraps it);
+    ``batches``: ``(args, kwargs)`` pairs."""
+    import torch.utils._pytree as pytree
+
     from ..core.capture import TrainingLoss
 
     wrapped = TrainingLoss(copy.deepcopy(model), loss_fn, num_inputs).to(device)
@@ -194,7 +197,8 @@ def _reference(model, batches, loss_fn, num_inputs: int, optimizer: Callable, de
     trace = _Trace({k: v.detach().cpu().clone() for k, v in model.named_parameters(remove_duplicate=False)})
     for batch in batches:
         opt.zero_grad(set_to_none=True)
-        loss = wrapped(*(x.to(device) for x in batch))
+        args, kwargs = pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
+        loss = wrapped(*args, **kwargs)
         loss.backward()
         trace.grads.append({k: p.grad.detach().cpu().clone()  # tied names too, as trainer.gradients()
                             for k, p in wrapped.model.named_parameters(remove_duplicate=False) if p.grad is not None})
@@ -208,8 +212,8 @@ def _reference(model, batches, loss_fn, num_inputs: int, optimizer: Callable, de
 
 def _parallel(trainer, batches, names: set[str]) -> _Trace:
     trace = _Trace()
-    for batch in batches:
-        trace.losses.append(trainer.step(*batch))
+    for args, kwargs in batches:
+        trace.losses.append(trainer.step(*args, **kwargs))
         trace.grads.append(trainer.gradients())
     state = trainer.state_dict()
     trace.params = {k: v for k, v in state.items() if k in names}
@@ -241,19 +245,35 @@ def _judge(ref: _Trace, par: _Trace, plan_line: str) -> VerifyReport:
     return VerifyReport(_worst(rows), par.losses, ref.losses, plan_line)
 
 
+def _call(batch, keywords: bool) -> tuple[tuple, dict]:
+    """A batch of :func:`verify` as the ``(args, kwargs)`` of one call."""
+    if not keywords:
+        return tuple(batch), {}
+    if isinstance(batch, dict):
+        return (), batch
+    if isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[1], dict):
+        return tuple(batch[0]), batch[1]
+    raise ValueError("with example_kwargs, each batch is a ((*inputs, *targets), kwargs) pair or a kwargs dict; "
+                     f"got {type(batch).__name__}")
+
+
 def verify(model: torch.nn.Module, inputs, mesh, *, loss_fn: Callable | None = None, targets: tuple = (),
-           batches: list[tuple] | None = None, steps: int = 3, optimizer: Callable = sgd, plan=None,
-           show: bool = True, console=None, **plan_options) -> VerifyReport:
+           example_kwargs: dict | None = None, batches: list | None = None, steps: int = 3,
+           optimizer: Callable = sgd, plan=None, show: bool = True, console=None, **plan_options) -> VerifyReport:
     """Train ``model`` with a plan and in one process on the same batches; compare (every rank).
 
     Args:
         model: the module with real weights (CPU; moved to the rank's device as the trainer does:
             CUDA when available, else CPU). Neither run changes it.
-        inputs: model inputs with GLOBAL shapes (a tensor or a tuple); ``targets`` follow them.
+        inputs: model inputs with GLOBAL shapes (a tensor or a tuple, nested tuples / lists /
+            dicts of tensors too, as ``parallelize`` takes them); ``targets`` follow them.
         mesh: a 2D ``DeviceMesh`` or a shape such as ``(2, 2)`` for the current world.
         loss_fn: ``loss_fn(output, *targets)``; None when the model returns its loss.
-        batches: the batches (``(*inputs, *targets)`` tuples, global shapes) of each step;
-            default: ``steps`` times the example batch.
+        example_kwargs: keyword inputs of the model (HuggingFace's ``input_ids=``, ``labels=``).
+        batches: the batches of each step, global shapes: ``(*inputs, *targets)`` tuples; with
+            ``example_kwargs``, ``((*inputs, *targets), kwargs)`` pairs, or just the ``kwargs``
+            dict when the model takes only keyword inputs (``model(**batch)``). Default:
+            ``steps`` times the example batch.
         optimizer: ``params -> torch.optim.Optimizer`` for both runs; default :func:`sgd`.
         plan: a ``Plan`` or plan JSON path; None plans with ``plan_options`` (``alpa_lite.plan``'s
             options: ``force_data_parallel``, ``param_specs``, ``pipeline`` ...).
@@ -263,7 +283,8 @@ def verify(model: torch.nn.Module, inputs, mesh, *, loss_fn: Callable | None = N
         The same :class:`VerifyReport` on every rank (rank 0's comparison, broadcast).
 
     Raises:
-        ValueError: the model has meta (unmaterialized) weights, or no step is asked for.
+        ValueError: the model has meta (unmaterialized) weights, no step is asked for, or a batch
+            is not of the form above.
         PlanError: (from ``parallelize``) the plan does not fit the model or the mesh.
     """
     from ..api import parallelize
@@ -272,11 +293,12 @@ def verify(model: torch.nn.Module, inputs, mesh, *, loss_fn: Callable | None = N
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("verify needs a model with real weights (build it on the CPU, not on 'meta')")
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-    batches = [(*inputs, *targets)] * steps if batches is None else [tuple(b) for b in batches]
+    example = ((*inputs, *targets), dict(example_kwargs)) if example_kwargs is not None else (*inputs, *targets)
+    batches = [_call(b, example_kwargs is not None) for b in ([example] * steps if batches is None else batches)]
     if not batches:
         raise ValueError(f"verify needs at least one step, got steps={steps}")
     trainer = parallelize(copy.deepcopy(model), mesh, inputs, loss_fn, targets=tuple(targets),
-                          optimizer=optimizer, plan=plan, **plan_options)
+                          example_kwargs=example_kwargs, optimizer=optimizer, plan=plan, **plan_options)
     ref = None
     if dist.get_rank() == 0:
         ref = _reference(model, batches, loss_fn, len(inputs), optimizer, default_device())

@@ -2,7 +2,8 @@
 
 ``--cases`` is a JSON object ``name -> {"model": zoo name, "batch": B, "seq": T, "overrides": {...},
 "options": {plan options}, "break": how to break the plan (optional), "keywords": true to verify
-the HF model inside the zoo's ``LossWrapper`` called with a dict of keyword inputs}``. A case with ``break``
+the HF model inside the zoo's ``LossWrapper`` itself, called as HF models are: ``model(**batch)``
+with a dict of keyword inputs (``example_kwargs``), the loss its own ``out.loss``}``. A case with ``break``
 plans on rank 0 with its options, breaks the plan JSON and verifies the broken plan:
 
 - ``"drop-grad-sync"``: remove one parameter's deferred gradient all-reduce (``Plan.grad_sync``);
@@ -58,10 +59,11 @@ def main() -> int:
                                          seed=seed, **case.get("overrides", {}))
         model, example = build(0)
         batches = [build(100 + s)[1] for s in range(STEPS)]
-        if case.get("keywords"):  # the HF model itself, called with one dict of keyword inputs
-            keys, model = model.keys, model.model
-            example, batches = (dict(zip(keys, example)),), [(dict(zip(keys, b)),) for b in batches]
         options = dict(case.get("options", {}))
+        if case.get("keywords"):  # the HF model itself: model(**batch)
+            keys, model = model.keys, model.model
+            options["example_kwargs"] = dict(zip(keys, example))
+            example, batches = (), [dict(zip(keys, b)) for b in batches]
         try:
             if "break" in case:
                 box = [broken_plan(model, example, shape, options, case["break"]) if dist.get_rank() == 0 else None]
