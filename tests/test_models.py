@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from alpa_lite import data
+from alpa_lite.zoo import data
 from alpa_lite.zoo.models import (
     HF_MODEL_NAMES,
     MODEL_NAMES,
