@@ -70,10 +70,8 @@ def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None
     if pipe is not None:
         batch = batch_size((inputs, example_kwargs))
 
-        def capture_rows(n: int) -> CapturedGraph:
-            return capture(model, rows(inputs, 0, n), loss_fn, rows(targets, 0, n), rows(example_kwargs, 0, n))
-
-        return plan_pipeline(capture_rows, batch, mesh, options, pipe, progress=progress)
+        return plan_pipeline(lambda n: _capture_rows(model, inputs, loss_fn, targets, example_kwargs, n), batch, mesh,
+                             options, pipe, progress=progress)
     t0 = time.perf_counter()
     say("capture")
     cg = capture(model, inputs, loss_fn, targets, example_kwargs)
@@ -139,8 +137,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
             raise PlanError(f"the plan splits the batch into {plan.num_microbatches} microbatches; the example "
                             f"batch is {batch}")
         n = batch // plan.num_microbatches
-        captured = plan.captured or capture(model, rows(inputs, 0, n), loss_fn, rows(targets, 0, n),
-                                            rows(example_kwargs, 0, n))
+        captured = plan.captured or _capture_rows(model, inputs, loss_fn, targets, example_kwargs, n)
         trainer = PipelineTrainer(model, captured, plan, optimizer, seed, init_fn, timeout_s)
     else:
         captured = plan.captured or capture(model, inputs, loss_fn, targets, example_kwargs)
@@ -148,6 +145,11 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
     if report_requested(report):
         trainer.timer = StepTimer(report_warmup, report_steps)
     return trainer
+
+
+def _capture_rows(model, inputs: tuple, loss_fn, targets: tuple, example_kwargs, n: int) -> CapturedGraph:
+    """The captured graph of a microbatch: the first ``n`` samples of every batched input."""
+    return capture(model, rows(inputs, 0, n), loss_fn, rows(targets, 0, n), rows(example_kwargs, 0, n))
 
 
 _ERRORS = (ValueError, TypeError, PlanError, CaptureError, MemoryBudgetError, PipelinePlanError)

@@ -313,16 +313,17 @@ class PipelinePlan:
     def param_specs(self) -> dict[str, ShardingSpec]:
         """Parameter FQN -> storage spec on its stage's logical mesh (a weight held by two stages:
         the first's)."""
-        out: dict[str, ShardingSpec] = {}
-        for s in reversed(self.stages):
-            out |= s.plan.param_specs
-        return out
+        return self._merged("param_specs")
 
     @property
     def input_specs(self) -> dict[str, ShardingSpec]:
+        """User input -> its spec in the stage that reads it (the first such stage)."""
+        return self._merged("input_specs")
+
+    def _merged(self, attribute: str) -> dict[str, ShardingSpec]:
         out: dict[str, ShardingSpec] = {}
-        for s in reversed(self.stages):
-            out |= s.plan.input_specs
+        for s in reversed(self.stages):  # earlier stages win
+            out |= getattr(s.plan, attribute)
         return out
 
     def collective_counts(self) -> dict[tuple[str, str], int]:
