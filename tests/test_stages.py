@@ -47,6 +47,9 @@ CASES = [  # layers, cluster, microbatches, memory, schedule, fixed stages
     (5, (1, 4), 2, 5.0, "1f1b", 3),
     (4, (2, 4), 6, 4.5, "1f1b", None),
     (3, (3, 2), 3, 6.0, "1f1b", None),
+    (4, (1, 4), 8, 4.0, "zb-h1", None),  # in flight min(S, B) on every stage: one DP per stage count
+    (4, (2, 2), 4, 7.0, "zb-h1", None),
+    (5, (1, 4), 2, 5.0, "zb-h1", 3),
 ]
 
 
@@ -62,10 +65,12 @@ def test_dp_equals_exhaustive_search(layers, cluster, b, memory, schedule, stage
     assert [s.start for s in dp.stages] == [0] + [s.end for s in dp.stages[:-1]] and dp.stages[-1].end == layers
     n = len(dp.stages)
     for idx, s in enumerate(dp.stages):
-        assert s.in_flight == in_flight(n - idx, b, schedule)
+        assert s.in_flight == in_flight(n - idx, n, b, schedule)
         assert s.option.weight_bytes + s.in_flight * s.option.act_bytes <= memory
     t = [s.option.seconds for s in dp.stages]
-    assert dp.objective == pytest.approx(sum(t) + sum(s.option.once_seconds for s in dp.stages) + (b - 1) * max(t))
+    r = 1 / 3 if schedule == "zb-h1" else 1.0  # ZB-H1's weight passes fill 2/3 of each drain step
+    once = sum(s.option.once_seconds for s in dp.stages)
+    assert dp.objective == pytest.approx(once + r * sum(t) + (b - r) * max(t))
     if stages is not None:
         assert n == stages
 
@@ -99,6 +104,21 @@ def test_bad_stage_counts_name_the_limits():
         stage_dp(3, (1, 4), cost, 1e9, 2, num_stages=4)
     with pytest.raises(ValueError, match="unknown schedule"):
         stage_dp(3, (1, 4), cost, 1e9, 2, schedule="zb")
+
+
+def test_zb_h1_trades_memory_for_bubble():
+    # equal stage times: ZB-H1's step is B t + (S - 1) t / 3. It holds min(S, B) = 2 microbatches
+    # on the last stage where 1F1B holds 1: a last layer with large activations fits only 1F1B
+    def cost(k, i, shape):
+        return [StageOption((i - k) * 3.0, weight_bytes=1.0, act_bytes=0.5 if k == 0 else 1.5)]
+
+    zb = stage_dp(2, (1, 2), cost, 4.0, 4, schedule="zb-h1", submeshes=[(1, 1)])
+    assert zb.objective == pytest.approx(4 * 3.0 + 3.0 / 3) and [s.in_flight for s in zb.stages] == [2, 2]
+    assert stage_dp(2, (1, 2), cost, 4.0, 4, submeshes=[(1, 1)]).objective == pytest.approx(5 * 3.0)
+    with pytest.raises(PipelinePlanError, match="no pipeline fits"):
+        stage_dp(2, (1, 2), cost, 2.5, 4, schedule="zb-h1", submeshes=[(1, 1)])
+    assert [s.in_flight for s in stage_dp(2, (1, 2), cost, 2.5, 4, submeshes=[(1, 1)]).stages] == [2, 1]
+    assert bubble_fraction([3.0, 3.0], 4, "zb-h1") == pytest.approx(1 / 13)  # r (S-1) / (B + r (S-1)), r = 1/3
 
 
 def test_submesh_shapes():

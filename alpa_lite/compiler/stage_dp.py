@@ -6,16 +6,19 @@ for ``k = 2 .. N``. For layers ``[k, i)`` on submesh ``q`` the cost model gives 
 and intra-op plan, plus receiving its inputs and sending their gradients back), ``o`` seconds
 paid once per step (the bucketed data-parallel gradient all-reduce), ``w`` bytes of weights,
 gradients and optimizer state, ``a`` bytes of activations per microbatch in flight. Counting
-stages from the end (``s = 1`` is the last stage), a stage keeps ``n(s)`` microbatches in flight:
-``min(s, B)`` under 1F1B, ``B`` under GPipe; an option is feasible when ``w + n(s) a <= M_dev``.
-For a bound ``t_max`` on the per-microbatch time of every stage,
+stages from the end (``s = 1`` is the last stage), a stage keeps ``n(s)`` microbatches in flight
+as its schedule says (``core/schedules.py``): ``min(s, B)`` under 1F1B, ``B`` under GPipe,
+``min(S, B)`` under ZB-H1 (``S`` the stage count: the DP then runs once per ``S``); an option is
+feasible when ``w + n(s) a <= M_dev``. With the schedule's fill ratio ``r`` (1 for GPipe and
+1F1B, 1/3 for ZB-H1: its weight passes fill the drain) and a bound ``t_max`` on the
+per-microbatch time of every stage,
 
     F(0, L, 0) = 0
-    F(s, k, d) = min_{k < i <= L, q : |q| <= d, t <= t_max, feasible(s)}  t + o + F(s - 1, i, d - |q|)
+    F(s, k, d) = min_{k < i <= L, q : |q| <= d, t <= t_max, feasible(s)}  r t + o + F(s - 1, i, d - |q|)
 
-and the pipeline step time (Alpa's eq. 2, with the once-per-step terms added) is
+and the pipeline step time (Alpa's eq. 2 for ``r = 1``, with the once-per-step terms added) is
 
-    T* = min_{t_max} min_s  F(s, 0, N M) + (B - 1) t_max.
+    T* = min_{t_max} min_s  F(s, 0, N M) + (B - r) t_max.
 
 ``t_max`` runs over the distinct option times in increasing order; since every solution whose
 largest stage time is ``t_max`` costs at least ``B t_max``, the loop stops once
@@ -30,9 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..core.options import SCHEDULES
-
-BACKWARD_SHARE = 2 / 3  # backward's share of a stage's forward + backward time (2x the forward FLOPs)
+from ..core.schedules import Schedule, get_schedule, step_seconds
 
 
 class PipelinePlanError(ValueError):
@@ -77,7 +78,8 @@ class StageChoice:
 
 @dataclass
 class DPResult:
-    """The DP's answer: ``objective`` = predicted step seconds = ``sum(t + o) + (B - 1) t_max``."""
+    """The DP's answer: ``objective`` = predicted step seconds = ``sum(o) + r sum(t) + (B - r) t_max``
+    (``r``: the schedule's fill ratio; ``sum(t + o) + (B - 1) t_max`` under GPipe and 1F1B)."""
 
     objective: float
     t_max: float
@@ -101,17 +103,20 @@ def submesh_shapes(cluster_shape: tuple[int, int], power_of_two: bool = False) -
     return shapes
 
 
-def in_flight(stage_from_end: int, num_microbatches: int, schedule: str) -> int:
+def in_flight(stage_from_end: int, num_stages: int, num_microbatches: int, schedule: str) -> int:
     """Microbatches whose activations a stage holds at its peak: stage ``i`` of ``S`` is
-    ``S - i`` from the end and keeps ``min(S - i, B)`` under 1F1B, ``B`` under GPipe."""
-    if schedule == "gpipe":
-        return num_microbatches
-    return min(stage_from_end, num_microbatches)
+    ``S - i`` from the end and keeps ``min(S - i, B)`` under 1F1B, ``B`` under GPipe, ``min(S, B)``
+    under ZB-H1 (``Schedule.in_flight``).
+
+    Raises:
+        ValueError: an unknown schedule."""
+    return get_schedule(schedule).in_flight(num_stages - stage_from_end, num_stages, num_microbatches)
 
 
-def _check_schedule(schedule: str) -> None:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+def _by_position(schedule: Schedule, s_max: int, b: int) -> bool:
+    """Whether a stage's in-flight count depends only on its position from the end (not on ``S``)."""
+    return all(schedule.in_flight(n - s, n, b) == schedule.in_flight(s_max - s, s_max, b)
+               for n in range(1, s_max + 1) for s in range(1, n + 1))
 
 
 def check_stage_count(num_stages: int | None, num_layers: int, num_devices: int) -> int:
@@ -128,8 +133,8 @@ def check_stage_count(num_stages: int | None, num_layers: int, num_devices: int)
     return limit
 
 
-def _objective(stages: Sequence[StageChoice], b: int) -> float:
-    return sum(s.option.seconds + s.option.once_seconds for s in stages) + (b - 1) * max(s.option.seconds for s in stages)
+def _objective(stages: Sequence[StageChoice], b: int, schedule: Schedule) -> float:
+    return sum(s.option.once_seconds for s in stages) + step_seconds(schedule, [s.option.seconds for s in stages], b)
 
 
 def stage_dp(num_layers: int, cluster_shape: tuple[int, int], cost: CostFn, memory_bytes: float,
@@ -144,7 +149,8 @@ def stage_dp(num_layers: int, cluster_shape: tuple[int, int], cost: CostFn, memo
         memory_bytes: device memory, bytes.
         num_microbatches: B.
         num_stages: fix S (None: any).
-        schedule: ``"1f1b"`` or ``"gpipe"`` (the activations each stage keeps in flight).
+        schedule: ``"1f1b"``, ``"gpipe"`` or ``"zb-h1"`` (the activations each stage keeps in
+            flight and the fill ratio).
         submeshes: the submesh shapes to use (default ``submesh_shapes(cluster_shape)``).
 
     Returns:
@@ -152,15 +158,30 @@ def stage_dp(num_layers: int, cluster_shape: tuple[int, int], cost: CostFn, memo
 
     Raises:
         PipelinePlanError: ``num_stages`` out of range, or no assignment fits memory.
+        ValueError: an unknown schedule.
     """
-    _check_schedule(schedule)
+    sched = get_schedule(schedule)
     n, m = cluster_shape
     devices, b = n * m, int(num_microbatches)
     if b < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
     s_max = check_stage_count(num_stages, num_layers, devices)
+    if num_stages is None and not _by_position(sched, s_max, b):  # in flight depends on S: one DP per S
+        results, errors = [], []
+        for count in range(1, s_max + 1):
+            try:
+                results.append(stage_dp(num_layers, cluster_shape, cost, memory_bytes, b, num_stages=count,
+                                        schedule=schedule, submeshes=submeshes))
+            except PipelinePlanError as e:
+                errors.append(str(e))
+        if not results:
+            raise PipelinePlanError(errors[-1])
+        best = min(results, key=lambda r: r.objective)
+        best.t_max_tried = sum(r.t_max_tried for r in results)
+        return best
     if num_stages is not None:
         s_max = num_stages
+    r = sched.fill_ratio()
     shapes = list(submeshes or submesh_shapes(cluster_shape))
     sizes = [a * c for a, c in shapes]
     L, Q = num_layers, len(shapes)
@@ -173,7 +194,7 @@ def stage_dp(num_layers: int, cluster_shape: tuple[int, int], cost: CostFn, memo
     for (k, i, q), options in table.items():
         for s in range(1, s_max + 1):
             for j, o in enumerate(options):
-                if o.fits(in_flight(s, b, schedule), memory_bytes):
+                if o.fits(sched.in_flight(s_max - s, s_max, b), memory_bytes):
                     t_arr[k, i, q, s - 1, j], o_arr[k, i, q, s - 1, j] = o.seconds, o.once_seconds
     candidates = np.unique(t_arr[np.isfinite(t_arr)])
     best_obj, best_t, tried = math.inf, None, 0
@@ -181,16 +202,16 @@ def stage_dp(num_layers: int, cluster_shape: tuple[int, int], cost: CostFn, memo
         if t_max * b >= best_obj:
             break
         tried += 1
-        f, _ = _dp_table(t_arr, o_arr, t_max, sizes, devices, s_max, record=False)
+        f, _ = _dp_table(t_arr, o_arr, t_max, r, sizes, devices, s_max, record=False)
         totals = f[1:, 0, devices] if num_stages is None else f[num_stages:num_stages + 1, 0, devices]
-        obj = float(totals.min()) + (b - 1) * float(t_max)
+        obj = float(totals.min()) + (b - r) * float(t_max)
         if obj < best_obj:
             best_obj, best_t = obj, float(t_max)
     if best_t is None:
         raise PipelinePlanError(f"no pipeline fits {memory_bytes / 2**30:.2f} GiB per device on a {n}x{m} cluster "
                                 f"with {b} microbatches ({schedule}); use more devices, more microbatches or "
                                 "a smaller batch")
-    f, choice = _dp_table(t_arr, o_arr, best_t, sizes, devices, s_max, record=True)
+    f, choice = _dp_table(t_arr, o_arr, best_t, r, sizes, devices, s_max, record=True)
     totals = f[:, 0, devices].copy()
     totals[0] = np.inf
     if num_stages is not None:
@@ -199,20 +220,20 @@ def stage_dp(num_layers: int, cluster_shape: tuple[int, int], cost: CostFn, memo
     stages, k, d = [], 0, devices
     while s > 0:
         i, q = choice[s, k, d]
-        masked = np.where(t_arr[k, i, q, s - 1] <= best_t, t_arr[k, i, q, s - 1] + o_arr[k, i, q, s - 1], np.inf)
+        masked = np.where(t_arr[k, i, q, s - 1] <= best_t, r * t_arr[k, i, q, s - 1] + o_arr[k, i, q, s - 1], np.inf)
         option = table[(k, int(i), int(q))][int(np.argmin(masked))]
-        stages.append(StageChoice(k, int(i), shapes[q], option, in_flight(s, b, schedule)))
+        stages.append(StageChoice(k, int(i), shapes[q], option, sched.in_flight(s_max - s, s_max, b)))
         k, d, s = int(i), d - sizes[q], s - 1
-    return DPResult(_objective(stages, b), max(st.option.seconds for st in stages), stages, b, schedule, tried)
+    return DPResult(_objective(stages, b, sched), max(st.option.seconds for st in stages), stages, b, schedule, tried)
 
 
-def _dp_table(t_arr, o_arr, t_max, sizes, devices, s_max, record):
+def _dp_table(t_arr, o_arr, t_max, r, sizes, devices, s_max, record):
     """``F[s, k, d]`` of the module docstring for one ``t_max`` (vectorized over ``s`` and ``d``)."""
     L, Q = t_arr.shape[0], t_arr.shape[2]
     f = np.full((s_max + 1, L + 1, devices + 1), np.inf)
     f[0, L, 0] = 0.0
     choice = np.zeros((s_max + 1, L + 1, devices + 1, 2), dtype=np.int64) if record else None
-    total = np.where(t_arr <= t_max, t_arr + o_arr, np.inf).min(axis=4)  # best option per stage position
+    total = np.where(t_arr <= t_max, r * t_arr + o_arr, np.inf).min(axis=4)  # best option per stage position
     usable = np.isfinite(total).any(axis=3)
     for k in range(L - 1, -1, -1):
         for i in range(k + 1, L + 1):
@@ -236,7 +257,7 @@ def exhaustive_stage_search(num_layers: int, cluster_shape: tuple[int, int], cos
                             submeshes: Sequence[tuple[int, int]] | None = None) -> DPResult:
     """Every partition of the layers into stages and every submesh sequence using all devices
     (the reference ``stage_dp`` is tested against; exponential, small cases only)."""
-    _check_schedule(schedule)
+    sched = get_schedule(schedule)
     n, m = cluster_shape
     devices, b = n * m, num_microbatches
     check_stage_count(num_stages, num_layers, devices)
@@ -257,12 +278,12 @@ def exhaustive_stage_search(num_layers: int, cluster_shape: tuple[int, int], cos
         total_s = len(prefix)
         per_stage = []
         for idx, (k, i, shape) in enumerate(prefix):
-            n_fl = in_flight(total_s - idx, b, schedule)
+            n_fl = sched.in_flight(idx, total_s, b)
             per_stage.append([StageChoice(k, i, shape, o, n_fl) for o in cost(k, i, shape) if o.fits(n_fl, memory_bytes)])
         if not all(per_stage):
             return
         for combo in _product(per_stage):
-            obj = _objective(combo, b)
+            obj = _objective(combo, b, sched)
             if obj < best[0] - 1e-12:
                 best[:] = [obj, list(combo)]
 
@@ -281,9 +302,10 @@ def _product(lists):
             yield (head,) + tail
 
 
-def bubble_fraction(stage_seconds: Sequence[float], num_microbatches: int) -> float:
+def bubble_fraction(stage_seconds: Sequence[float], num_microbatches: int, schedule: str = "1f1b") -> float:
     """Idle share of the devices' time in one pipelined step: ``1 - B sum_i t_i / (S T)`` with
-    ``T = sum_i t_i + (B - 1) max_i t_i`` (equal stages: ``(S - 1) / (B + S - 1)``)."""
+    ``T = B max_i t_i + r (sum_i t_i - max_i t_i)`` (``core/schedules.py``; equal stages:
+    ``r (S - 1) / (B + r (S - 1))``, ``(S - 1) / (B + S - 1)`` under GPipe and 1F1B)."""
     s, b = len(stage_seconds), num_microbatches
-    total = sum(stage_seconds) + (b - 1) * max(stage_seconds)
+    total = step_seconds(get_schedule(schedule), stage_seconds, b)
     return 1.0 - b * sum(stage_seconds) / (s * total) if total > 0 else 0.0

@@ -11,7 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-SCHEDULES = ("1f1b", "gpipe")
+from .schedules import SCHEDULES
 SOLVERS = ("cbc", "highs")
 
 
@@ -74,7 +74,9 @@ class PipelineOptions:
     num_stages: int | None = None
     """S, the number of pipeline stages; None: the stage DP chooses."""
     schedule: str = "1f1b"
-    """``"1f1b"`` (PipeDream-flush, Narayanan et al. 2021) or ``"gpipe"`` (Huang et al. 2019)."""
+    """``"1f1b"`` (PipeDream-flush, Narayanan et al. 2021), ``"gpipe"`` (Huang et al. 2019),
+    ``"zb-h1"`` (zero-bubble, Qi et al. 2024; ``core/schedules.py``) or ``"auto"``: the one of
+    these with the least predicted step time within the memory budget."""
     num_microbatches: int | None = None
     """B, microbatches per training step (must divide the batch); None: the best of
     ``microbatch_candidates``."""
@@ -98,8 +100,8 @@ class PipelineOptions:
     def __post_init__(self):
         if self.stage_solve not in ("chain", "exact"):
             raise ValueError(f"stage_solve must be 'chain' or 'exact', got {self.stage_solve!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULES)}")
+        if self.schedule not in (*SCHEDULES, "auto"):
+            raise ValueError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULES)} or auto")
         for name in ("num_stages", "num_microbatches", "num_layers", "workers"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
