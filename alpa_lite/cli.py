@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 
 from rich.console import Console
+from .core.schedules import SCHEDULES
 
 
 def _plan_args(p: argparse.ArgumentParser) -> None:
@@ -25,7 +26,8 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--all-params", action="store_true", help="list every parameter (no folding of layers)")
     p.add_argument("--pipeline", default=None, metavar="auto|K",
                    help="pipeline stages on submeshes of the mesh (Alpa's inter-op pass): 'auto' or a stage count")
-    p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"), help="pipeline schedule")
+    p.add_argument("--schedule", default="1f1b", choices=(*SCHEDULES, "auto"),
+                   help="pipeline schedule ('auto': the least predicted step time that fits memory)")
     p.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches (default: chosen)")
     p.add_argument("--layers", type=int, default=None, help="layers to cluster the graph into (default: chosen)")
     p.add_argument("--schedule-chart", default=None, metavar="PNG", help="save a Gantt chart of one pipelined step")

@@ -4,12 +4,14 @@ microbatches.
 The captured forward graph is cut into ``L`` layers
 (section 5.2), consecutive layers are grouped into ``S`` pipeline stages, each stage runs on a
 submesh of the ``N x M`` cluster with its own intra-op plan (section 4, ``intra_op.py``), and a
-training step pushes ``B`` microbatches through the stages (GPipe or 1F1B, ``runtime/pipeline.py``).
+training step pushes ``B`` microbatches through the stages (GPipe, 1F1B or ZB-H1,
+``core/schedules.py``, run by ``runtime/pipeline.py``).
 
 ``plan_pipeline`` tries each microbatch count B, clusters the microbatch graph into layers
 (``clustering.py``), prices every (layer range, submesh) with the stage ILPs
-(``stage_costs.py``), runs the stage DP (``stage_dp.py``), places the chosen submeshes on the
-cluster and re-solves each chosen stage into its own ``Plan``.
+(``stage_costs.py``), runs the stage DP (``stage_dp.py``) under the schedule asked for (under each
+of them for ``schedule="auto"``: the least predicted step time wins), places the chosen submeshes
+on the cluster and re-solves each chosen stage into its own ``Plan``.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from ..core.capture import CapturedGraph, stage_view
 from ..core.mesh import LogicalMesh
 from ..core.options import PipelineOptions, PlanOptions
 from ..core.plan import PipelinePlan, Plan, StagePlan
+from ..core.schedules import SCHEDULES
 from .clustering import cluster_layers
 from .constraints import check_names
 from .loss_reduction import loss_reduction
@@ -104,6 +107,8 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
     if workers is None:  # ranks of a job plan at once: they fork no workers (nor copy live process groups)
         import torch.distributed as dist
         workers = 1 if dist.is_available() and dist.is_initialized() else _cpu_count()
+    schedules = list(SCHEDULES) if pipeline.schedule == "auto" else [pipeline.schedule]
+    widest = "gpipe" if "gpipe" in schedules else schedules[0]  # stage options up to its in-flight need
     best = None
     tried = {}
     for b in candidates:
@@ -113,8 +118,8 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
         layers = cluster_layers(cg, pipeline.num_layers)
         check_stage_count(pipeline.num_stages, len(layers), devices)
         costs = GraphStageCosts(cg, layers, cluster, budget,
-                                max_in_flight=b if pipeline.schedule == "gpipe" else min(b, len(layers), devices),
-                                options=options, num_microbatches=b, schedule=pipeline.schedule,
+                                max_in_flight=b if widest == "gpipe" else min(b, len(layers), devices),
+                                options=options, num_microbatches=b, schedule=widest,
                                 mode=pipeline.stage_solve)
         pruned = _balanced(costs, layers, devices, pipeline.imbalance)
         shapes = submesh_shapes(mesh.shape, pipeline.power_of_two)
@@ -123,13 +128,16 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
                         if pruned.kept(k, i, q)], workers)
         say(f"stage DP (B={b})")
         res = None
-        for cost in (pruned, costs):  # the FLOPs-balance pruning may leave no way to make num_stages
-            try:
-                res = stage_dp(len(layers), mesh.shape, cost, budget, b, num_stages=pipeline.num_stages,
-                               schedule=pipeline.schedule, submeshes=shapes)
-                break
-            except PipelinePlanError as e:
-                tried[b] = str(e)
+        for schedule in schedules:
+            for cost in (pruned, costs):  # the FLOPs-balance pruning may leave no way to make num_stages
+                try:
+                    found = stage_dp(len(layers), mesh.shape, cost, budget, b, num_stages=pipeline.num_stages,
+                                     schedule=schedule, submeshes=shapes)
+                    if res is None or found.objective < res.objective:
+                        res = found
+                    break
+                except PipelinePlanError as e:
+                    tried[b] = str(e)
         if res is None:
             continue
         tried[b] = res.objective
@@ -150,10 +158,11 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
              "ilp_s": costs.stats["ilp_s"], "t_max_tried": res.t_max_tried}
     recorded = {"plan": options.to_dict() | {"memory_budget": budget}, "pipeline": pipeline.to_dict(),
                 "num_layers": len(layers)}
-    return PipelinePlan(mesh=mesh, stages=stage_plans, schedule=pipeline.schedule,
+    return PipelinePlan(mesh=mesh, stages=stage_plans, schedule=res.schedule,
                         num_microbatches=res.num_microbatches, step_seconds=res.objective,
                         compute_seconds=res.num_microbatches * sum(s.plan.compute_seconds for s in stage_plans),
-                        bubble_fraction=bubble_fraction([s.seconds for s in stage_plans], res.num_microbatches),
+                        bubble_fraction=bubble_fraction([s.seconds for s in stage_plans], res.num_microbatches,
+                                                        res.schedule),
                         memory_bytes=max(s.memory_bytes for s in stage_plans), fingerprint=cg.fingerprint(),
                         loss_reduction=reduction, options=recorded, stats=stats, captured=cg, layers=layers)
 

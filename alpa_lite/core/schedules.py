@@ -150,7 +150,7 @@ class ZBH1(Schedule):
         return 1.0 - 2 * w
 
 
-SCHEDULES = {"gpipe": GPipe, "1f1b": OneFOneB, "zb-h1": ZBH1}
+SCHEDULES = {"1f1b": OneFOneB, "gpipe": GPipe, "zb-h1": ZBH1}  # "auto" tries them in this order; ties go to the first
 
 
 def get_schedule(name: str) -> Schedule:

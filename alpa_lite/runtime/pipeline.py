@@ -248,6 +248,7 @@ class PipelineTrainer(Trainer):
         self._pending = []
         meter = _ActivationMeter()
         saved: dict[int, tuple] = {}
+        deferred: dict[int, tuple] = {}  # a split backward's roots, kept for its weight pass
         self._terms = []
         received: dict[int, dict[str, torch.Tensor]] = {}
         for action in self.schedule.actions(self.stage, self.num_stages, self.num_microbatches):
@@ -263,14 +264,22 @@ class PipelineTrainer(Trainer):
             elif action.kind == "recv_grad":
                 saved[mb] = saved[mb] + (self._recv_grads(mb, saved[mb][0]),)
             elif action.kind == "backward":
-                sent, term, *grads = saved.pop(mb)
-                if self.stage == self.num_stages - 1:
-                    if term is not None:
-                        term.backward()
-                else:
-                    pairs = [(t, g) for t, g in zip(sent, grads[0]) if t.requires_grad]
-                    if pairs:
-                        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+                outputs = self._backward_roots(*saved.pop(mb))
+                if not self.schedule.split_backward:
+                    if outputs[0]:
+                        torch.autograd.backward(*outputs)
+                    meter.backward_done(mb)
+                    continue
+                leaves = [t for n, t in received.get(mb, {}).items() if n in self.cg.requires_grad]
+                if outputs[0] and leaves:  # input gradients only; the graph stays for the weight pass
+                    grads = torch.autograd.grad(outputs[0], leaves, outputs[1], retain_graph=True, allow_unused=True)
+                    for t, g in zip(leaves, grads):
+                        t.grad = g
+                deferred[mb] = outputs
+            elif action.kind == "weight":
+                outputs, params = deferred.pop(mb), [p for p in self.params.values() if p.requires_grad]
+                if outputs[0] and params:
+                    torch.autograd.backward(*outputs, inputs=params)
                 meter.backward_done(mb)
             elif action.kind == "send_grad":
                 leaves = received.pop(mb)
@@ -288,6 +297,14 @@ class PipelineTrainer(Trainer):
                     p.grad.div_(z)
         self._sync_gradients()
         return loss
+
+    def _backward_roots(self, sent: list[torch.Tensor], term, grads=None) -> tuple[list, list]:
+        """``(tensors, their gradients)`` a microbatch's backward starts from: the weighted loss on
+        the last stage (none when it adds nothing), else the sent values that need a gradient."""
+        if self.stage == self.num_stages - 1:
+            return ([term], [None]) if term is not None else ([], [])
+        pairs = [(t, g) for t, g in zip(sent, grads) if t.requires_grad]
+        return [t for t, _ in pairs], [g for _, g in pairs]
 
     def _recv_grads(self, mb: int, sent: list[torch.Tensor]) -> list[torch.Tensor | None]:
         nxt = self.plan.stages[self.stage + 1]

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..compiler.stage_dp import BACKWARD_SHARE
 from ..core.plan import PipelinePlan
-from ..core.schedules import get_schedule, simulate
+from ..core.schedules import BACKWARD_SHARE, get_schedule, simulate
 
 
 def _require_stages(plan) -> None:
@@ -53,8 +52,10 @@ def stages_table(plan: PipelinePlan):
 
 def schedule_chart(plan: PipelinePlan, path: str | Path, title: str | None = None) -> Path:
     """Save a Gantt chart (matplotlib, PNG by the suffix) of one training step: per stage, the
-    forward (light) and backward (dark) of every microbatch, simulated from the predicted stage
-    times (forward = 1/3 of a stage's time, backward = 2/3: backward costs 2x the forward FLOPs).
+    forward (light, ``F``), backward (dark, ``B``) and, under a split backward (ZB-H1), weight
+    pass (dark, hatched, ``W``) of every microbatch, simulated from the predicted stage times
+    (forward = 1/3 of a stage's time, backward = 2/3: backward costs 2x the forward FLOPs; a
+    split backward's weight pass is half of it).
 
     Raises:
         ValueError: the plan has no stages.
@@ -73,9 +74,9 @@ def schedule_chart(plan: PipelinePlan, path: str | Path, title: str | None = Non
     for sl in slots:
         c = colors((2 * sl.microbatch) % 20 + (1 if sl.kind == "forward" else 0))
         ax.broken_barh([(sl.start * 1e3, (sl.end - sl.start) * 1e3)], (S - 1 - sl.stage - 0.4, 0.8),
-                       facecolors=c, edgecolor="black", linewidth=0.3)
+                       facecolors=c, edgecolor="black", linewidth=0.3, hatch="//" if sl.kind == "weight" else None)
         if (sl.end - sl.start) * 1e3 > 0.02 * max(x.end for x in slots) * 1e3:
-            ax.text((sl.start + sl.end) / 2 * 1e3, S - 1 - sl.stage, f"{'F' if sl.kind == 'forward' else 'B'}"
+            ax.text((sl.start + sl.end) / 2 * 1e3, S - 1 - sl.stage, f"{sl.kind[0].upper()}"
                     f"{sl.microbatch}", ha="center", va="center", fontsize=7)
     ax.set_yticks(range(S))
     ax.set_yticklabels([f"stage {S - 1 - i}" for i in range(S)])

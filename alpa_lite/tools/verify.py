@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.plan import PipelinePlan
+from ..core.schedules import SCHEDULES
 
 RTOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 """Relative tolerance per dtype (see the module docstring)."""
@@ -335,7 +336,8 @@ def add_arguments(p) -> None:
     p.add_argument("--param-specs", default=None, metavar="JSON",
                    help='force parameter specs, e.g. \'{"layers.0.weight": "S1R"}\'')
     p.add_argument("--pipeline", default=None, metavar="auto|K", help="pipeline stages: 'auto' or a stage count")
-    p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"), help="pipeline schedule")
+    p.add_argument("--schedule", default="1f1b", choices=(*SCHEDULES, "auto"),
+                   help="pipeline schedule ('auto': the least predicted step time that fits memory)")
     p.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches")
     p.add_argument("--layers", type=int, default=None, help="layers to cluster the graph into")
     p.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON here")
