@@ -148,3 +148,18 @@ def test_pipelined_training_equals_single_process(tmp_path):
     first = lambda r: max(b for stage, b in r["peak_activation_bytes"] if stage == 0)
     for layout in ("2x2", "4x1"):
         assert first(res[f"1f1b_{layout}"]) == pytest.approx(first(res[f"gpipe_{layout}"]) / 2, rel=0.05), layout
+
+
+def test_auto_schedule_picks_the_least_predicted_step(tmp_path):
+    # memory is ample on 2 stages: ZB-H1's weight passes shorten the drain, so auto picks it
+    model, example = build_model("gpt-tiny", 8, 16, device="meta", num_layers=2)
+    mesh = LogicalMesh((1, 2), cluster="cpu-gloo")
+    kw = {"num_stages": 2, "num_microbatches": 4, "num_layers": 2}
+    auto = plan(model, example, mesh, schedule="auto", **kw)
+    one = plan(model, example, mesh, schedule="1f1b", **kw)
+    assert auto.schedule == "zb-h1" and auto.options["pipeline"]["schedule"] == "auto"
+    t = [s.seconds for s in auto.stages]
+    assert auto.step_seconds == pytest.approx(sum(s.once_seconds for s in auto.stages) + step_seconds(ZBH1(), t, 4))
+    assert auto.step_seconds < one.step_seconds
+    assert [s.in_flight for s in auto.stages] == [2, 2] and [s.in_flight for s in one.stages] == [2, 1]
+    assert schedule_chart(auto, tmp_path / "zb.png").stat().st_size > 5000

@@ -5,7 +5,8 @@ as the stage's specs say, once per step after the last microbatch, and a weight 
 (tied embeddings) gets the sum of both stages' gradients. The matrix: {2 stages x 2 devices,
 1 stage x 4 devices} x {GPipe, 1F1B} x {B = 1, 2, 4} x {data parallel, Megatron, ZeRO-3 (S01R),
 auto}, then tied embeddings across 2 stages x 2 devices and inside one stage of 4, and a stage
-without parameters. Every plan is trained with SGD (exact zeros stay zero, errors stay linear)
+without parameters, and ZB-H1 (split backward) on 4 stages x 1 device (B = 2 < S and B = 4)
+and 2 stages x 2 devices (Megatron inside, and the tied embedding). Every plan is trained with SGD (exact zeros stay zero, errors stay linear)
 and with AdamW. Tolerances as tests/test_runtime.py: losses 1e-5 relative, gradients 1e-4 of the
 largest, parameters 1e-5 (SGD) / 2e-4 (AdamW: rounding of near-zero gradients becomes a step);
 a missing all-reduce is off by O(gradient) and O(lr) = 1e-2 per step.
@@ -42,6 +43,12 @@ def cases() -> dict:
     out["tied/1x4/dp"] = gpt | {"plan": {"num_stages": 1, "num_microbatches": 2, "force_data_parallel": True}}
     out["parameter-free/2x2"] = {"model": "parameter-free-tail", "batch": 8, "schedules": SCHEDULES, "plan": {
         "num_stages": 2, "num_layers": 2, "num_microbatches": 2, "force_data_parallel": True}}
+    zb = {"schedules": ["zb-h1"]}
+    for b in (2, 4):
+        out[f"zb/mlp/4x1/B{b}"] = MLP | zb | {"plan": {"num_stages": 4, "num_microbatches": b, "num_layers": 4}}
+    out["zb/mlp/2x2/megatron"] = MLP | zb | {"plan": {"num_stages": 2, "num_microbatches": 4, "num_layers": 4}
+                                             | SPECS["megatron"]}
+    out["zb/tied/2x2/dp"] = gpt | zb | {"plan": {"num_stages": 2, "num_microbatches": 2, "force_data_parallel": True}}
     return out
 
 
@@ -54,7 +61,7 @@ def results(tmp_path_factory):
 
 
 def test_every_plan_trains_equal_to_one_process(results):
-    assert len(results) == 2 * len(cases())
+    assert len(results) == sum(len(c["schedules"]) for c in cases().values())
     for name, r in results.items():
         for opt, param_tol in (("sgd", 1e-5), ("adamw", 2e-4)):
             got = r[opt]
@@ -89,3 +96,8 @@ def test_stage_without_parameters_trains(results):
         stages = results[f"parameter-free/2x2/{schedule}"]["stages"]
         assert [len(s["ranks"]) for s in stages] == [2, 2]
         assert stages[0]["params"] == ["lin.bias", "lin.weight"] and stages[1]["params"] == []
+
+
+def test_zb_h1_layouts(results):
+    assert [len(s["ranks"]) for s in results["zb/mlp/4x1/B2/zb-h1"]["stages"]] == [1, 1, 1, 1]
+    assert [len(s["ranks"]) for s in results["zb/mlp/2x2/megatron/zb-h1"]["stages"]] == [2, 2]
