@@ -10,7 +10,10 @@ same way: sending device ``i`` of the earlier stage takes the full gradient from
 ``i mod d_recv``. So stages may have different submesh and logical mesh shapes.
 
 A step: the batch is cut into ``B`` microbatches (dim 0); the schedule (``core/schedules.py``) gives
-each stage its order of forwards and backwards; gradients accumulate over microbatches; then the
+each stage its order of forwards and backwards; gradients accumulate over microbatches. A schedule
+that splits the backward (ZB-H1, Qi et al., ICLR'24) runs the input-gradient pass as
+``torch.autograd.grad`` w.r.t. the received values only (the graph retained), sends those
+gradients, and later the weight pass as ``torch.autograd.backward(..., inputs=parameters)``. Then the
 deferred data-parallel gradient buckets of each stage are all-reduced, a weight used by several
 stages (tied embeddings) gets the sum of their gradients, and one optimizer step runs.
 
