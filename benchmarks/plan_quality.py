@@ -112,7 +112,7 @@ def evaluate(costs: GraphStageCosts, num_layers: int, pp: int, devices: int, b: 
     per, sub = num_layers // pp, submesh_of(devices // pp, m)
     stages = []
     for k in range(pp):
-        fl = in_flight(pp - k, b, "1f1b")
+        fl = in_flight(pp - k, pp, b, "1f1b")
         fit = [o for o in costs(k * per, (k + 1) * per, sub) if o.fits(fl, costs.memory_bytes)]
         if not fit:
             return None
