@@ -144,8 +144,9 @@ def enumerate_strategies(node: torch.fx.Node, sig: OpSignature, mesh: LogicalMes
 
 
 def can_leave_partial(node: torch.fx.Node, sig: OpSignature) -> bool:
-    """Whether ``node``'s partial result may leave it unreduced: one result, not a graph output
-    (the loss is read whole), not a mean loss (its sum and count are reduced together)."""
+    """Whether ``node``'s result may be a partial sum (left unreduced, or passed through a linear
+    op): one result, not a graph output (the loss is read whole), not a mean loss (its sum and
+    count are reduced together)."""
     return (len(sig.outputs) == 1 and not any(u.op == "output" for u in node.users)
             and node.target not in _RATIO_LOSSES)
 
@@ -189,7 +190,7 @@ def _enumerate(sig_key: tuple, tensors: tuple, fl: float, kernel: str | None, fo
                 left = tuple(s.with_partial(partial) for s in out_specs)
                 result[(in_specs, left, partial)] = Strategy(_describe(assign) + ",P" + "".join(map(str, partial)),
                                                              in_specs, left, partial, sig.reduce, gp, compute, 0.0, memory)
-    for s in list(result.values()) if sig.linear_in else ():
+    for s in list(result.values()) if sig.linear_in and leave_partial else ():
         if s.partial_axes or s.out_spec.partial:
             continue
         used = set().union(*(x.axes() for x in s.in_specs + s.out_specs))
