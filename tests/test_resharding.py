@@ -1,6 +1,7 @@
 """Resharding steps, simulated on a 2x2 mesh of in-memory "devices": every forward conversion
 between any two specs yields the right shards, every backward conversion of a partial gradient
-yields the summed gradient's shards, and the cost of each step follows the alpha-beta formulas."""
+yields the summed gradient's shards, the same for every conversion from or to a partial sum
+(``S0RP1``), and the cost of each step follows the alpha-beta formulas."""
 import itertools
 import math
 
@@ -16,6 +17,7 @@ DEVICES = list(itertools.product(range(2), range(2)))
 SHAPE = (8, 12)
 ENTRIES = [(), (0,), (1,), (0, 1)]
 SPECS = [ShardingSpec((a, b)) for a, b in itertools.product(ENTRIES, ENTRIES) if not set(a) & set(b)]
+PARTIAL = [s.with_partial(p) for s in SPECS for p in [(0,), (1,), (0, 1)] if not s.axes() & set(p)]
 
 
 def view(coord):
@@ -35,6 +37,8 @@ def simulate(local: dict, steps) -> dict:
             n = len(group)
             if s.kind == "slice":
                 out[c] = local[c].chunk(n, s.dim)[c[s.axis]]
+            elif s.kind == "mask":
+                out[c] = local[c] if c[s.axis] == 0 else torch.zeros_like(local[c])
             elif s.kind == "all-gather":
                 out[c] = torch.cat([local[p] for p in group], s.dim)
             elif s.kind == "all-reduce":
@@ -69,6 +73,67 @@ def test_backward_reduces_partial_gradients(src, dst):
     got = simulate(local, backward_steps(src, dst, partial, SHAPE, 4, MESH))
     for c in DEVICES:
         assert torch.allclose(got[c], local_slice(grad, src, view(c)), atol=1e-5), c
+
+
+def shares(full, spec, seed=0):
+    """Per device, its shard of ``full`` in ``spec``; along ``spec.partial``, random shares that
+    sum to the shard."""
+    g = torch.Generator().manual_seed(seed)
+    weight = {c: torch.rand((), generator=g) + 0.1 for c in DEVICES}
+    group = lambda c: [p for p in DEVICES if all(p[a] == c[a] for a in (0, 1) if a not in spec.partial)]  # noqa: E731
+    return {c: local_slice(full, spec.with_partial(()), view(c)) * (weight[c] / sum(weight[p] for p in group(c)))
+            for c in DEVICES}
+
+
+def summed(local, spec):
+    """Per device, the sum of ``local`` over its peers along ``spec.partial``."""
+    return {c: sum(local[p] for p in DEVICES if all(p[a] == c[a] for a in (0, 1) if a not in spec.partial))
+            for c in DEVICES}
+
+
+@pytest.mark.parametrize("src,dst", [(s, d) for s in PARTIAL for d in SPECS + PARTIAL], ids=str)
+def test_partial_sums_reshard_forward_and_backward(src, dst):
+    """Forward: the shares of a partial ``src`` become ``dst``'s shards (summed over ``dst``'s own
+    partial axes). Backward: the gradient, in ``dst`` without its partial axes and a partial sum
+    along the axes the consumer's result varies over, returns as ``src``'s plain shards."""
+    full = torch.arange(math.prod(SHAPE), dtype=torch.float32).reshape(SHAPE)
+    got = summed(simulate(shares(full, src), forward_steps(src, dst, SHAPE, 4, MESH)), dst)
+    for c in DEVICES:
+        assert torch.allclose(got[c], local_slice(full, dst.with_partial(()), view(c))), c
+    plain = dst.with_partial(())
+    grad_partial = tuple(a for a in (0, 1) if a not in plain.axes() and a not in dst.partial)
+    grad = torch.randn(SHAPE, generator=torch.Generator().manual_seed(1))
+    local = shares(grad, plain.with_partial(grad_partial), seed=2)
+    got = simulate(local, backward_steps(src, dst, grad_partial, SHAPE, 4, MESH))
+    for c in DEVICES:
+        assert torch.allclose(got[c], local_slice(grad, src.with_partial(()), view(c)), atol=1e-5), c
+
+
+def test_partial_sum_edges_and_costs():
+    """``RRP1 -> RS1R`` ... : a reduce-scatter where the target splits along the partial axis
+    (Megatron-SP), all-reduce + slice where it splits along another, pass-through to a partial
+    target; backward: all-gather, nothing, nothing."""
+    mesh = LogicalMesh(MESH, mesh_alpha=(1e-5, 2e-5), mesh_beta=(1e-9, 2e-9))
+    p1 = ShardingSpec.parse("RRP1")
+    assert p1.partial == (1,) and ShardingSpec(((), ()), partial=(1,)) == p1 and str(p1.with_dim(0, (0,))) == "S0RP1"
+    with pytest.raises(ValueError, match="partial"):
+        ShardingSpec.parse("S1RP1")
+    full = math.prod(SHAPE) * 4
+
+    def kinds(dst, gp=()):
+        dst = ShardingSpec.parse(dst)
+        return ([(s.kind, s.axis) for s in forward_steps(p1, dst, SHAPE, 4, MESH)],
+                [(s.kind, s.axis) for s in backward_steps(p1, dst, gp, SHAPE, 4, MESH)])
+
+    assert kinds("S1R") == ([("reduce-scatter", 1)], [("all-gather", 1)])
+    assert kinds("RR") == ([("all-reduce", 1)], [])
+    assert kinds("S0R") == ([("all-reduce", 1), ("slice", 0)], [("all-gather", 0)])
+    assert kinds("S0RP1") == ([("slice", 0)], [("all-gather", 0)])
+    assert kinds("RRP01") == ([("mask", 0)], [])
+    cost = ReshardCosts(mesh)
+    assert cost(p1, ShardingSpec.parse("S1R"), (), SHAPE, 4) == pytest.approx(2 * (2e-5 + 0.5 * full * 2e-9))
+    assert cost(p1, ShardingSpec.parse("RR"), (), SHAPE, 4) == pytest.approx(2e-5 + 2 * 0.5 * full * 2e-9)
+    assert cost(p1, p1, (), SHAPE, 4) == 0.0
 
 
 def test_zero_pattern_and_costs():

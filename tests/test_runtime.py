@@ -44,6 +44,12 @@ CASES = {
         "dp": {"force_data_parallel": True},
         "megatron": {"batch_axis": 0, "param_specs": megatron("blocks.", 2)},
         "2d": {"param_specs": megatron("blocks.", 2, "S01")},
+        # Megatron-SP (partial sums reduce-scattered to sequence shards): what the ILP picks for
+        # Megatron weights once latency is free (alpha 0), with and without Adam
+        "megatron-sp": {"plan_mesh": {"cluster": "cpu-gloo", "mesh_alpha": [0, 0]}, "batch_axis": 0,
+                        "param_specs": megatron("blocks.", 2)},
+        "megatron-sp-sgd": {"plan_mesh": {"cluster": "cpu-gloo", "mesh_alpha": [0, 0]}, "batch_axis": 0,
+                            "param_specs": megatron("blocks.", 2), "optimizer": "sgd"},
         "zero": {"force_data_parallel": True,
                  "param_specs": zero3([f"blocks.{i}.{m}.weight" for i in range(2)
                                        for m in ("attn.qkv", "attn.proj", "ffn.fc", "ffn.proj")])},
@@ -97,11 +103,13 @@ def test_runtime_collectives_equal_the_plan(results):
         assert r["runtime_counts"] == r["plan_counts"], (model, plan)
     assert res["dp"]["plan_counts"].get("all-reduce|backward", 0) > 0  # gradient sync happened
     assert "all-gather|forward" in res["zero"]["plan_counts"] and "reduce-scatter|backward" in res["zero"]["plan_counts"]
+    if "megatron-sp" in res:  # partial results reduce-scattered forward, all-gathered backward
+        assert "reduce-scatter|forward" in res["megatron-sp"]["plan_counts"]
 
 
 def test_forced_specs_are_used(results):
     model, res = results
-    for plan in ("megatron", "2d", "zero"):
+    for plan in [p for p in CASES[model]["plans"] if "param_specs" in CASES[model]["plans"][p]]:
         for fqn, spec in CASES[model]["plans"][plan]["param_specs"].items():
             assert res[plan]["param_specs"][fqn] == spec
     assert all(s in ("R", "RR") for s in res["dp"]["param_specs"].values())

@@ -5,6 +5,9 @@ each tensor dim of each operand and result gets a *label*; dims with the same la
 together. A label that appears in no result is a *contraction* (matmul's ``k``, a reduced dim):
 splitting it leaves partial sums, reduced by an all-reduce inside the op. A *fixed* label may
 not be split at all (a softmax dim, a convolution's spatial dims, a broadcast size-1 dim).
+An op *linear* in some operands (add, sub, neg, mul / div by a value that is not a partial sum,
+views, transposes, sum) may also take them as partial sums and leave its result one
+(``OpSignature.linear_in``; DTensor's ``Partial`` propagation).
 The strategy generator (``strategies.py``) enumerates mesh-axis assignments over the labels,
 so one routine covers matmul, elementwise, reductions, views, attention, embedding, losses,
 convolution and pooling.
@@ -36,7 +39,9 @@ class OpSignature:
         reduce: semantics of partial sums over contraction labels: ``"sum"`` or ``"mean"``
             (a mean over a split dim is a local mean scaled by 1/shards, then summed).
         post_reduce: input positions added after the reduction (a matmul's bias).
-        output_index: for ``getitem`` of a multi-result op, which result it selects.
+        linear_in: alternative sets of input positions the op is linear in jointly (``((0, 1),)``
+            for add, ``((0,), (1,))`` for a product): each set may arrive as a partial sum along
+            mesh axes no label uses, and the result leaves as one (``linear_inputs``).
     """
 
     inputs: list[Labels]
@@ -44,6 +49,7 @@ class OpSignature:
     fixed: set[str] = field(default_factory=set)
     reduce: str = "sum"
     post_reduce: set[int] = field(default_factory=set)
+    linear_in: tuple[tuple[int, ...], ...] = ()
 
     @property
     def contraction(self) -> set[str]:
@@ -473,6 +479,32 @@ _TABLE = {
 }
 
 
+_LINEAR_UNARY = {
+    aten.neg.default, aten.mul.Scalar, aten.div.Scalar, aten.view.default, aten.reshape.default,
+    aten._unsafe_view.default, aten.flatten.using_ints, aten.transpose.int, aten.t.default, aten.permute.default,
+    aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default,
+    aten.contiguous.default, aten.clone.default, aten.alias.default, aten._to_copy.default, aten.to.dtype,
+    aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default,
+}
+
+
+def linear_inputs(node: torch.fx.Node) -> tuple[tuple[int, ...], ...]:
+    """The ``OpSignature.linear_in`` of ``node``: sum and difference of two distinct tensors are
+    linear in both jointly, a product in either factor, a quotient in its numerator, the ops of
+    ``_LINEAR_UNARY`` (and ``* c``, ``/ c`` by a number) in their one tensor. ``x + c`` by a
+    number is affine, ``x * x`` quadratic: neither passes a partial sum through."""
+    t, args = node.target, node.args
+    tensors = [a for a in args[:2] if isinstance(_val(a), torch.Tensor)]
+    distinct = len(tensors) == len(set(tensors)) == len(_tensor_inputs(node))
+    if t in (aten.add.Tensor, aten.sub.Tensor):
+        return ((0, 1),) if len(tensors) == 2 and distinct else ()
+    if t is aten.mul.Tensor:
+        return tuple((i,) for i in range(len(tensors))) if distinct else ()
+    if t is aten.div.Tensor:
+        return ((0,),) if distinct and args[0] is tensors[0] else ()
+    return ((0,),) if t in _LINEAR_UNARY and len(_tensor_inputs(node)) == 1 else ()
+
+
 def signature(node: torch.fx.Node) -> OpSignature | None:
     """The label signature of ``node``, or None when alpa-lite has no generator for its op
     (the node then runs replicated)."""
@@ -487,6 +519,7 @@ def signature(node: torch.fx.Node) -> OpSignature | None:
     sig = rule(node, fresh)
     if sig is None or len(sig.inputs) != len(_tensor_inputs(node)):
         return None
+    sig.linear_in = linear_inputs(node)
     return sig
 
 

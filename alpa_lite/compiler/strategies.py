@@ -3,7 +3,13 @@
 A strategy of a node assigns mesh axes to the labels of its signature (``ops.py``): each mesh
 axis of size > 1 splits at most one label, a label split by both axes is ``S01``. That fixes the
 spec every operand must arrive in, the spec of every result, and the mesh axes along which the
-result is a partial sum (split contraction labels), reduced by an all-reduce inside the op.
+result is a partial sum (split contraction labels), reduced by an all-reduce inside the op, or
+left unreduced (a second strategy, its result spec partial: ``S0RP1``) for the edges to its
+consumers to reduce, each as it needs (``resharding.py``: all-reduce, reduce-scatter, or
+nothing for a consumer linear in it). A consumer linear in an operand (``OpSignature.linear_in``)
+also has strategies taking it partial along the mesh axes its labels leave free and leaving its
+result partial there (Megatron-SP's reduce-scatter then falls out of the ILP: Korthikanti et al.,
+MLSys'23, section 4.2).
 For ``linear`` on a 2D mesh this yields Alpa's dot strategies: ``SS = SR x RS``, ``SR = SS x SR``
 with an all-reduce, ``RS = RS x SS`` with an all-reduce, batch splits, and their 2D mixes.
 
@@ -11,13 +17,15 @@ Cost per strategy (seconds and bytes, for one training step):
 - compute: roofline of the local kernel, forward plus backward (2x forward FLOPs), at the
   measured rate of its kernel class (``kernel_class``: attention, compute-heavy pointwise) when
   the mesh has one, else at the matmul peak;
-- communication: forward all-reduce of a partial result; its backward dual is the identity;
+- communication: forward all-reduce of a partial result reduced in the op (0 when it leaves
+  partial); its backward dual is the identity;
 - memory: the local result kept for backward (parameters count their weights, gradients and
   Adam states: 4x the local bytes);
 - a parameter's storage spec also carries the optimizer update of its local shard, memory-bound:
   ``ADAM_UPDATE_BYTES_FACTOR`` x local bytes / ``mem_bandwidth`` (so ZeRO's sharded update is cheaper).
 The gradient an operand receives is itself a partial sum along every mesh axis on which the
-operand is replicated but the op's result is split: that all-reduce (or reduce-scatter) is
+operand is replicated but the op's result is split or partial (the other factor of a product of
+a partial sum, a bias added to a partial result): that all-reduce (or reduce-scatter) is
 charged on the edge, by ``resharding.py``, together with the edge's resharding.
 """
 from __future__ import annotations
@@ -41,6 +49,7 @@ _TRANSCENDENTAL = {aten.gelu.default, aten.tanh.default, aten.sigmoid.default, a
                    aten.log.default, aten.erf.default, aten._softmax.default, aten.softmax.int,
                    aten._log_softmax.default, aten.log_softmax.int, aten.cross_entropy_loss.default,
                    aten.layer_norm.default, aten.native_layer_norm.default}
+_RATIO_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default}
 ADAM_BYTES_FACTOR = 4.0  # parameter + gradient + Adam's two moments, same dtype
 ADAM_UPDATE_BYTES_FACTOR = 7.0  # one Adam(W) update reads parameter, gradient, 2 moments; writes parameter, 2 moments
 
@@ -129,8 +138,17 @@ def enumerate_strategies(node: torch.fx.Node, sig: OpSignature, mesh: LogicalMes
     """All strategies of ``node`` under ``sig`` whose split dims divide evenly, with costs."""
     ins = [n.meta["val"] for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
     tensors = tuple((tuple(v.shape), v.element_size()) for v in ins + _tensor_vals(node.meta["val"]))
-    key = (tuple(sig.inputs), tuple(sig.outputs), frozenset(sig.fixed), sig.reduce, frozenset(sig.post_reduce))
+    key = (tuple(sig.inputs), tuple(sig.outputs), frozenset(sig.fixed), sig.reduce, frozenset(sig.post_reduce),
+           sig.linear_in, can_leave_partial(node, sig))
     return list(_enumerate(key, tensors, flops(node, sig), kernel_class(node), node.target in FOLLOWER_TARGETS, mesh))
+
+
+def can_leave_partial(node: torch.fx.Node, sig: OpSignature) -> bool:
+    """Whether ``node``'s result may be a partial sum (left unreduced, or passed through a linear
+    op): one result, not a graph output (the loss is read whole), not a mean loss (its sum and
+    count are reduced together)."""
+    return (len(sig.outputs) == 1 and not any(u.op == "output" for u in node.users)
+            and node.target not in _RATIO_LOSSES)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -138,7 +156,8 @@ def _enumerate(sig_key: tuple, tensors: tuple, fl: float, kernel: str | None, fo
                mesh: LogicalMesh) -> tuple[Strategy, ...]:
     """``enumerate_strategies`` from what it depends on (hashable: repeated blocks hit the cache).
     ``tensors``: ``(shape, itemsize)`` of the tensor operands, then of the results."""
-    sig = OpSignature(list(sig_key[0]), list(sig_key[1]), set(sig_key[2]), sig_key[3], set(sig_key[4]))
+    sig = OpSignature(list(sig_key[0]), list(sig_key[1]), set(sig_key[2]), sig_key[3], set(sig_key[4]), sig_key[5])
+    leave_partial = sig_key[6]
     contraction = sig.contraction
     labels = list(sig.inputs) + list(sig.outputs)
     shardable = [lab for lab in sig.labels if lab not in sig.fixed and not lab.startswith("#")]
@@ -166,6 +185,23 @@ def _enumerate(sig_key: tuple, tensors: tuple, fl: float, kernel: str | None, fo
         if key not in result:
             result[key] = Strategy(_describe(assign), in_specs, out_specs, partial, sig.reduce, grad_partial,
                                    compute, comm, memory)
+            if partial and leave_partial:
+                gp = tuple(tuple(sorted(varying - s.axes())) for s in in_specs)  # a bias is added to a partial
+                left = tuple(s.with_partial(partial) for s in out_specs)
+                result[(in_specs, left, partial)] = Strategy(_describe(assign) + ",P" + "".join(map(str, partial)),
+                                                             in_specs, left, partial, sig.reduce, gp, compute, 0.0, memory)
+    for s in list(result.values()) if sig.linear_in and leave_partial else ():
+        if s.partial_axes or s.out_spec.partial:
+            continue
+        used = set().union(*(x.axes() for x in s.in_specs + s.out_specs))
+        free = [a for a in (0, 1) if mesh.shape[a] > 1 and a not in used]
+        for axes in (c for k in range(1, len(free) + 1) for c in itertools.combinations(free, k)):
+            for linear in sig.linear_in:
+                ins = tuple(x.with_partial(axes) if i in linear else x for i, x in enumerate(s.in_specs))
+                gp = tuple(g if i in linear else tuple(sorted(set(g) | set(axes))) for i, g in enumerate(s.grad_partial))
+                outs = tuple(x.with_partial(axes) for x in s.out_specs)
+                result[(ins, outs, ())] = replace(s, name=f"{s.name},P{''.join(map(str, axes))}", in_specs=ins,
+                                                  out_specs=outs, grad_partial=gp)
     return tuple(result.values())
 
 

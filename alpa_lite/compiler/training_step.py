@@ -62,7 +62,7 @@ def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Logica
                      grad_sync: dict[str, tuple[int, ...]] | None = None,
                      bucket_bytes: float = 25 * 2**20) -> list[Collective]:
     """Every collective of one training step for the chosen strategies: partial-sum all-reduces
-    inside ops, the resharding of every edge (forward, then backward in reverse), then the
+    inside ops (not of a result left partial: its edges reduce it), the resharding of every edge (forward, then backward in reverse), then the
     bucketed gradient all-reduces."""
     forward, backward = [], []
     for name, np_ in nodes.items():
@@ -82,7 +82,7 @@ def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Logica
             vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else [node.meta["val"]]
             for spec, val in zip(np_.out_specs, vals):
                 local = local_bytes(val, spec, mesh.shape)
-                for axis in np_.partial_axes:
+                for axis in (a for a in np_.partial_axes if a not in spec.partial):
                     forward.append(Collective("all-reduce", (axis,), float(local), "forward", name, name,
                                               mesh.all_reduce_cost(local, (axis,))))
     buckets = []

@@ -38,7 +38,8 @@ class NodePlan:
         strategy: the strategy's name (``"S0R = S0R x RR"``; ``"boundary"`` for a value a
             pipeline stage receives).
         in_specs / out_specs: the spec each operand is resharded to / each result is produced in.
-        partial_axes: mesh axes along which the local result is a partial sum (all-reduced in the op).
+        partial_axes: mesh axes along which the local result is a partial sum (all-reduced in the op
+            along those ``out_specs`` do not keep partial).
         reduce: ``"sum"`` or ``"mean"``: how those partial results combine.
         grad_partial: per operand, the mesh axes its gradient is a partial sum along (None: the
             operand needs no gradient).

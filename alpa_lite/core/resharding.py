@@ -9,11 +9,22 @@ Forward, ``src -> dst`` (the DTensor ``redistribute`` idea, restated for Alpa sp
    moves there by one **all-to-all**, any other is **all-gathered**;
 2. then split every dim further to its target entry by a local **slice** (no communication).
 
+A partial sum (``ShardingSpec.partial``, DTensor's ``Partial``) is reduced first, along each axis
+``dst`` does not keep partial: by a **reduce-scatter** when ``dst`` splits a dim along that axis
+(and the dim's entry so far is a prefix of the target's), else by an **all-reduce**; the plain
+routine above then finishes the move (all-gather, all-to-all and slice are linear, so they carry a
+partial sum ``dst`` keeps unchanged). An axis ``dst`` holds partial that ``src`` does not is a
+local **mask**: the device at coordinate 0 along it keeps the value, the others hold zeros.
+
 Backward, the gradient arrives in ``dst`` and is a partial sum along the axes ``grad_partial``
 (operand replicated there while the consuming op's result is split). Each such axis is reduced
 first: by a **reduce-scatter** when ``src`` splits a dim along it (the ZeRO pattern: all-gather
 forward, reduce-scatter backward), else by an **all-reduce** (data-parallel gradient sync).
-What remains is the forward routine from the gradient's spec back to ``src``.
+What remains is the forward routine from the gradient's spec back to ``src``. The gradient of a
+partial sum is the same on every device of its partial axes (the dual of all-reduce is the
+identity), so the gradient lives in ``dst`` and returns to ``src`` without their partial axes:
+an all-reduce of ``src`` costs nothing backward, a reduce-scatter's dual is an all-gather, and a
+mask's dual is the identity.
 """
 from __future__ import annotations
 
@@ -30,7 +41,8 @@ class Step:
     """One resharding step on one mesh axis.
 
     ``kind`` is ``all-gather`` (along ``dim``), ``all-to-all`` (gather ``dim``, split ``dim2``),
-    ``reduce-scatter`` (scatter ``dim``), ``all-reduce``, or ``slice`` (local, split ``dim``).
+    ``reduce-scatter`` (scatter ``dim``), ``all-reduce``, ``slice`` (local, split ``dim``) or
+    ``mask`` (local: zeros unless at coordinate 0 along ``axis``; the value becomes partial).
     ``nbytes`` is the per-device size the cost formula of ``kind`` takes (mesh.py).
     """
 
@@ -44,7 +56,7 @@ class Step:
 
     @property
     def is_collective(self) -> bool:
-        return self.kind != "slice"
+        return self.kind not in ("slice", "mask")
 
 
 def _local_bytes(shape, itemsize, spec, mesh_shape) -> float:
@@ -56,6 +68,20 @@ def forward_steps(src: ShardingSpec, dst: ShardingSpec, shape, itemsize: int, me
     """Steps that turn a tensor of global ``shape`` held in ``src`` into ``dst`` (memoized)."""
     steps: list[Step] = []
     cur = src
+    for axis in src.partial:
+        if axis in dst.partial:
+            continue
+        nbytes = _local_bytes(shape, itemsize, cur, mesh_shape)
+        reduced = cur.with_partial(tuple(a for a in cur.partial if a != axis))
+        d = dst.dim_of_axis(axis)
+        if d is not None and dst.dims[d][: len(cur.dims[d]) + 1] == cur.dims[d] + (axis,):
+            after = reduced.with_dim(d, cur.dims[d] + (axis,))
+            if after.divides(shape, mesh_shape):
+                steps.append(Step("reduce-scatter", axis, d, None, nbytes, cur, after))
+                cur = after
+                continue
+        steps.append(Step("all-reduce", axis, None, None, nbytes, cur, reduced))
+        cur = reduced
     for d in range(src.ndim):
         while cur.dims[d] != dst.dims[d][: len(cur.dims[d])]:
             axis = cur.dims[d][-1]
@@ -74,15 +100,21 @@ def forward_steps(src: ShardingSpec, dst: ShardingSpec, shape, itemsize: int, me
             after = cur.with_dim(d, cur.dims[d] + (axis,))
             steps.append(Step("slice", axis, d, None, 0.0, cur, after))
             cur = after
+    for axis in dst.partial:
+        if axis not in cur.partial:
+            after = cur.with_partial(cur.partial + (axis,))
+            steps.append(Step("mask", axis, None, None, 0.0, cur, after))
+            cur = after
     assert cur == dst, (src, dst, cur)
     return tuple(steps)
 
 
 @functools.lru_cache(maxsize=None)
 def backward_steps(src: ShardingSpec, dst: ShardingSpec, grad_partial, shape, itemsize, mesh_shape) -> tuple[Step, ...]:
-    """Steps that turn the gradient (in ``dst``, partial along ``grad_partial``) into ``src`` (memoized)."""
+    """Steps that turn the gradient (in ``dst``, partial along ``grad_partial``) into ``src`` (memoized).
+    Both without their partial axes: the gradient of a partial sum is replicated along them."""
     steps: list[Step] = []
-    cur = dst
+    src, cur = src.with_partial(()), dst.with_partial(())
     for axis in sorted(grad_partial):
         d = src.dim_of_axis(axis)
         nbytes = _local_bytes(shape, itemsize, cur, mesh_shape)
@@ -97,8 +129,8 @@ def backward_steps(src: ShardingSpec, dst: ShardingSpec, grad_partial, shape, it
 
 
 def step_cost(step: Step, mesh: LogicalMesh) -> float:
-    """Seconds of one step under the alpha-beta model (a slice is free)."""
-    if step.kind == "slice":
+    """Seconds of one step under the alpha-beta model (a slice or a mask is free)."""
+    if not step.is_collective:
         return 0.0
     return mesh.collective_cost(step.kind, step.nbytes, (step.axis,))
 

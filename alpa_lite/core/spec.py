@@ -7,6 +7,12 @@ Written together a ``[B, H]`` activation split by batch on axis 0 is ``S0R``.
 
 DTensor equivalence: ``S0R`` on a 2D mesh is ``(Shard(0), Replicate())`` and ``S01R`` is
 ``(Shard(0), Shard(0))``.
+
+A value may also be a *partial sum* along some mesh axes (DTensor's ``Partial``): every device
+of such an axis holds a tensor of the local shape, and the value is their sum. The notation
+appends ``P`` and those axes: ``RRP1`` is a ``[B, H]`` value whose pieces along axis 1 sum to
+it (a row-parallel linear's result before its all-reduce); ``S0RP1`` is that, split by batch on
+axis 0. An axis is never both split and partial.
 """
 from __future__ import annotations
 
@@ -14,51 +20,63 @@ import math
 import re
 
 _ENTRY = re.compile(r"R|S01|S10|S0|S1")
+_PARTIAL = re.compile(r"P(01|0|1)$")
 _NAMES = {(): "R", (0,): "S0", (1,): "S1", (0, 1): "S01"}
 
 
-def _parse(text: str) -> tuple[tuple[int, ...], ...]:
-    entries = _ENTRY.findall(text)
-    if "".join(entries) != text:
-        raise ValueError(f"not a sharding spec: {text!r} (expected e.g. 'S0R', 'RS01')")
+def _parse(text: str) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    m = _PARTIAL.search(text)
+    partial = tuple(map(int, m.group(1))) if m else ()
+    body = text[:m.start()] if m else text
+    entries = _ENTRY.findall(body)
+    if "".join(entries) != body:
+        raise ValueError(f"not a sharding spec: {text!r} (expected e.g. 'S0R', 'RS01', 'S0RP1')")
     if "S10" in entries:
         raise ValueError(f"S10 is not supported (use S01, axis 0 major): {text!r}")
     table = {v: k for k, v in _NAMES.items()}
-    return tuple(table[e] for e in entries)
+    return tuple(table[e] for e in entries), partial
 
 
 class ShardingSpec(str):
-    """Per-dim mesh axes of one tensor (``dims``), written in Alpa notation.
+    """Per-dim mesh axes of one tensor (``dims``) and the mesh axes it is a partial sum along
+    (``partial``, sorted), written in Alpa notation.
 
     A spec is its notation: ``ShardingSpec("S0R")`` is the string ``"S0R"`` (so it prints, compares,
     hashes and serializes to JSON as that string) that also carries the parsed ``dims``
     (``((0,), ())``) and the methods below; ``ShardingSpec(((0,), ()))`` builds the same spec
-    from its dims. Parsing happens once, where a spec enters (a plan file, a user option).
+    from its dims (``ShardingSpec(((0,), ()), partial=(1,))`` is ``S0RP1``). Parsing happens
+    once, where a spec enters (a plan file, a user option).
 
     Raises:
-        ValueError: text that is not a sequence of R / S0 / S1 / S01, or a mesh axis used twice.
+        ValueError: text that is not a sequence of R / S0 / S1 / S01 with an optional P0 / P1 /
+            P01 at the end, a mesh axis used twice, or an axis both split and partial.
     """
 
     dims: tuple[tuple[int, ...], ...]
+    partial: tuple[int, ...]
 
-    def __new__(cls, dims: str | tuple[tuple[int, ...], ...]) -> "ShardingSpec":
-        if isinstance(dims, ShardingSpec):
+    def __new__(cls, dims: str | tuple[tuple[int, ...], ...], partial: tuple[int, ...] = ()) -> "ShardingSpec":
+        if isinstance(dims, ShardingSpec) and not partial:
             return dims
         if isinstance(dims, str):
-            dims = _parse(dims)
+            dims, partial = _parse(dims)
         dims = tuple(tuple(entry) for entry in dims)
+        partial = tuple(sorted(set(partial)))
         used = [a for entry in dims for a in entry]
         if len(used) != len(set(used)):
             raise ValueError(f"a mesh axis may split only one tensor dim: {dims}")
+        if set(used) & set(partial) or not set(partial) <= {0, 1}:
+            raise ValueError(f"partial axes {partial} must be mesh axes 0 / 1 that split no dim of {dims}")
         for entry in dims:
             if entry not in _NAMES:
                 raise ValueError(f"unsupported dim entry {entry}; use R, S0, S1 or S01")
-        spec = super().__new__(cls, "".join(_NAMES[e] for e in dims))
-        spec.dims = dims
+        text = "".join(_NAMES[e] for e in dims) + ("P" + "".join(map(str, partial)) if partial else "")
+        spec = super().__new__(cls, text)
+        spec.dims, spec.partial = dims, partial
         return spec
 
     def __reduce__(self):
-        return ShardingSpec, (self.dims,)
+        return ShardingSpec, (self.dims, self.partial)
 
     @classmethod
     def replicated(cls, ndim: int) -> "ShardingSpec":
@@ -116,14 +134,20 @@ class ShardingSpec(str):
 
     def placements(self, mesh_ndim: int = 2) -> tuple:
         """The DTensor placements of this spec on a ``mesh_ndim``-D ``DeviceMesh``: per mesh axis,
-        ``Shard(d)`` for the tensor dim ``d`` it splits, else ``Replicate()``. ``S01`` on dim ``d``
+        ``Shard(d)`` for the tensor dim ``d`` it splits, ``Partial()`` along a partial axis, else
+        ``Replicate()``. ``S01`` on dim ``d``
         is ``(Shard(d), Shard(d))``: DTensor splits along mesh dim 0 first, then each piece along
         mesh dim 1, which is Alpa's axis-0-major order (``torch.distributed.tensor``)."""
-        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor import Partial, Replicate, Shard
 
-        return tuple(Shard(d) if d is not None else Replicate() for d in map(self.dim_of_axis, range(mesh_ndim)))
+        return tuple(Partial() if a in self.partial else Shard(d) if d is not None else Replicate()
+                     for a, d in enumerate(map(self.dim_of_axis, range(mesh_ndim))))
 
     def with_dim(self, dim: int, entry: tuple[int, ...]) -> "ShardingSpec":
         dims = list(self.dims)
         dims[dim] = entry
-        return ShardingSpec(tuple(dims))
+        return ShardingSpec(tuple(dims), self.partial)
+
+    def with_partial(self, partial: tuple[int, ...]) -> "ShardingSpec":
+        """The same dims, a partial sum along ``partial`` (``()``: the plain value)."""
+        return ShardingSpec(self.dims, partial)

@@ -76,11 +76,14 @@ class MeshGroups:
 
 
 def local_slice(x: torch.Tensor, spec: ShardingSpec, mesh: MeshGroups) -> torch.Tensor:
-    """This rank's shard of a full tensor ``x`` under ``spec`` (no communication)."""
+    """This rank's shard of a full tensor ``x`` under ``spec`` (no communication); of a partial
+    ``spec``, the shard at coordinate 0 along its partial axes and zeros elsewhere."""
     for d, entry in enumerate(spec.dims):
         if entry:
             n = spec.shards(d, mesh.shape)
             x = x.chunk(n, dim=d)[mesh.shard_index(entry)]
+    if any(mesh.coord[a] for a in spec.partial):
+        x = torch.zeros_like(x)
     return x.contiguous()
 
 
@@ -93,6 +96,8 @@ def run_step(x: torch.Tensor, step: Step, mesh: MeshGroups, phase: str) -> torch
     n, group = mesh.shape[step.axis], mesh.groups[step.axis]
     if step.kind == "slice":
         return _chunks(x, n, step.dim)[mesh.coord[step.axis]]
+    if step.kind == "mask":
+        return x if mesh.coord[step.axis] == 0 else torch.zeros_like(x)
     if step.kind not in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all"):
         raise ValueError(f"unknown resharding step {step.kind}")
     with _issued(step.kind, phase):

@@ -2,7 +2,8 @@
 
 For every node: reshard each operand from its producer's spec to the spec the node's strategy
 wants (``Reshard``, autograd-aware), run the aten op on the local shards, and reduce a partial
-result (``AllReducePartial``). Most ops run unchanged on shards; a few need a local variant:
+result (``AllReducePartial``) unless its spec leaves it partial (``ShardingSpec.partial``: a
+consumer's edge reduces it, or a linear consumer runs on it as is). Most ops run unchanged on shards; a few need a local variant:
 shape arguments become local shapes, a mean over a split dim of equal shards is scaled by
 1/shards before the all-reduce, a mean cross-entropy / nll is the all-reduced sum of its losses
 over the all-reduced count of its valid targets (``losses.ratio_parts``: shards may hold
@@ -158,8 +159,11 @@ class LocalExecutor:
         return num / den
 
     def _partial(self, node, np_: NodePlan, args, kwargs):
-        """An op whose local result is a partial sum along ``np_.partial_axes``."""
-        axes = np_.partial_axes
+        """An op whose local result is a partial sum along ``np_.partial_axes``: all-reduced
+        along those its result spec does not keep partial; a bias is added after that, on the
+        devices at coordinate 0 of the axes the result leaves partial along (zeros elsewhere)."""
+        left = np_.out_specs[0].partial
+        axes = tuple(a for a in np_.partial_axes if a not in left)
         bias = None
         if node.target in _BIAS_AFTER:
             name = _BIAS_AFTER[node.target]
@@ -175,7 +179,10 @@ class LocalExecutor:
             out = node.target(*args, **kwargs)
         if np_.reduce == "mean":
             out = out / math.prod(self.mesh.shape[a] for a in axes)
-        out = AllReducePartial.apply(out, axes, self.mesh)
+        if axes:
+            out = AllReducePartial.apply(out, axes, self.mesh)
+        if bias is not None and any(self.mesh.coord[a] for a in left):
+            bias = bias * 0  # in the autograd graph: its gradient is 0 here, summed over the axes
         if bias is not None:
             if node.target in (aten.conv2d.default, aten.conv1d.default, aten.convolution.default):
                 bias = bias.view(-1, *([1] * (out.dim() - 2)))

@@ -8,7 +8,8 @@ import torch
 
 from alpa_lite.runtime.launch import init_distributed
 from alpa_lite.zoo.models import build_model
-from alpa_lite import init_parameters, parallelize
+from alpa_lite import LogicalMesh, init_parameters, parallelize
+from alpa_lite import plan as alpa_plan
 from alpa_lite.runtime import collective_counts
 from single_process import finish, reference
 
@@ -67,12 +68,20 @@ def main():
     init_distributed(60)
     model, example = build_model(args.model, args.batch, args.seq, device="cpu")
     batches = [build_model(args.model, args.batch, args.seq, device="cpu", seed=100 + s)[1] for s in range(STEPS)]
-    ref_losses, ref_grads, ref_params = reference(model, batches, LR)
+    optimizers = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+    refs = {k: reference(model, batches, LR, opt) for k, opt in optimizers.items()}
     shape = tuple(int(x) for x in args.mesh.split("x"))
     results = {}
     for name, options in json.loads(args.plans).items():
-        trainer = parallelize(copy.deepcopy(model), shape, example, optimizer=lambda p: torch.optim.AdamW(p, lr=LR),
-                              **options)
+        # "optimizer": "sgd" | "adamw" (default); "plan_mesh": LogicalMesh fields (a cluster
+        # description) to plan on, the same plan on every rank, instead of the run's cluster
+        options = dict(options)
+        opt = optimizers[options.pop("optimizer", "adamw")]
+        ref_losses, ref_grads, ref_params = refs[[k for k, v in optimizers.items() if v is opt][0]]
+        if "plan_mesh" in options:
+            mesh = LogicalMesh(shape, **options.pop("plan_mesh"))
+            options = {"plan": alpa_plan(copy.deepcopy(model), example, mesh, **options)}
+        trainer = parallelize(copy.deepcopy(model), shape, example, optimizer=lambda p: opt(p, lr=LR), **options)
         dtensor_bad = dtensor_mismatch(trainer, model)
         before = collective_counts()
         losses = [trainer.step(*batches[0])]
