@@ -208,7 +208,7 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
         # a feasible start: each variable's least-memory strategy (memory has no edge terms)
         for mem, xs in zip(graph.memory, s):
             if xs is not None:
-                least = min(range(len(xs)), key=mem.__getitem__)
+                least = min((p for p in range(len(xs)) if xs[p].upBound != 0), key=mem.__getitem__, default=None)
                 for p, x in enumerate(xs):
                     x.setInitialValue(1 if p == least else 0)
     status = prob.solve(_solver(time_limit, solver))
