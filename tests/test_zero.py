@@ -12,6 +12,7 @@ import torch
 from alpa_lite import LogicalMesh, Plan, plan
 from alpa_lite.compiler.strategies import training_state_bytes
 from alpa_lite.runtime.launch import torchrun
+from alpa_lite.tools.explain import param_table
 
 from test_planner import MLP
 
@@ -56,6 +57,8 @@ def test_forced_stages_memory_and_collectives(forced):
     assert {str(s) for s in forced[3].param_specs.values()} == {"S1R", "S1"}
     assert json.loads(forced[2].to_json())["zero_stages"]["layers.0.weight"] == {"stage": 2, "axes": [1]}
     assert Plan.from_json(forced[2].to_json()).zero_stages == forced[2].zero_stages
+    table = param_table(forced[2])
+    assert list(table.columns[2].cells)[0] == "2 @ axis 1" and list(table.columns[1].cells)[0] == "RR"
 
 
 def test_ilp_picks_zero2_between_zero2_and_zero1(forced):
