@@ -21,6 +21,8 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budget", type=float, default=None, help="GiB per device (default: the device's)")
     p.add_argument("--force-dp", action="store_true", help="pure data parallel")
     p.add_argument("--batch-axis", type=int, choices=(0, 1), default=None, help="force the batch onto a mesh axis")
+    p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=None,
+                   help="force every parameter to this ZeRO stage (needs --force-dp or --batch-axis)")
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP solver seconds")
     p.add_argument("--json", default=None, help="write the plan JSON here")
     p.add_argument("--all-params", action="store_true", help="list every parameter (no folding of layers)")
@@ -67,7 +69,7 @@ def cmd_plan(args) -> int:
         pipelined = {} if args.pipeline is None else dict(
             pipeline=args.pipeline, schedule=args.schedule, num_microbatches=args.microbatches, num_layers=args.layers)
         result = plan(model, example, mesh, memory_budget=budget, force_data_parallel=args.force_dp,
-                      batch_axis=args.batch_axis, time_limit=args.time_limit, **pipelined,
+                      batch_axis=args.batch_axis, zero_stage=args.zero_stage, time_limit=args.time_limit, **pipelined,
                       progress=lambda stage: status.update({"capture": "capturing the model (torch.export)",
                                                             "strategies": "enumerating sharding strategies",
                                                             "ilp": "solving the intra-op ILP"}.get(stage, stage)))

@@ -76,3 +76,28 @@ def test_self_edge_adds_diagonal():
 def test_deterministic():
     g = random_graph(3)
     assert solve(g).choice == solve(g).choice
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_forbidden_pairs_and_fixed_charges_match_brute_force(seed):
+    """``inf`` edge entries forbid a pair (a ZeRO-1/2 parameter with a use that does not sync its
+    gradient); a fixed charge is paid once when any member is chosen (a bucket's latency)."""
+    rng = random.Random(300 + seed)
+    g = random_graph(300 + seed)
+    for m in g.edges.values():
+        for row in m:
+            for q in range(len(row)):
+                if rng.random() < 0.2:
+                    row[q] = float("inf")
+    for key in range(2):
+        for v, costs in enumerate(g.costs):
+            for p in range(len(costs)):
+                if rng.random() < 0.3:
+                    g.add_fixed(key, rng.uniform(0, 6), (v, p))
+    try:
+        exact = brute_force(g)
+    except MemoryBudgetError:  # every assignment forbidden
+        return
+    sol = solve(g)
+    assert sol.objective == pytest.approx(exact.objective, rel=1e-6, abs=1e-6)
+    assert g.objective(sol.choice) == pytest.approx(sol.objective)

@@ -72,15 +72,20 @@ def apply_constraints(cg, table: dict[str, NodeStrategies], mesh, options: PlanO
     - ``param_specs``: each named parameter (or frozen parameter, or buffer; a tied weight by any
       of its names) keeps only strategies storing it in that spec, read on ``mesh`` (``on_mesh``);
     - ``input_specs``: the same for user inputs, by name or position;
-    - ``force_data_parallel``: every other parameter replicated, the batch dim of every value split
-      over all mesh axes of more than one device; ``replicate_params``: only the former;
+    - ``force_data_parallel``: every other parameter replicated (its optimizer states too, as DDP,
+      unless ``zero_stage`` is given), the batch dim of every value split over all mesh axes of
+      more than one device; ``replicate_params``: only the former;
     - ``batch_axis``: the batch dim of every value split along that axis (nothing on an axis of
-      size 1).
+      size 1);
+    - ``zero_stage``: every trainable parameter in that ZeRO stage over ``data_parallel_axes``
+      (stage 3: its storage split along all of them; under ``force_data_parallel`` along those
+      only).
     Parameters and inputs not in ``table`` (another stage's) are skipped.
 
     Raises:
         ValueError: a name the model does not have, a spec that does not divide its tensor, a batch
-            that does not divide over the forced axes.
+            that does not divide over the forced axes, a parameter that cannot take the forced
+            ZeRO stage.
     """
     by_fqn = check_names(cg, options)
     forced = {by_fqn[fqn] for fqn in options.param_specs}
@@ -91,10 +96,14 @@ def apply_constraints(cg, table: dict[str, NodeStrategies], mesh, options: PlanO
         name = cg.input_names[int(key)] if key.isdigit() else key
         if name in table:
             force(table[name], on_mesh(ShardingSpec.parse(text), mesh.shape), f"input {name}", cg, mesh)
+    dp_axes = data_parallel_axes(options, mesh.shape)
     if options.force_data_parallel or options.replicate_params:  # except those given a spec (ZeRO, Megatron)
+        allowed = set(dp_axes) if options.zero_stage == 3 else set()
         for ph in cg.param_fqns:
             if ph in table and ph not in forced:
-                restrict(table[ph], lambda s: not s.out_spec.axes())
+                restrict(table[ph], lambda s: s.out_spec.axes() <= allowed and (options.zero_stage or not s.zero_stage))
+    if options.zero_stage is not None and dp_axes:
+        _force_zero_stage(cg, table, options.zero_stage, dp_axes)
     axis = options.batch_axis
     if options.force_data_parallel:
         want = tuple(a for a in (0, 1) if mesh.shape[a] > 1)
@@ -115,3 +124,26 @@ def apply_constraints(cg, table: dict[str, NodeStrategies], mesh, options: PlanO
             shape = tuple(cg.node(name).meta["val"].shape)
             raise ValueError(f"batch dim of input {name} (shape {shape}) does not divide over mesh axes "
                              f"{list(want)} of mesh {mesh.shape}")
+
+
+def data_parallel_axes(options: PlanOptions, mesh_shape: tuple[int, int]) -> tuple[int, ...]:
+    """The mesh axes (of more than one device) ``options`` split the batch over: all of them
+    under ``force_data_parallel``, else ``batch_axis``'s; ``()`` when neither is given."""
+    axes = (0, 1) if options.force_data_parallel else () if options.batch_axis is None else (options.batch_axis,)
+    return tuple(a for a in axes if mesh_shape[a] > 1)
+
+
+def _force_zero_stage(cg, table: dict[str, NodeStrategies], stage: int, axes: tuple[int, ...]) -> None:
+    """Keep the strategies of ZeRO ``stage`` over ``axes`` of every trainable parameter in ``table``."""
+    if stage == 3:
+        keep = lambda s: not s.zero_stage and set(axes) <= s.out_spec.axes()  # noqa: E731
+    else:
+        keep = lambda s: s.zero_stage == stage and s.zero_axes == axes  # noqa: E731
+    for ph, fqn in cg.param_fqns.items():
+        if ph in table and not any(keep(s) for s in table[ph].strategies):
+            shape = tuple(cg.node(ph).meta["val"].shape)
+            raise ValueError(f"zero_stage={stage}: parameter {fqn} (shape {shape}) has no strategy partitioned over "
+                             f"mesh axes {list(axes)} (a forced spec splits them, a dim does not divide, or the "
+                             f"plan is pipelined: ZeRO-1/2 are SPMD-only); drop zero_stage or its forced spec")
+        if ph in table:
+            restrict(table[ph], keep)

@@ -60,8 +60,8 @@ def _layer_key(node: torch.fx.Node, counters: dict, sizes: dict) -> tuple | None
 
 
 def _strategy_signature(ns: NodeStrategies) -> tuple:
-    return tuple((s.name, s.in_specs, s.out_specs, s.grad_partial, round(s.cost, 15), round(s.memory, 3))
-                 for s in ns.strategies)
+    return tuple((s.name, s.in_specs, s.out_specs, s.grad_partial, round(s.cost, 15), round(s.memory, 3),
+                  s.zero_stage, s.zero_axes) for s in ns.strategies)
 
 
 def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: LogicalMesh,
@@ -120,8 +120,12 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
             placed = new_var(node.name, ns)
         where[node.name] = placed
         for p, q in enumerate(placed.index):
-            graph.costs[placed.var][p] += ns.strategies[q].cost
-            graph.memory[placed.var][p] += ns.strategies[q].memory
+            s = ns.strategies[q]
+            graph.costs[placed.var][p] += s.cost
+            graph.memory[placed.var][p] += s.memory
+            # a ZeRO-1/2 parameter joins a bucketed all-gather (and reduce-scatter): its latency, once
+            for kind in ("all-gather", "reduce-scatter")[:s.zero_stage]:
+                graph.add_fixed((kind, s.zero_axes), mesh.collective_cost(kind, 0, s.zero_axes), (placed.var, p))
         for i, (src_name, r) in enumerate(zip(ns.inputs, ns.input_results)):
             if src_name not in where:  # produced outside ``nodes``
                 continue
@@ -130,6 +134,8 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
             val = val[r] if isinstance(val, (tuple, list)) else val
             shape, itemsize = tuple(val.shape), val.element_size()
             outs = tuple(src_ns.strategies[p].out_specs[r] for p in src.index)
+            zeros = tuple((src_ns.strategies[p].zero_stage, src_ns.strategies[p].zero_axes) for p in src.index)
             ins = tuple((ns.strategies[q].in_specs[i], ns.strategies[q].grad_partial[i]) for q in placed.index)
-            graph.add_edge(src.var, placed.var, reshard.matrix(outs, ins, shape, itemsize, src_name in cg.param_fqns))
+            graph.add_edge(src.var, placed.var,
+                           reshard.matrix(outs, ins, shape, itemsize, src_name in cg.param_fqns, zeros))
     return graph, where

@@ -9,6 +9,10 @@ Given a cost graph with variables ``v`` (each a node, or a group of merged nodes
                 (with s one-hot these force e_uv = s_u s_v^T, so e may stay continuous)
     memory      sum_v m_v^T s_v <= M                                 (bytes per device)
     minimize    sum_v c_v^T s_v + sum_uv <e_uv, R_uv>                (seconds per step)
+    forbid      e_uv[p, q] = 0 where R_uv[p, q] = inf                (a pair that cannot run
+                together, e.g. a ZeRO-2 parameter and a use that does not sync its gradient)
+    fixed       y_g >= s_v[p] for (v, p) in g,  cost f_g y_g          (paid once if any member is
+                chosen: the latency of a bucketed collective that only some strategies need)
 
 Strategies of ``u`` whose rows of ``R_uv`` are equal (the same output spec, seen from ``v``), and
 strategies of ``v`` with equal columns (the same input spec), need not be told apart on that edge:
@@ -52,12 +56,19 @@ class CostGraph:
         memory: per variable, bytes per device for each strategy.
         edges: ``(u, v) -> matrix`` with ``matrix[p][q]`` seconds when u picks p and v picks q.
         names: per variable, a readable name (for LP files and debugging).
+        fixed: ``key -> (seconds, {(variable, strategy), ...})``: paid once when any member is
+            chosen.
     """
 
     costs: list[list[float]]
     memory: list[list[float]]
     edges: dict[tuple[int, int], list[list[float]]] = field(default_factory=dict)
     names: list[str] = field(default_factory=list)
+    fixed: dict[object, tuple[float, set[tuple[int, int]]]] = field(default_factory=dict)
+
+    def add_fixed(self, key, seconds: float, member: tuple[int, int]) -> None:
+        """Make strategy ``member = (variable, index)`` a member of the fixed charge ``key``."""
+        self.fixed.setdefault(key, (seconds, set()))[1].add(member)
 
     def add_edge(self, u: int, v: int, matrix: list[list[float]]) -> None:
         """Add (or accumulate into) the edge ``u -> v``; a self edge adds its diagonal to ``u``."""
@@ -75,7 +86,8 @@ class CostGraph:
     def objective(self, choice: list[int]) -> float:
         """Seconds of a full assignment (one strategy index per variable)."""
         return sum(c[p] for c, p in zip(self.costs, choice)) + sum(
-            m[choice[u]][choice[v]] for (u, v), m in self.edges.items())
+            m[choice[u]][choice[v]] for (u, v), m in self.edges.items()) + sum(
+            f for f, members in self.fixed.values() if any(choice[v] == p for v, p in members))
 
     def memory_of(self, choice: list[int]) -> float:
         return sum(m[p] for m, p in zip(self.memory, choice))
@@ -134,7 +146,11 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
 
     def add(x, coef):
         nonlocal constant
-        if x is None:
+        if math.isinf(coef):  # forbidden
+            if x is None:
+                raise SolverError(f"the only strategy of an ILP variable is forbidden ({len(graph.costs)} variables)")
+            x.upBound = 0
+        elif x is None:
             constant += coef
         elif coef:
             objective[x] = objective.get(x, 0.0) + coef
@@ -172,6 +188,15 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
         for a, ps in enumerate(rows):
             for b, qs in enumerate(cols):
                 add(e[a][b], matrix[ps[0]][qs[0]])
+    for k, (key, (seconds, members)) in enumerate(sorted(graph.fixed.items(), key=lambda kv: str(kv[0]))):
+        if any(s[v] is None for v, _ in members):  # always paid
+            add(None, seconds)
+            continue
+        y = pulp.LpVariable(f"y_{k}", lowBound=0, upBound=1)  # minimized: its largest member's value
+        for v, p in sorted(members):
+            prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression([(y, 1), (s[v][p], -1)]),
+                                                 pulp.LpConstraintGE, rhs=0), f"fixed_{k}_{v}_{p}")
+        add(y, seconds)
     prob.setObjective(pulp.LpAffineExpression(list(objective.items()), constant=constant))
     if math.isfinite(memory_budget):
         # in units of the budget: byte counts near 1e10 leave the solver's tolerances meaningless
@@ -183,7 +208,7 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
         # a feasible start: each variable's least-memory strategy (memory has no edge terms)
         for mem, xs in zip(graph.memory, s):
             if xs is not None:
-                least = min(range(len(xs)), key=mem.__getitem__)
+                least = min((p for p in range(len(xs)) if xs[p].upBound != 0), key=mem.__getitem__, default=None)
                 for p, x in enumerate(xs):
                     x.setInitialValue(1 if p == least else 0)
     status = prob.solve(_solver(time_limit, solver))
@@ -201,6 +226,8 @@ def brute_force(graph: CostGraph, memory_budget: float = math.inf) -> Solution:
         if graph.memory_of(choice) > memory_budget:
             continue
         obj = graph.objective(list(choice))
+        if math.isinf(obj):
+            continue
         if best is None or obj < best.objective - 1e-12:
             best = Solution(list(choice), obj, graph.memory_of(choice), "Optimal")
     if best is None:

@@ -16,6 +16,7 @@ from .cost_graph import build_cost_graph
 from .ilp import solve
 from .strategies import build_strategies
 from .training_step import node_plan, param_specs_of, training_step
+from .zero import add_zero_strategies, zero_stages
 
 
 def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, progress=None,
@@ -41,6 +42,7 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
     t1 = time.perf_counter()
     say("strategies")
     table = build_strategies(cg, mesh, warn=lambda msg: warnings.warn(msg, stacklevel=4))
+    add_zero_strategies(cg, table, mesh)
     apply_constraints(cg, table, mesh, options)
     graph, where = build_cost_graph(cg, table, mesh, share_layers=options.share_layers)
     stats["strategy_s"] = time.perf_counter() - t1
@@ -63,6 +65,7 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
                   comm_seconds=sum(c.seconds for c in collectives), memory_bytes=sol.memory,
                   fingerprint=cg.fingerprint(), options=options.to_dict() | {"memory_budget": budget if math.isfinite(budget) else None},
                   stats=stats, grad_sync=grad_sync, bucket_bytes=options.bucket_bytes,
-                  loss_reduction=loss_reduction or LossReduction("mean", None), captured=cg)
+                  loss_reduction=loss_reduction or LossReduction("mean", None),
+                  zero_stages=zero_stages(cg, nodes), captured=cg)
     stats["total_s"] = time.perf_counter() - t1
     return result

@@ -20,7 +20,7 @@ Cost per strategy (seconds and bytes, for one training step):
 - communication: forward all-reduce of a partial result reduced in the op (0 when it leaves
   partial); its backward dual is the identity;
 - memory: the local result kept for backward (parameters count their weights, gradients and
-  Adam states: 4x the local bytes);
+  Adam states, ``training_state_bytes``: 4x the local bytes when none is partitioned);
 - a parameter's storage spec also carries the optimizer update of its local shard, memory-bound:
   ``ADAM_UPDATE_BYTES_FACTOR`` x local bytes / ``mem_bandwidth`` (so ZeRO's sharded update is cheaper).
 The gradient an operand receives is itself a partial sum along every mesh axis on which the
@@ -50,7 +50,7 @@ _TRANSCENDENTAL = {aten.gelu.default, aten.tanh.default, aten.sigmoid.default, a
                    aten._log_softmax.default, aten.log_softmax.int, aten.cross_entropy_loss.default,
                    aten.layer_norm.default, aten.native_layer_norm.default}
 _RATIO_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default}
-ADAM_BYTES_FACTOR = 4.0  # parameter + gradient + Adam's two moments, same dtype
+ADAM_STATES = 2  # Adam's two moments, each the parameter's dtype and shape
 ADAM_UPDATE_BYTES_FACTOR = 7.0  # one Adam(W) update reads parameter, gradient, 2 moments; writes parameter, 2 moments
 
 
@@ -66,8 +66,10 @@ class Strategy:
         reduce: ``"sum"`` or ``"mean"``: how the partial result is formed.
         grad_partial: per operand, the mesh axes along which its gradient is a partial sum
             (None for an operand that needs no gradient: data, or values computed from data only).
-        compute: seconds, forward + backward; comm: seconds of the forward all-reduce;
+        compute: seconds, forward + backward; comm: seconds of the forward all-reduce (of a
+            ZeRO-1/2 parameter: its all-gather after the update);
         memory: bytes per device.
+        zero_stage / zero_axes: a parameter's ZeRO-1/2 partitioning (``compiler/zero.py``).
     """
 
     name: str
@@ -79,6 +81,8 @@ class Strategy:
     compute: float = 0.0
     comm: float = 0.0
     memory: float = 0.0
+    zero_stage: int = 0
+    zero_axes: tuple[int, ...] = ()
 
     @property
     def out_spec(self) -> ShardingSpec:
@@ -100,6 +104,15 @@ def _nbytes_local(shape, itemsize, spec: ShardingSpec, mesh_shape) -> float:
     for s in spec.local_shape(shape, mesh_shape):
         n *= s
     return float(n)
+
+
+def training_state_bytes(local: float, stage: int = 0, shards: int = 1) -> tuple[float, float, float]:
+    """``(parameter, gradient, optimizer state)`` bytes per device of a trainable parameter whose
+    stored shard has ``local`` bytes, under ZeRO ``stage`` 0, 1 or 2 over ``shards`` devices
+    (Rajbhandari et al., SC'20, section 5.1: stage 1 partitions the optimizer states, stage 2 the
+    gradients too; Adam keeps ``ADAM_STATES`` moments). ZeRO-3 is a split storage spec: its
+    ``local`` is already the partition."""
+    return local, local / shards if stage >= 2 else local, ADAM_STATES * local / (shards if stage >= 1 else 1)
 
 
 def _label_assignments(labels: list[str], mesh_shape: tuple[int, int]):
@@ -233,7 +246,7 @@ def placeholder_strategies(node: torch.fx.Node, mesh: LogicalMesh, is_param: boo
         local = _nbytes_local(shape, val.element_size(), spec, mesh.shape)
         update = mesh.compute_cost(0.0, ADAM_UPDATE_BYTES_FACTOR * local) if is_param else 0.0
         out.append(Strategy(str(spec), (), (spec,), compute=update,
-                            memory=local * (ADAM_BYTES_FACTOR if is_param else 1.0)))
+                            memory=sum(training_state_bytes(local)) if is_param else local))
     return out
 
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from ..core.capture import CapturedGraph
 from ..core.mesh import LogicalMesh
-from ..core.plan import Collective, NodePlan, gradient_buckets, local_bytes
+from ..core.plan import Collective, NodePlan, gradient_buckets, local_bytes, update_buckets
 from ..core.resharding import backward_steps, forward_steps, is_gradient_sync, step_cost
 from .strategies import NodeStrategies, Strategy
 
@@ -62,8 +62,9 @@ def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Logica
                      grad_sync: dict[str, tuple[int, ...]] | None = None,
                      bucket_bytes: float = 25 * 2**20) -> list[Collective]:
     """Every collective of one training step for the chosen strategies: partial-sum all-reduces
-    inside ops (not of a result left partial: its edges reduce it), the resharding of every edge (forward, then backward in reverse), then the
-    bucketed gradient all-reduces."""
+    inside ops (not of a result left partial: its edges reduce it), the resharding of every edge
+    (forward, then backward in reverse), the bucketed gradient all-reduces (reduce-scatters for
+    ZeRO-2), then the bucketed all-gathers of the ZeRO-1/2 parameters after the update."""
     forward, backward = [], []
     for name, np_ in nodes.items():
         node = cg.node(name)
@@ -86,10 +87,14 @@ def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Logica
                     forward.append(Collective("all-reduce", (axis,), float(local), "forward", name, name,
                                               mesh.all_reduce_cost(local, (axis,))))
     buckets = []
-    for k, (axes, members) in enumerate(gradient_buckets(cg, nodes, grad_sync or {}, mesh.shape, bucket_bytes)):
+    for k, (kind, axes, members) in enumerate(gradient_buckets(cg, nodes, grad_sync or {}, mesh.shape, bucket_bytes)):
         nbytes = float(sum(local_bytes(cg.node(ph).meta["val"], nodes[ph].out_specs[0], mesh.shape) for ph in members))
-        buckets.append(Collective("all-reduce", axes, nbytes, "backward", f"gradient bucket {k}",
-                                  f"{len(members)} parameters", mesh.all_reduce_cost(nbytes, axes)))
+        buckets.append(Collective(kind, axes, nbytes, "backward", f"gradient bucket {k}",
+                                  f"{len(members)} parameters", mesh.collective_cost(kind, nbytes, axes)))
+    for k, (axes, members) in enumerate(update_buckets(cg, nodes, mesh.shape, bucket_bytes)):
+        nbytes = float(sum(local_bytes(cg.node(ph).meta["val"], nodes[ph].out_specs[0], mesh.shape) for ph in members))
+        buckets.append(Collective("all-gather", axes, nbytes, "update", f"parameter bucket {k}",
+                                  f"{len(members)} parameters", mesh.all_gather_cost(nbytes, axes)))
     return forward + backward[::-1] + buckets
 
 
@@ -105,4 +110,4 @@ def param_specs_of(cg: CapturedGraph, nodes: dict[str, NodePlan]) -> dict[str, s
 def node_plan(s: Strategy, ns: NodeStrategies) -> NodePlan:
     """The ``NodePlan`` of strategy ``s`` of node ``ns``."""
     return NodePlan(s.name, tuple(s.in_specs), tuple(s.out_specs), s.partial_axes, s.reduce,
-                    s.grad_partial, tuple(ns.inputs), tuple(ns.input_results))
+                    s.grad_partial, tuple(ns.inputs), tuple(ns.input_results), s.zero_stage, s.zero_axes)

@@ -44,6 +44,13 @@ class PlanOptions:
     """``"cbc"`` (ships with PuLP) or ``"highs"`` (needs ``highspy``)."""
     bucket_bytes: float = 25 * 2**20
     """Largest bucket of deferred data-parallel gradients synchronized together, bytes."""
+    zero_stage: int | None = None
+    """Force every trainable parameter to one ZeRO stage (Rajbhandari et al., SC'20) over the
+    data-parallel mesh axes (all axes under ``force_data_parallel``, else ``batch_axis``, one of
+    which must be given): ``1`` optimizer states split, ``2`` gradients too (reduce-scatter),
+    ``3`` parameters too (all-gathered before use). None: the ILP chooses per parameter among
+    replicated, ZeRO-1, ZeRO-2 and ZeRO-3 storage, jointly with its tensor-parallel spec
+    (docs/planner.md, "ZeRO stages")."""
 
     def __post_init__(self):
         if self.memory_budget is not None and not self.memory_budget > 0:
@@ -54,6 +61,10 @@ class PlanOptions:
             raise ValueError(f"unknown solver {self.solver!r}; use one of {', '.join(SOLVERS)}")
         if not self.time_limit > 0:
             raise ValueError(f"time_limit must be > 0 seconds, got {self.time_limit}")
+        if self.zero_stage not in (None, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 1, 2, 3 or None, got {self.zero_stage!r}")
+        if self.zero_stage is not None and not self.force_data_parallel and self.batch_axis is None:
+            raise ValueError("zero_stage needs the data-parallel mesh axes: give force_data_parallel=True or batch_axis")
         if not self.bucket_bytes > 0:
             raise ValueError(f"bucket_bytes must be > 0, got {self.bucket_bytes}")
         object.__setattr__(self, "param_specs", dict(self.param_specs or {}))

@@ -44,6 +44,9 @@ class NodePlan:
         grad_partial: per operand, the mesh axes its gradient is a partial sum along (None: the
             operand needs no gradient).
         inputs / input_results: per operand, the producing node and which of its results.
+        zero_stage / zero_axes: a parameter's ZeRO-1/2 partitioning, the mesh axes its optimizer
+            states (and gradients) are split over (0 and ``()``: none; ``Plan.zero_stages``
+            names ZeRO-3 too).
     """
 
     strategy: str
@@ -54,19 +57,22 @@ class NodePlan:
     grad_partial: tuple[tuple[int, ...] | None, ...] = ()
     inputs: tuple[str, ...] = ()
     input_results: tuple[int, ...] = ()
+    zero_stage: int = 0
+    zero_axes: tuple[int, ...] = ()
 
     def to_dict(self) -> dict:
-        return {"strategy": self.strategy, "in_specs": [str(s) for s in self.in_specs],
-                "out_specs": [str(s) for s in self.out_specs], "partial_axes": list(self.partial_axes),
-                "reduce": self.reduce, "grad_partial": [None if g is None else list(g) for g in self.grad_partial],
-                "inputs": list(self.inputs), "input_results": list(self.input_results)}
+        d = {"strategy": self.strategy, "in_specs": [str(s) for s in self.in_specs],
+             "out_specs": [str(s) for s in self.out_specs], "partial_axes": list(self.partial_axes),
+             "reduce": self.reduce, "grad_partial": [None if g is None else list(g) for g in self.grad_partial],
+             "inputs": list(self.inputs), "input_results": list(self.input_results)}
+        return d | ({"zero_stage": self.zero_stage, "zero_axes": list(self.zero_axes)} if self.zero_stage else {})
 
     @classmethod
     def from_dict(cls, d: dict) -> "NodePlan":
         return cls(d["strategy"], tuple(map(ShardingSpec.parse, d["in_specs"])),
                    tuple(map(ShardingSpec.parse, d["out_specs"])), tuple(d["partial_axes"]), d["reduce"],
                    tuple(None if g is None else tuple(g) for g in d["grad_partial"]), tuple(d["inputs"]),
-                   tuple(d["input_results"]))
+                   tuple(d["input_results"]), int(d.get("zero_stage", 0)), tuple(d.get("zero_axes", ())))
 
 
 @dataclass(frozen=True)
@@ -77,7 +83,8 @@ class Collective:
         kind: ``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"`` or ``"all-to-all"``.
         mesh_axes: the mesh axes whose devices take part (``(0, 1)``: the flattened mesh).
         nbytes: the per-device bytes of the cost formula (mesh.py).
-        phase: ``"forward"`` or ``"backward"``.
+        phase: ``"forward"``, ``"backward"`` or ``"update"`` (after the optimizer step: the
+            all-gather of ZeRO-1/2 parameters).
         node: the consuming node (resharding) or the node reducing its partial result.
         tensor: the tensor moved (producer node name).
         seconds: predicted time.
@@ -123,6 +130,8 @@ class Plan:
             end of backward and bucketed (data-parallel gradient synchronization, as DDP does).
         bucket_bytes: the largest gradient bucket, bytes.
         loss_reduction: how the loss reduces over the batch (``LossReduction``).
+        zero_stages: parameter FQN -> ``(ZeRO stage, mesh axes)``, every trainable parameter
+            (``(0, ())``: replicated over the data-parallel axes, or split for tensor parallelism).
         captured: the ``CapturedGraph`` planned (in memory only: the runtime of the planning
             process executes it instead of capturing again; None after ``load_plan``).
     """
@@ -141,6 +150,7 @@ class Plan:
     grad_sync: dict[str, tuple[int, ...]] = field(default_factory=dict)
     bucket_bytes: float = 25 * 2**20
     loss_reduction: LossReduction = field(default_factory=lambda: LossReduction("mean", None))
+    zero_stages: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
     captured: object = field(default=None, compare=False, repr=False)
 
     kind = "spmd"
@@ -184,6 +194,7 @@ class Plan:
             "grad_sync": {k: list(v) for k, v in self.grad_sync.items()},
             "bucket_bytes": float(self.bucket_bytes),
             "loss_reduction": self.loss_reduction.to_dict(),
+            "zero_stages": {k: {"stage": z, "axes": list(a)} for k, (z, a) in sorted(self.zero_stages.items())},
         }
         if stats:
             d["stats"] = self.stats
@@ -197,7 +208,8 @@ class Plan:
                    float(d["compute_seconds"]), float(d["comm_seconds"]), float(d["memory_bytes"]),
                    str(d["fingerprint"]), dict(d.get("options", {})), dict(d.get("stats", {})),
                    {k: tuple(v) for k, v in d["grad_sync"].items()}, float(d["bucket_bytes"]),
-                   LossReduction.from_dict(d["loss_reduction"]) if "loss_reduction" in d else LossReduction("mean", None))
+                   LossReduction.from_dict(d["loss_reduction"]) if "loss_reduction" in d else LossReduction("mean", None),
+                   {k: (int(v["stage"]), tuple(v["axes"])) for k, v in d.get("zero_stages", {}).items()})
 
     def to_json(self, path: str | Path | None = None) -> str:
         """The plan as JSON (byte-identical for the same inputs); written to ``path`` if given.
@@ -332,7 +344,7 @@ class PipelinePlan:
         counts: dict[tuple[str, str], int] = {}
         for s in self.stages:
             for c in s.plan.collectives:
-                n = 1 if c.node.startswith("gradient bucket") else self.num_microbatches
+                n = 1 if c.phase == "update" or c.node.startswith("gradient bucket") else self.num_microbatches
                 counts[(c.kind, c.phase)] = counts.get((c.kind, c.phase), 0) + n
         return counts
 
@@ -414,16 +426,32 @@ def load_plan(text_or_path: str | Path) -> Plan | PipelinePlan:
 
 
 def gradient_buckets(cg, nodes: dict[str, NodePlan], grad_sync: dict[str, tuple[int, ...]],
-                     mesh_shape, bucket_bytes: float) -> list[tuple[tuple[int, ...], list[str]]]:
-    """Buckets of deferred gradients: ``(axes, [parameter placeholders])`` in graph order, each at
-    most ``bucket_bytes`` of local gradient (a larger single gradient is its own bucket)."""
-    buckets: list[tuple[tuple[int, ...], list[str]]] = []
-    for axes in sorted(set(grad_sync.values())):
+                     mesh_shape, bucket_bytes: float) -> list[tuple[str, tuple[int, ...], list[str]]]:
+    """Buckets of deferred gradients: ``(kind, axes, [parameter placeholders])`` in graph order,
+    each at most ``bucket_bytes`` of local gradient (a larger single gradient is its own bucket);
+    ``kind`` is ``"reduce-scatter"`` for ZeRO-2 parameters (``NodePlan.zero_stage``), else
+    ``"all-reduce"``."""
+    kinds = {ph: ("reduce-scatter" if nodes[ph].zero_stage == 2 else "all-reduce", axes)
+             for ph, axes in grad_sync.items()}
+    return [(kind, axes, members) for (kind, axes), members in _buckets(cg, nodes, kinds, mesh_shape, bucket_bytes)]
+
+
+def update_buckets(cg, nodes: dict[str, NodePlan], mesh_shape, bucket_bytes: float
+                   ) -> list[tuple[tuple[int, ...], list[str]]]:
+    """Buckets of ZeRO-1/2 parameters all-gathered after the optimizer step: ``(axes,
+    [placeholders])``, in graph order, each at most ``bucket_bytes`` of local parameter."""
+    axes = {ph: nodes[ph].zero_axes for ph in cg.param_fqns if ph in nodes and nodes[ph].zero_stage in (1, 2)}
+    return _buckets(cg, nodes, axes, mesh_shape, bucket_bytes)
+
+
+def _buckets(cg, nodes, keys: dict, mesh_shape, bucket_bytes: float) -> list[tuple[object, list[str]]]:
+    buckets: list[tuple[object, list[str]]] = []
+    for key in sorted(set(keys.values())):
         size = math.inf
-        for ph in (p for p in cg.param_fqns if grad_sync.get(p) == axes):
+        for ph in (p for p in cg.param_fqns if keys.get(p) == key):
             nbytes = local_bytes(cg.node(ph).meta["val"], nodes[ph].out_specs[0], mesh_shape)
             if size + nbytes > bucket_bytes:
-                buckets.append((axes, []))
+                buckets.append((key, []))
                 size = 0
             buckets[-1][1].append(ph)
             size += nbytes

@@ -154,15 +154,23 @@ class ReshardCosts:
         self._matrices: dict[tuple, list[list[float]]] = {}
 
     def __call__(self, src: ShardingSpec, dst: ShardingSpec, grad_partial, shape, itemsize,
-                 parameter: bool = False) -> float:
-        """``grad_partial`` None: the tensor needs no gradient, so there is no backward."""
-        key = (src, dst, grad_partial, tuple(shape), itemsize, parameter)
+                 parameter: bool = False, zero: tuple[int, tuple[int, ...]] = (0, ())) -> float:
+        """``grad_partial`` None: the tensor needs no gradient, so there is no backward.
+        ``zero``: the ``(stage, axes)`` of a ZeRO-1/2 parameter: its use must be a gradient sync
+        over exactly those axes (else ``math.inf``: the ILP forbids the pair); ZeRO-2 syncs by a
+        reduce-scatter instead of an all-reduce."""
+        key = (src, dst, grad_partial, tuple(shape), itemsize, parameter, zero)
         cost = self._cache.get(key)
-        if cost is None and parameter and is_gradient_sync(src, dst, grad_partial):
+        sync = parameter and is_gradient_sync(src, dst, grad_partial)
+        if cost is None and zero[0] and not (sync and tuple(sorted(grad_partial)) == zero[1]):
+            cost = self._cache[key] = math.inf
+        if cost is None and sync:
             nbytes = itemsize * math.prod(src.local_shape(shape, self.mesh.shape))
             axes = tuple(sorted(grad_partial))
+            kind = "reduce-scatter" if zero[0] == 2 else "all-reduce"
             # the marginal cost of nbytes more in a bucket: the latency is paid per bucket
-            cost = self._cache[key] = self.mesh.all_reduce_cost(nbytes, axes) - self.mesh.all_reduce_cost(0, axes)
+            cost = self._cache[key] = (self.mesh.collective_cost(kind, nbytes, axes)
+                                       - self.mesh.collective_cost(kind, 0, axes))
         if cost is None:
             steps = forward_steps(src, dst, shape, itemsize, self.mesh.shape)
             if grad_partial is not None:
@@ -170,14 +178,17 @@ class ReshardCosts:
             cost = self._cache[key] = sum(step_cost(s, self.mesh) for s in steps)
         return cost
 
-    def matrix(self, outs: tuple, ins: tuple, shape, itemsize, parameter: bool = False) -> list[list[float]]:
+    def matrix(self, outs: tuple, ins: tuple, shape, itemsize, parameter: bool = False,
+               zeros: tuple | None = None) -> list[list[float]]:
         """The cost matrix of an edge: ``[p][q]`` moves a tensor of ``shape`` from spec ``outs[p]``
-        to ``ins[q] = (spec, grad_partial)``; memoized (repeated blocks have identical edges)."""
-        key = (outs, ins, tuple(shape), itemsize, parameter)
+        (a parameter of ZeRO ``zeros[p]``) to ``ins[q] = (spec, grad_partial)``; memoized
+        (repeated blocks have identical edges)."""
+        zeros = zeros or ((0, ()),) * len(outs)
+        key = (outs, ins, tuple(shape), itemsize, parameter, zeros)
         m = self._matrices.get(key)
         if m is None:
-            m = self._matrices[key] = [[self(o, spec, gp, shape, itemsize, parameter) for spec, gp in ins]
-                                       for o in outs]
+            m = self._matrices[key] = [[self(o, spec, gp, shape, itemsize, parameter, z) for spec, gp in ins]
+                                       for o, z in zip(outs, zeros)]
         return m
 
     def sync_matrix(self, outs: tuple, ins: tuple, shape, itemsize) -> list[list[float]]:

@@ -11,6 +11,7 @@ excluded), waiting for the slowest peer included.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -139,6 +140,26 @@ def all_reduce_bucket(tensors: list[torch.Tensor], axes: tuple[int, ...], mesh: 
     for t in tensors:
         t.copy_(flat[offset: offset + t.numel()].view_as(t))
         offset += t.numel()
+
+
+def reduce_scatter_bucket(parts: list[torch.Tensor], axes: tuple[int, ...], mesh: MeshGroups) -> torch.Tensor:
+    """One reduce-scatter over the devices of ``axes``: ``parts[j]`` (equal 1-D tensors) is what
+    this rank contributes to group rank ``j``; returns the sum over the group of the parts for
+    this rank (ZeRO-2's gradient bucket)."""
+    out = torch.empty_like(parts[0])
+    with _issued("reduce-scatter", "backward"):
+        dist.reduce_scatter(out, [p.contiguous() for p in parts], group=mesh.group(axes))
+    return out
+
+
+def all_gather_bucket(part: torch.Tensor, axes: tuple[int, ...], mesh: MeshGroups, phase: str = "update"
+                      ) -> list[torch.Tensor]:
+    """One all-gather over the devices of ``axes``: every group rank's ``part`` (equal 1-D
+    tensors), in group-rank order (ZeRO-1/2's updated parameters after the optimizer step)."""
+    parts = [torch.empty_like(part) for _ in range(math.prod(mesh.shape[a] for a in axes))]
+    with _issued("all-gather", phase):
+        dist.all_gather(parts, part.contiguous(), group=mesh.group(axes))
+    return parts
 
 
 class Reshard(torch.autograd.Function):

@@ -38,7 +38,7 @@ from ..core.plan import PipelinePlan, Plan
 
 REPORT_ENV = "ALPA_LITE_REPORT"
 REPORT_JSON_ENV = "ALPA_LITE_REPORT_JSON"
-PHASES = ("forward", "backward")
+PHASES = ("forward", "backward", "update")
 
 
 def report_requested(report: bool | None) -> bool:

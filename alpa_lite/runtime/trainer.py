@@ -28,6 +28,7 @@ from .executor import LocalExecutor
 from .init import local_constants, local_shards, store_buffer_mutations
 from .launch import default_device
 from .report import REPORT_JSON_ENV, StepTimer, print_report, write_record
+from .zero import ZeroPartition
 
 
 def device_mesh(mesh, world_size: int | None = None):
@@ -67,6 +68,7 @@ class Trainer:
             buffers and frozen parameters.
         optimizer: the ``torch.optim`` optimizer over the local shards (None: nothing to train here).
         groups: this rank's ``MeshGroups``; buckets: its deferred gradient buckets.
+        zero: its ``ZeroPartition`` (the optimizer's slices of ZeRO-1/2 parameters).
         timer: a ``StepTimer`` when the trainer reports (``parallelize(..., report=True)``).
     """
 
@@ -85,7 +87,8 @@ class Trainer:
         self.params, self.buffers = local_shards(model, self.view, plan, self.groups, self.device, seed, init_fn)
         self.constants = local_constants(self.cg, plan, self.groups, self.device)
         self.buckets = gradient_buckets(self.view, plan.nodes, plan.grad_sync, self.groups.shape, plan.bucket_bytes)
-        self.optimizer = optimizer(list(self.params.values())) if self.params else None
+        self.zero = ZeroPartition(self.view, plan, self.params, self.groups)
+        self.optimizer = optimizer(self.zero.optimizer_params()) if self.params else None
 
     def _local_plan(self) -> Plan:
         """This rank's SPMD plan (the whole plan, or its stage's)."""
@@ -116,6 +119,7 @@ class Trainer:
             loss = self._train_step(flat)
             if self.optimizer is not None:
                 self.optimizer.step()
+                self.zero.gather()
         if self.timer is not None and self.timer.report_due():
             self.report(os.environ.get(REPORT_JSON_ENV) or None)
         return loss
@@ -137,13 +141,18 @@ class Trainer:
         return flat
 
     def _sync_buckets(self) -> None:
-        """All-reduce the deferred data-parallel gradients, one bucket at a time (``Plan.grad_sync``)."""
-        for axes, members in self.buckets:
-            params = [self.params[self.view.param_fqns[ph]] for ph in members]
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            all_reduce_bucket([p.grad for p in params], axes, self.groups)
+        """All-reduce (ZeRO-2: reduce-scatter) the deferred data-parallel gradients, one bucket at
+        a time (``Plan.grad_sync``)."""
+        for kind, axes, members in self.buckets:
+            fqns = [self.view.param_fqns[ph] for ph in members]
+            for f in fqns:
+                if self.params[f].grad is None:
+                    self.params[f].grad = torch.zeros_like(self.params[f])
+            if kind == "reduce-scatter":
+                self.zero.reduce_scatter(fqns, axes)
+            else:
+                all_reduce_bucket([self.params[f].grad for f in fqns], axes, self.groups)
+        self.zero.slice_gradients()
 
     def _full(self, x: torch.Tensor, placeholder: str) -> torch.Tensor:
         """The full tensor of ``placeholder`` from this rank's shard ``x``."""
@@ -159,7 +168,7 @@ class Trainer:
         """Full gradients of the last step by parameter FQN (tied names included; zeros where a
         parameter got none), after their synchronization; on every rank."""
         grads = {fqn: p.grad if p.grad is not None else torch.zeros_like(p) for fqn, p in self.params.items()}
-        return self._gather(grads, self.cg.param_fqns)
+        return self._gather(grads | self.zero.full_gradients(), self.cg.param_fqns)
 
     def _gather(self, local: dict[str, torch.Tensor], placeholders: dict[str, str]) -> dict[str, torch.Tensor]:
         """Placeholder -> FQN of ``placeholders``: each full tensor, on every rank (``local``:

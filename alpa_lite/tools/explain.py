@@ -70,19 +70,24 @@ def summary_table(plan: Plan, title: str = "plan") -> Table:
 
 
 def param_table(plan: Plan, max_rows: int = 40) -> Table:
-    """Parameter specs; parameters of repeated layers (``blocks.3.``) with the same specs as
-    another layer are folded into one row (``blocks.*``)."""
+    """Parameter specs and ZeRO stages (``Plan.zero_stages``: ``"2 @ axis 1"``); parameters of
+    repeated layers (``blocks.3.``) with the same as another layer are folded into one row
+    (``blocks.*``)."""
     t = Table(title="parameter sharding specs")
     t.add_column("parameter")
     t.add_column("spec")
-    groups: dict[tuple[str, str], list[str]] = defaultdict(list)
+    t.add_column("ZeRO")
+    groups: dict[tuple[str, str, str], list[str]] = defaultdict(list)
+    zero = getattr(plan, "zero_stages", {})  # a pipelined plan's stages record theirs
     for fqn, spec in plan.param_specs.items():
-        groups[(re.sub(r"\.(\d+)\.", ".*.", fqn), spec)].append(fqn)
+        stage, axes = zero.get(fqn, (0, ()))
+        where = f"{stage} @ axis {','.join(map(str, axes))}" if stage else "-"
+        groups[(re.sub(r"\.(\d+)\.", ".*.", fqn), spec, where)].append(fqn)
     rows = sorted(groups.items(), key=lambda kv: min(plan_order(plan, f) for f in kv[1]))
-    for (pattern, spec), members in rows[:max_rows]:
-        t.add_row(pattern if len(members) > 1 else members[0], spec)
+    for (pattern, spec, where), members in rows[:max_rows]:
+        t.add_row(pattern if len(members) > 1 else members[0], spec, where)
     if len(rows) > max_rows:
-        t.add_row(f"... {len(rows) - max_rows} more", "")
+        t.add_row(f"... {len(rows) - max_rows} more", "", "")
     return t
 
 

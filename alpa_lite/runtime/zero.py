@@ -1,0 +1,112 @@
+"""ZeRO-1 and ZeRO-2 at run time: the optimizer states (and gradients) of this rank's parameter
+shards partitioned over the devices of the zero axes (Rajbhandari et al., SC'20, section 5;
+docs/runtime.md). ZeRO-3 needs nothing here: it is a split storage spec (``executor.py``).
+
+A ZeRO-1/2 parameter (``NodePlan.zero_stage``) keeps its whole local shard (its tensor-parallel
+spec). Group rank ``i`` of the ``n`` devices of its zero axes owns elements ``[i c, (i + 1) c)``
+of the flattened shard, ``c = ceil(numel / n)`` (the last slices may be shorter or empty); the
+optimizer holds that slice as a parameter sharing the shard's storage, so its in-place update
+writes the shard and its states have the slice's size. After backward the gradient bucket is
+all-reduced (ZeRO-1: the slice's gradient is a view of the full one) or reduce-scattered
+(ZeRO-2: the rank keeps only its slice, the full gradient is dropped); after the optimizer step
+each bucket of updated slices is all-gathered into the shards (``Plan.collectives``, phase
+``"update"``). The optimizer must update element by element (SGD, Adam, AdamW, ...), as ZeRO's.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..core.capture import CapturedGraph
+from ..core.plan import Plan, update_buckets
+from .collectives import MeshGroups, all_gather_bucket, reduce_scatter_bucket
+
+
+class ZeroPartition:
+    """The ZeRO-1/2 slices of one rank's parameters.
+
+    Args:
+        view: the captured graph this rank runs; plan: its SPMD plan.
+        params: parameter FQN -> this rank's shard; groups: this rank's ``MeshGroups``.
+
+    Attributes:
+        slices: FQN -> the optimizer's parameter (a flat view of the shard) of every ZeRO-1/2 one.
+        stages: FQN -> ``(stage, axes)`` of those.
+    """
+
+    def __init__(self, view: CapturedGraph, plan: Plan, params: dict[str, torch.nn.Parameter], groups: MeshGroups):
+        self.params, self.groups = params, groups
+        self.stages = {fqn: (plan.nodes[ph].zero_stage, plan.nodes[ph].zero_axes)
+                       for ph, fqn in view.param_fqns.items() if plan.nodes[ph].zero_stage}
+        self.slices: dict[str, torch.nn.Parameter] = {}
+        self._range: dict[str, tuple[int, int, int]] = {}  # FQN -> (start, end, chunk)
+        for fqn, (_, axes) in self.stages.items():
+            p = params[fqn]
+            c = -(-p.numel() // self._size(axes))
+            start = min(groups.shard_index(axes) * c, p.numel())
+            end = min(start + c, p.numel())
+            self._range[fqn] = (start, end, c)
+            self.slices[fqn] = torch.nn.Parameter(p.detach().view(-1)[start:end])
+        self.buckets = [(axes, [view.param_fqns[ph] for ph in members])
+                        for axes, members in update_buckets(view, plan.nodes, groups.shape, plan.bucket_bytes)]
+
+    def _size(self, axes: tuple[int, ...]) -> int:
+        return math.prod(self.groups.shape[a] for a in axes)
+
+    def _padded(self, flat: torch.Tensor, fqn: str, j: int) -> torch.Tensor:
+        """Chunk ``j`` of the flat tensor ``flat`` of parameter ``fqn``, zero-padded to the chunk size."""
+        c = self._range[fqn][2]
+        part = flat[j * c:(j + 1) * c]
+        return torch.cat([part, part.new_zeros(c - part.numel())]) if part.numel() < c else part
+
+    def optimizer_params(self) -> list[torch.nn.Parameter]:
+        """What the optimizer updates: each parameter's shard, or its slice for ZeRO-1/2 ones."""
+        return [self.slices.get(fqn, p) for fqn, p in self.params.items()]
+
+    def reduce_scatter(self, fqns: list[str], axes: tuple[int, ...]) -> None:
+        """ZeRO-2: reduce-scatter the gradients of the bucket ``fqns`` (one collective); each
+        slice gets its part, the full gradients are dropped."""
+        flats = [self.params[f].grad.reshape(-1) for f in fqns]
+        parts = [torch.cat([self._padded(g, f, j) for f, g in zip(fqns, flats)]) for j in range(self._size(axes))]
+        out = reduce_scatter_bucket(parts, axes, self.groups)
+        offset = 0
+        for f in fqns:
+            start, end, c = self._range[f]
+            self.slices[f].grad = out[offset: offset + end - start]
+            self.params[f].grad = None
+            offset += c
+
+    def slice_gradients(self) -> None:
+        """ZeRO-1: each slice's gradient is the view of its part of the synchronized gradient."""
+        for fqn, (stage, _) in self.stages.items():
+            if stage == 1:
+                start, end, _ = self._range[fqn]
+                self.slices[fqn].grad = self.params[fqn].grad.view(-1)[start:end]
+
+    def gather(self) -> None:
+        """After the optimizer step: all-gather each bucket of updated slices into the shards."""
+        with torch.no_grad():
+            for axes, fqns in self.buckets:
+                flats = [self.params[f].view(-1) for f in fqns]
+                j = self.groups.shard_index(axes)
+                parts = all_gather_bucket(torch.cat([self._padded(x, f, j) for f, x in zip(fqns, flats)]), axes,
+                                          self.groups)
+                offset = 0
+                for f, x in zip(fqns, flats):
+                    c = self._range[f][2]
+                    x.copy_(torch.cat([part[offset: offset + c] for part in parts])[:x.numel()])
+                    offset += c
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """FQN -> the whole local gradient of every ZeRO-2 parameter (all-gathered from the
+        slices; for inspection, ``Trainer.gradients``)."""
+        out = {}
+        for fqn, (stage, axes) in self.stages.items():
+            if stage == 2:
+                p, g = self.params[fqn], self.slices[fqn].grad
+                g = g if g is not None else torch.zeros_like(self.slices[fqn])
+                start, end, c = self._range[fqn]
+                parts = all_gather_bucket(torch.cat([g, g.new_zeros(c - g.numel())]), axes, self.groups, "gather")
+                out[fqn] = torch.cat(parts)[:p.numel()].view_as(p)
+        return out

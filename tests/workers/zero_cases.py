@@ -1,0 +1,107 @@
+"""Run on every rank by torchrun: ZeRO-1/2/3 plans (and ZeRO-2 with tensor parallelism on 2x2)
+trained against one process, SGD and AdamW; the bytes the trainer holds for parameters,
+gradients and optimizer states vs the plan's prediction. Rank 0 writes one record per case."""
+import argparse
+import copy
+import json
+
+import torch
+import torch.distributed as dist
+
+from alpa_lite import parallelize
+from alpa_lite.compiler.strategies import training_state_bytes
+from alpa_lite.core.plan import local_bytes
+from alpa_lite.runtime import collective_counts
+from alpa_lite.runtime.launch import init_distributed
+from single_process import finish, reference
+
+STEPS, LR, HIDDEN, LAYERS, BATCH = 3, 1e-2, 64, 4, 16
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(LAYERS))
+
+    def forward(self, x, y):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            x = torch.relu(x) if i < LAYERS - 1 else x
+        return torch.nn.functional.mse_loss(x, y)
+
+
+def held_bytes(trainer) -> dict[str, int]:
+    """Bytes of the distinct storages the trainer holds for parameters, gradients and optimizer
+    states (a ZeRO slice is a view of its parameter: counted once)."""
+    seen, out = set(), {"params": 0, "grads": 0, "optimizer": 0}
+
+    def add(kind, t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            out[kind] += storage.nbytes()
+    tensors = list(trainer.params.values()) + [p for g in trainer.optimizer.param_groups for p in g["params"]]
+    for p in tensors:
+        add("params", p)
+    for p in tensors:
+        if p.grad is not None:
+            add("grads", p.grad)
+    for state in trainer.optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:  # AdamW's step count is a scalar
+                add("optimizer", v)
+    return out
+
+
+def predicted_bytes(plan, model) -> float:
+    """Parameters + gradients + Adam states per device the plan predicts (``training_state_bytes``)."""
+    total = 0.0
+    for fqn, p in model.named_parameters():
+        stage, axes = plan.zero_stages[fqn]
+        n = 1
+        for a in axes:
+            n *= plan.mesh.shape[a]
+        total += sum(training_state_bytes(local_bytes(p, plan.param_specs[fqn], plan.mesh.shape),
+                                          stage if stage in (1, 2) else 0, n))
+    return total
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", required=True, help="JSON: name -> {mesh, optimizer, options}")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    init_distributed(60)
+    torch.manual_seed(0)
+    model = MLP()
+    batches = [(torch.randn(BATCH, HIDDEN), torch.randn(BATCH, HIDDEN)) for _ in range(STEPS)]
+    results = {}
+    for name, case in json.loads(args.cases).items():
+        opt = OPTIMIZERS[case["optimizer"]]
+        ref_losses, _, ref_params = reference(model, batches, LR, opt)
+        trainer = parallelize(copy.deepcopy(model), tuple(case["mesh"]), batches[0],
+                              optimizer=lambda p, opt=opt: opt(p, lr=LR), **case["options"])
+        before = collective_counts()
+        losses = [trainer.step(*batches[0])]
+        after = collective_counts()
+        losses += [trainer.step(*b) for b in batches[1:]]
+        held = held_bytes(trainer)
+        measured = torch.tensor([float(sum(held.values()))])
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+        params = trainer.state_dict()
+        runtime = {f"{k}|{ph}": after[(k, ph)] - before.get((k, ph), 0) for (k, ph) in after
+                   if ph in ("forward", "backward", "update") and after[(k, ph)] != before.get((k, ph), 0)}
+        results[name] = {
+            "losses": losses, "ref_losses": ref_losses,
+            "param_err": max(float((params[k] - v).abs().max()) for k, v in ref_params.items()),
+            "runtime_counts": runtime,
+            "plan_counts": {f"{k}|{ph}": n for (k, ph), n in trainer.plan.collective_counts().items()},
+            "zero_stages": {k: [z, list(a)] for k, (z, a) in trainer.plan.zero_stages.items()},
+            "param_specs": {k: str(v) for k, v in trainer.plan.param_specs.items()},
+            "held": held, "held_max": float(measured), "predicted": predicted_bytes(trainer.plan, model)}
+    finish(results, args.out)
+
+
+if __name__ == "__main__":
+    main()
