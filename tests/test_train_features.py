@@ -28,24 +28,25 @@ def results(tmp_path_factory):
 
 
 def test_accumulation_equals_one_process_on_the_whole_batch(results):
-    for name, r in results["accumulation"].items():
-        k = int(name.rsplit("k", 1)[1])
-        assert r["micro_rows"] == 8 // k, name  # the plan is made for one microbatch
-        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5), name
-        assert r["grad_err"] < 1e-4, name
-        assert r["param_err"] < 2e-4, name
+    r = results["accumulation_and_clipping"]
+    for name in ("megatron_k4", "dp_k2"):
+        a = r[name]
+        assert a["micro_rows"] == 8 // int(name[-1]), name  # the plan is made for one microbatch
+        assert a["losses"] == pytest.approx(a["ref_losses"], rel=1e-5), name
+        assert a["grad_err"] < 1e-4, name
+        assert a["param_err"] < 2e-4, name
 
 
-def test_global_norm_equals_one_process(results):
-    r = results["clipping"]
-    for plan in ("dp", "megatron", "2d", "zero3", "pipeline"):
-        assert r[plan]["norm"] == pytest.approx(r[plan]["ref"], rel=1e-5), plan
-        assert r[plan]["inf"] == pytest.approx(r["ref_inf"], rel=1e-6), plan
-        assert r[plan]["same"], plan
-    for plan in ("megatron", "pipeline"):
-        c = r[f"clipped_{plan}"]
-        assert c["param_err"] < 1e-5, plan
-        assert c["unclipped_move"] > 100 * max(c["param_err"], 1e-7), plan  # clipping changed the run
+def test_global_norm_and_clipping_equal_one_process(results):
+    r = results["accumulation_and_clipping"]
+    for name in ("megatron_k4", "dp_k2", "clipped_2d", "clipped_zero3", "clipped_pipeline"):
+        assert r[name]["norm"] == pytest.approx(r["ref_norm"], rel=1e-5), name
+        assert r[name]["same"], name
+    for name in ("megatron_k4", "dp_k2"):
+        assert r[name]["inf"] == pytest.approx(r["ref_inf"], rel=1e-6), name
+    for name in ("clipped_2d", "clipped_zero3", "clipped_pipeline"):
+        assert r[name]["param_err"] < 1e-5, name
+    assert r["unclipped_move"] > 1e-2  # clipping changed the run: a missing clip would fail above
 
 
 def test_checkpoint_resumes_under_other_plans(results):
@@ -56,7 +57,7 @@ def test_checkpoint_resumes_under_other_plans(results):
         assert r[plan]["extra"] == {"step": 2}, plan
         assert r[plan]["losses"] == pytest.approx(ref[2:], rel=1e-5), plan
         assert r[plan]["param_err"] < 2e-4, plan
-    assert not math.isclose(r["fresh"]["losses"][1], ref[3], rel_tol=1e-3)  # without the load it differs
+    assert not math.isclose(r["fresh_optimizer"][1], ref[3], rel_tol=1e-3)  # the optimizer state matters
 
 
 def test_checkpoint_errors(results):
@@ -66,4 +67,4 @@ def test_checkpoint_errors(results):
     assert "file __3_0.distcp is missing" in e["c_missing"]
     assert "__0_0.distcp has 100 bytes" in e["c_short"]
     assert "no .metadata file" in e["c_nometa"]
-    assert "has no 'model.blocks.2." in e["other_model"]
+    assert "has no 'model.layers.0.weight'" in e["other_model"]

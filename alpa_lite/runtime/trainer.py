@@ -72,7 +72,8 @@ class Trainer:
         groups: this rank's ``MeshGroups``; buckets: its deferred gradient buckets.
         timer: a ``StepTimer`` when the trainer reports (``parallelize(..., report=True)``).
         max_grad_norm: when set, ``step`` clips the gradients to this global norm
-            (``clip_grad_norm_``) before the optimizer update.
+            (``clip_grad_norm_``) before the optimizer update; last_grad_norm: then the global
+            norm of the last step's gradients before clipping (float; None before).
         num_microbatches: microbatches of a step's batch along dim 0 (a pipeline's, or the
             gradient accumulation steps of an SPMD plan); the plan is made for one of them.
     """
@@ -84,6 +85,7 @@ class Trainer:
     num_microbatches: int = 1
     timer: StepTimer | None = None
     max_grad_norm: float | None = None
+    last_grad_norm: float | None = None
 
     def _build(self, model, plan: Plan, optimizer: Callable, seed: int, init_fn) -> None:
         """The state of this rank for the SPMD ``plan`` of ``self.view``: shards, constants,
@@ -123,7 +125,7 @@ class Trainer:
                 p.grad = None
             loss = self._train_step(flat)
             if self.max_grad_norm is not None:
-                self.clip_grad_norm_(self.max_grad_norm)
+                self.last_grad_norm = float(self.clip_grad_norm_(self.max_grad_norm))
             if self.optimizer is not None:
                 self.optimizer.step()
         if self.timer is not None and self.timer.report_due():

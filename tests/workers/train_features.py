@@ -53,10 +53,16 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=LR)
 
 
-def train(model, plan, batches, optimizer=adamw, **kw):
+PLANNED = {}  # plan name -> the plan the first trainer of that name made (later ones reuse it)
+
+
+def train(model, plan, batches, steps, optimizer=adamw, **kw):
+    """A trainer of ``plan`` and its losses of the first ``steps`` batches."""
     mesh, options = PLANS[plan]
-    trainer = parallelize(copy.deepcopy(model), mesh, batches[0], optimizer=optimizer, **options, **kw)
-    return trainer, [trainer.step(*b) for b in batches]
+    planned = {"plan": PLANNED[plan]} if plan in PLANNED else options
+    trainer = parallelize(copy.deepcopy(model), mesh, batches[0], optimizer=optimizer, **planned, **kw)
+    PLANNED[plan] = trainer.plan
+    return trainer, [trainer.step(*b) for b in batches[:steps]]
 
 
 def err(got: dict, want: dict) -> float:
@@ -69,25 +75,9 @@ def same_on_every_rank(x: float) -> bool:
     return len(set(values)) == 1
 
 
-def accumulation(model, batches) -> dict:
-    """K microbatches, one update: the whole batch's loss, gradients and parameters."""
-    ref_losses, ref_grads, ref_params = reference(model, batches[:2], LR)
-    out = {}
-    for plan, k in (("megatron", 4), ("dp", 2)):
-        trainer = parallelize(copy.deepcopy(model), PLANS[plan][0], batches[0], optimizer=adamw, accumulate=k,
-                              **PLANS[plan][1])
-        losses = [trainer.step(*batches[0])]
-        grads = trainer.gradients()
-        losses.append(trainer.step(*batches[1]))
-        scale = max(float(g.abs().max()) for g in ref_grads.values())
-        out[f"{plan}_k{k}"] = {"losses": losses, "ref_losses": ref_losses, "grad_err": err(grads, ref_grads) / scale,
-                               "param_err": err(trainer.state_dict(), ref_params),
-                               "micro_rows": int(trainer.cg.node(trainer.cg.input_names[0]).meta["val"].shape[0])}
-    return out
-
-
-def reference_norms(model, batches, max_norm):
-    """One process: the first step's unclipped global norm; SGD steps clipped to ``max_norm``."""
+def reference_sgd(model, batches, max_norm):
+    """One process, SGD with ``clip_grad_norm_(max_norm)``: (the global norms before clipping,
+    the final parameters)."""
     m = copy.deepcopy(model)
     opt = torch.optim.SGD(m.parameters(), lr=0.5)
     norms = []
@@ -99,47 +89,59 @@ def reference_norms(model, batches, max_norm):
     return norms, {k: v.detach() for k, v in m.named_parameters(remove_duplicate=False)}
 
 
-def clipping(model, batches) -> dict:
-    """``grad_norm`` after one step equals one process's ``clip_grad_norm_`` on every plan;
-    ``max_grad_norm`` clips every step as one process does."""
-    norms, _ = reference_norms(model, batches[:1], math.inf)
-    out = {}
-    for plan in ("dp", "megatron", "2d", "zero3", "pipeline"):
-        trainer, _ = train(model, plan, batches[:1])
-        norm = float(trainer.grad_norm())
-        inf_norm = float(trainer.grad_norm(math.inf))
-        out[plan] = {"norm": norm, "ref": norms[0], "same": same_on_every_rank(norm), "inf": inf_norm}
-    ref_inf = max(float(g.abs().max()) for g in reference(model, batches[:1], LR)[1].values())
-    out["ref_inf"] = ref_inf
+def accumulation_and_clipping(model, batches) -> dict:
+    """K microbatches, one update: the whole batch's loss, gradients and parameters; the global
+    norms (2 and inf) of their gradients equal one process's. ``max_grad_norm`` on the other
+    plans: the norm before clipping and the clipped SGD run equal one process's."""
+    ref_losses, ref_grads, ref_params = reference(model, batches[:2], LR)
+    scale = max(float(g.abs().max()) for g in ref_grads.values())
+    norms, _ = reference_sgd(model, batches[:1], math.inf)
+    out = {"ref_norm": norms[0], "ref_inf": scale}
+    for plan, k in (("megatron", 4), ("dp", 2)):
+        trainer = parallelize(copy.deepcopy(model), PLANS[plan][0], batches[0], optimizer=adamw, accumulate=k,
+                              **PLANS[plan][1])
+        losses = [trainer.step(*batches[0])]
+        grads = trainer.gradients()
+        norm, inf = float(trainer.grad_norm()), float(trainer.grad_norm(math.inf))
+        losses.append(trainer.step(*batches[1]))
+        out[f"{plan}_k{k}"] = {"losses": losses, "ref_losses": ref_losses, "grad_err": err(grads, ref_grads) / scale,
+                               "param_err": err(trainer.state_dict(), ref_params), "norm": norm, "inf": inf,
+                               "same": same_on_every_rank(norm),
+                               "micro_rows": int(trainer.cg.node(trainer.cg.input_names[0]).meta["val"].shape[0])}
     max_norm = norms[0] / 3
-    ref_norms, ref_params = reference_norms(model, batches[:2], max_norm)
+    ref_norms, ref_clipped = reference_sgd(model, batches[:2], max_norm)
+    out["unclipped_move"] = err(reference_sgd(model, batches[:2], math.inf)[1], ref_clipped)
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.5)  # noqa: E731 - SGD: a clipped step moves by less
-    for plan in ("megatron", "pipeline"):
-        trainer, losses = train(model, plan, batches[:2], optimizer=sgd, max_grad_norm=max_norm)
-        out[f"clipped_{plan}"] = {"param_err": err(trainer.state_dict(), ref_params),
-                                  "unclipped_move": err(reference_norms(model, batches[:2], math.inf)[1], ref_params)}
+    for plan in ("2d", "zero3", "pipeline"):
+        trainer, _ = train(model, plan, batches, 1, optimizer=sgd, max_grad_norm=max_norm)
+        first = trainer.last_grad_norm
+        trainer.step(*batches[1])
+        out[f"clipped_{plan}"] = {"norm": first, "same": same_on_every_rank(first),
+                                  "param_err": err(trainer.state_dict(), ref_clipped)}
     return out
 
 
 def checkpoints(model, batches, root: Path) -> dict:
     """Save on 2x2 Megatron after 2 steps; load into other plans; continue as the uninterrupted run."""
     ref_losses, _, ref_params = reference(model, batches, LR)
-    source, losses = train(model, "megatron", batches[:2])
+    source, losses = train(model, "megatron", batches, 2)
     path = root / "ckpt"
     source.save(path, extra={"step": 2})
     out = {"source": {"losses": losses + [source.step(*b) for b in batches[2:]], "ref_losses": ref_losses}}
     for plan in ("dp_1x4", "pipeline", "auto"):
-        mesh, options = PLANS[plan]
-        trainer = parallelize(copy.deepcopy(model), mesh, batches[0], optimizer=adamw, seed=5, **options)
+        trainer, _ = train(model, plan, batches, 0, seed=5)
         extra = trainer.load(path)
         out[plan] = {"losses": [trainer.step(*b) for b in batches[2:]], "extra": extra,
                      "param_err": err(trainer.state_dict(), ref_params)}
-    out["fresh"] = {"losses": train(model, "dp_1x4", batches[2:])[1]}  # no load: what a missing state changes
-    out["errors"] = checkpoint_errors(model, batches, source, path, root)
+    # one process resumed with the parameters but a fresh AdamW: what a lost optimizer state changes
+    m = copy.deepcopy(model)
+    m.load_state_dict(reference(model, batches[:2], LR)[2], strict=False)
+    out["fresh_optimizer"] = reference(m, batches[2:], LR)[0]
+    out["errors"] = checkpoint_errors(batches, source, path, root)
     return out
 
 
-def checkpoint_errors(model, batches, source, path: Path, root: Path) -> dict:
+def checkpoint_errors(batches, source, path: Path, root: Path) -> dict:
     errors = {}
 
     def attempt(name, fn):
@@ -172,12 +174,10 @@ def checkpoint_errors(model, batches, source, path: Path, root: Path) -> dict:
         f.write_bytes(f.read_bytes()[:100])
         (root / "c_nometa" / ".metadata").unlink()
     dist.barrier()
-    trainer = parallelize(copy.deepcopy(model), (2, 2), batches[0], optimizer=adamw, **MEGATRON)
     for name in ("c_missing", "c_short", "c_nometa"):
-        attempt(name, lambda: trainer.load(root / name))
-    other, example = build_model("gpt-tiny", BATCH, SEQ, device="cpu", num_layers=3)
-    deeper = parallelize(other, (2, 2), example, force_data_parallel=True)
-    attempt("other_model", lambda: deeper.load(path))
+        attempt(name, lambda: source.load(root / name))
+    other, example = build_model("mlp", BATCH, device="cpu")
+    attempt("other_model", lambda: parallelize(other, (2, 2), example, force_data_parallel=True).load(path))
     return errors
 
 
@@ -189,7 +189,7 @@ def main():
     init_distributed(60)
     model, _ = build_model("gpt-tiny", BATCH, SEQ, device="cpu")
     batches = make_batches()
-    results = {"accumulation": accumulation(model, batches), "clipping": clipping(model, batches),
+    results = {"accumulation_and_clipping": accumulation_and_clipping(model, batches),
                "checkpoints": checkpoints(model, batches, Path(args.dir))}
     finish(results, args.out)
 
