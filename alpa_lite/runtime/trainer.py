@@ -96,6 +96,7 @@ class Trainer:
         self.constants = local_constants(self.cg, plan, self.groups, self.device)
         self.buckets = gradient_buckets(self.view, plan.nodes, plan.grad_sync, self.groups.shape, plan.bucket_bytes)
         self.optimizer = optimizer(list(self.params.values())) if self.params else None
+        self._placeholders = {fqn: ph for ph, fqn in {**self.view.param_fqns, **self.view.buffer_fqns}.items()}
 
     def _local_plan(self) -> Plan:
         """This rank's SPMD plan (the whole plan, or its stage's)."""
@@ -239,10 +240,6 @@ class Trainer:
     def global_shape(self, fqn: str) -> tuple[int, ...]:
         """The full shape of parameter / buffer ``fqn``."""
         return tuple(self.cg.node(self._placeholders[fqn]).meta["val"].shape)
-
-    @property
-    def _placeholders(self) -> dict[str, str]:
-        return {fqn: ph for ph, fqn in {**self.view.param_fqns, **self.view.buffer_fqns}.items()}
 
     def save(self, path: str | Path, extra: dict | None = None) -> None:
         """Write a sharded checkpoint (``runtime/checkpoint.py``): call on every rank."""
