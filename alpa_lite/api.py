@@ -86,8 +86,8 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
                 plan: Plan | PipelinePlan | str | Path | None = None, seed: int = 0, init_fn: Callable | None = None,
                 cluster: str | None = None, timeout_s: float = 120.0, report: bool | None = None,
                 report_warmup: int = 2, report_steps: int | None = 5, options: PlanOptions | None = None,
-                pipeline: PipelineOptions | str | int | None = None,
-                **option_fields) -> ParallelTrainer | PipelineTrainer:
+                pipeline: PipelineOptions | str | int | None = None, accumulate: int = 1,
+                max_grad_norm: float | None = None, **option_fields) -> ParallelTrainer | PipelineTrainer:
     """Parallelize training of ``model`` over ``mesh`` (call on every rank).
 
     Rank 0 plans (unless ``plan`` is given) and broadcasts the plan; a planning error on rank 0
@@ -115,9 +115,18 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
             prints by itself after ``report_steps`` timed steps (None: only when asked).
         options, pipeline, option_fields: as ``alpa_lite.plan``; a pipelined plan returns a
             ``PipelineTrainer`` (the same interface).
+        accumulate: gradient accumulation over ``K`` microbatches (SPMD plans): the plan is made
+            for one microbatch (the first ``batch / K`` rows of the example), and ``step`` takes
+            the whole batch, runs its ``K`` microbatches one after the other, then synchronizes
+            the gradients once and updates once; the loss and gradients are the whole batch's
+            (a token mean over valid targets weighs each microbatch by its count). A pipelined
+            plan accumulates over its own microbatches: raise ``num_microbatches`` instead.
+        max_grad_norm: clip the gradients to this global L2 norm before every update
+            (``Trainer.clip_grad_norm_``); None: no clipping.
 
     Raises:
-        ValueError: the mesh does not match the world size, or an option is invalid.
+        ValueError: the mesh does not match the world size, or an option is invalid (``accumulate``
+            with a pipelined plan, or one that does not divide the batch).
         PlanError: the plan is corrupt or was made for another model or mesh.
     """
     init_distributed(timeout_s)
@@ -125,11 +134,16 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
     shape = tuple(dmesh.mesh.shape)
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     targets = tuple(targets)
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm must be a positive norm, got {max_grad_norm!r}")
+    if plan is not None and not isinstance(plan, (Plan, PipelinePlan)):
+        plan = load_plan(plan)
+    if accumulate != 1:
+        inputs, targets, example_kwargs = _accumulation_rows(inputs, targets, example_kwargs, accumulate, plan,
+                                                             split_options(options, pipeline, option_fields)[1])
     if plan is None:
         plan = _plan_on_rank_zero(model, inputs, shape, loss_fn, targets, example_kwargs, cluster, options, pipeline,
                                   option_fields)
-    elif not isinstance(plan, (Plan, PipelinePlan)):
-        plan = load_plan(plan)
     optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
     if isinstance(plan, PipelinePlan):
         batch = batch_size((inputs, example_kwargs))
@@ -141,10 +155,31 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
         trainer = PipelineTrainer(model, captured, plan, optimizer, seed, init_fn, timeout_s)
     else:
         captured = plan.captured or capture(model, inputs, loss_fn, targets, example_kwargs)
-        trainer = ParallelTrainer(model, dmesh, captured, plan, optimizer, seed, init_fn)
+        trainer = ParallelTrainer(model, dmesh, captured, plan, optimizer, seed, init_fn, accumulate)
     if report_requested(report):
         trainer.timer = StepTimer(report_warmup, report_steps)
+    trainer.max_grad_norm = max_grad_norm
     return trainer
+
+
+def _accumulation_rows(inputs: tuple, targets: tuple, example_kwargs, accumulate, plan, pipe) -> tuple:
+    """The example's first microbatch ``(inputs, targets, example_kwargs)`` for gradient
+    accumulation over ``accumulate`` microbatches.
+
+    Raises:
+        ValueError: ``accumulate`` is not a positive integer dividing the batch, or the plan is
+            pipelined (given, or asked for by ``pipe``).
+    """
+    if not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"accumulate must be a positive number of microbatches, got {accumulate!r}")
+    if isinstance(plan, PipelinePlan) or pipe is not None:
+        raise ValueError("accumulate applies to SPMD plans; a pipelined plan already accumulates gradients over "
+                         "its microbatches: raise num_microbatches instead")
+    batch = batch_size((inputs, example_kwargs))
+    if batch % accumulate:
+        raise ValueError(f"accumulate={accumulate} does not divide the example batch of {batch}")
+    n = batch // accumulate
+    return rows(inputs, 0, n), rows(targets, 0, n), rows(example_kwargs, 0, n)
 
 
 def _capture_rows(model, inputs: tuple, loss_fn, targets: tuple, example_kwargs, n: int) -> CapturedGraph:

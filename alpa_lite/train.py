@@ -9,6 +9,12 @@ per step) and ``summary.json`` under ``--out``. The summary records what ran, as
 (``gloo``/``nccl``), ``dtype`` (of the parameters), ``cluster`` (what the planner priced),
 ``plan_file`` (the ``--plan`` given, or null when the run planned itself), the losses and the
 parameter specs.
+
+``--accumulate K`` trains each ``--batch`` as K microbatches with one update; ``--max-grad-norm``
+clips by the global norm (logged as ``grad_norm``); ``--save DIR`` writes a sharded checkpoint
+(``Trainer.save``) with the step count after the last step; ``--resume DIR`` loads one (saved
+under any mesh or plan), skips the batches already trained on and continues to ``--steps``, so
+a run saved at step k and resumed gives the uninterrupted run's losses.
 """
 from __future__ import annotations
 
@@ -36,6 +42,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report", action="store_true",
                    help="print predicted vs measured step and collective times after 2 warm-up + 5 timed steps")
+    p.add_argument("--accumulate", type=int, default=1, metavar="K",
+                   help="gradient accumulation: --batch is K microbatches, one optimizer update per step")
+    p.add_argument("--max-grad-norm", type=float, default=None, help="clip gradients to this global L2 norm")
+    p.add_argument("--save", default=None, metavar="DIR",
+                   help="write a sharded checkpoint (parameters, optimizer state, step) here at the end")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="resume from a --save checkpoint (any mesh or plan) and train up to --steps in all")
     p.add_argument("--out", default="runs/train", help="directory for plan.json, log.jsonl, summary.json "
                                                          "(replaced by a new run)")
 
@@ -71,8 +84,12 @@ def _worker(args) -> int:
     shape = parse_mesh_shape(args.mesh)
     t0 = time.perf_counter()
     trainer = parallelize(model, shape, first, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
-                          plan=args.plan, cluster=args.cluster, report=args.report or None)
+                          plan=args.plan, cluster=args.cluster, report=args.report or None,
+                          accumulate=args.accumulate, max_grad_norm=args.max_grad_norm)
     plan_s = time.perf_counter() - t0
+    start = int(trainer.load(args.resume).get("step", 0)) if args.resume else 0
+    if start >= args.steps:
+        raise ValueError(f"--resume {args.resume} is at step {start}: nothing to train up to --steps {args.steps}")
     out = Path(args.out)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -81,22 +98,27 @@ def _worker(args) -> int:
                                                   f"process{'es' if world > 1 else ''}, mesh {args.mesh}"))
         console.print(param_table(trainer.plan))
         console.print(collective_table(trainer.plan))
-    log = open(out / "log.jsonl", "w") if rank == 0 else None
+    log = open(out / "log.jsonl", "a" if start else "w") if rank == 0 else None
     losses = []
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                         TimeRemainingColumn(), console=console, disable=rank != 0)
     with progress:
-        task = progress.add_task("train", total=args.steps, info="")
+        task = progress.add_task("train", total=args.steps, completed=start, info="")
         batch = first
-        for step in range(args.steps):
+        for _ in range(start):  # the batches a resumed run trained on already
+            batch = next(stream)
+        for step in range(start, args.steps):
             t = time.perf_counter()
             loss = trainer.step(*batch)
             dt = time.perf_counter() - t
             losses.append(loss)
             if log:
-                log.write(json.dumps({"step": step, "loss": loss, "step_s": dt}) + "\n")
+                norm = {} if trainer.last_grad_norm is None else {"grad_norm": trainer.last_grad_norm}
+                log.write(json.dumps({"step": step, "loss": loss, "step_s": dt} | norm) + "\n")
             progress.update(task, advance=1, info=f"loss {loss:.3f}  step {dt * 1e3:.0f} ms")
             batch = next(stream)
+    if args.save:
+        trainer.save(args.save, extra={"step": args.steps})
     with torch.no_grad():
         vx, vy = next(batches(val, args.batch, args.seq, seed=1234))
         val_loss = float(trainer.loss(vx, vy))
@@ -106,6 +128,7 @@ def _worker(args) -> int:
         summary = {"model": args.model, "processes": world, "mesh": args.mesh, "device": trainer.device.type,
                    "backend": dist.get_backend(), "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
                    "cluster": trainer.plan.mesh.cluster, "plan_file": args.plan, "steps": args.steps,
+                   "resumed_at": start, "accumulate": args.accumulate, "max_grad_norm": args.max_grad_norm,
                    "plan_seconds": plan_s, "first_loss": losses[0], "final_loss_avg": sum(losses[-k:]) / k,
                    "val_loss": val_loss, "param_specs": trainer.plan.param_specs}
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -126,6 +149,10 @@ def main(args) -> int:
     n0, n1 = parse_mesh_shape(args.mesh)  # bad input fails here, once, not on every rank
     if n0 * n1 != args.nproc:
         raise ValueError(f"mesh {args.mesh} has {n0 * n1} devices but --nproc is {args.nproc}")
+    if args.accumulate < 1 or args.batch % args.accumulate:
+        raise ValueError(f"--accumulate {args.accumulate} must be a positive divisor of --batch {args.batch}")
+    if args.resume and not (Path(args.resume) / ".metadata").is_file():
+        raise ValueError(f"--resume {args.resume}: no checkpoint there (no .metadata file)")
     shape = None if args.plan is None else load_plan(args.plan).mesh.shape
     if shape is not None and shape != (n0, n1):
         raise ValueError(f"plan {args.plan} is for a {shape[0]}x{shape[1]} mesh, not {args.mesh}")

@@ -87,3 +87,24 @@ def test_plan_pipeline_prints_stages_and_saves_a_chart(tmp_path):
     # the summary gives the pipeline's step (stages overlap: no compute + communication sum)
     assert "2 stages, 4 microbatches (gpipe), bubble" in r.stdout and "communication" not in r.stdout
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_saves_and_resumes_on_another_mesh(tmp_path):
+    """The main job with --accumulate and --max-grad-norm, saved at step 2 on a 1x2 mesh and
+    resumed on 2x1 (another plan), logs the losses of the uninterrupted run (fp32, 1e-5 relative)."""
+    flags = ["--nproc", "2", "--seq", "16", "--batch", "8", "--layers", "1", "--hidden", "32", "--accumulate", "2",
+             "--max-grad-norm", "0.5"]
+    runs = {"whole": ["--mesh", "1x2", "--steps", "4"],
+            "first": ["--mesh", "1x2", "--steps", "2", "--save", str(tmp_path / "ckpt")],
+            "resumed": ["--mesh", "2x1", "--steps", "4", "--resume", str(tmp_path / "ckpt")]}
+    logs = {}
+    for name, extra in runs.items():
+        r = alpa_lite("train", *flags, *extra, "--out", str(tmp_path / name))
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        logs[name] = [json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in logs["resumed"]] == [2, 3]
+    assert [x["loss"] for x in logs["first"] + logs["resumed"]] == pytest.approx([x["loss"] for x in logs["whole"]],
+                                                                              rel=1e-5)
+    assert all(x["grad_norm"] > 0 for x in logs["whole"])
+    r = alpa_lite("train", "--resume", str(tmp_path / "nothing"))
+    assert r.returncode == 2 and "no checkpoint there" in " ".join(r.stderr.split())

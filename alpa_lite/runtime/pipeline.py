@@ -123,6 +123,7 @@ class PipelineTrainer(Trainer):
         self.tied_groups = self._tied_groups(rank)
         self._build(model, self.sp.plan, optimizer, seed, init_fn)  # no optimizer on a stage with nothing to train
         self.peak_activation_bytes = 0
+        self._stage_meshes = None
 
     # ---------------------------------------------------------------- process groups
     def _make_groups(self, rank: int) -> MeshGroups:
@@ -165,6 +166,20 @@ class PipelineTrainer(Trainer):
 
     def _local_plan(self) -> Plan:
         return self.sp.plan
+
+    def owns(self, fqn: str) -> bool:
+        ph = self._placeholders[fqn]
+        return next(i for i, s in enumerate(self.plan.stages) if ph in s.plan.nodes) == self.stage
+
+    def state_mesh(self):
+        """This stage's ``DeviceMesh`` (its ranks in its logical mesh's shape); every rank builds
+        every stage's mesh in stage order the first time (``DeviceMesh`` creates process groups)."""
+        if self._stage_meshes is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._stage_meshes = [DeviceMesh(self.device.type, torch.tensor(s.ranks).view(*s.plan.mesh.shape))
+                                  for s in self.plan.stages]
+        return self._stage_meshes[self.stage]
 
     # ---------------------------------------------------------------- point to point
     def _meta(self, name: str):
@@ -234,9 +249,7 @@ class PipelineTrainer(Trainer):
         """``w_m L_m`` of this microbatch (None when ``w_m = 0``: a token mean without a valid
         target adds nothing), recording ``(w_m L_m, w_m)`` for the step's loss."""
         loss = values[self.cg.loss_name]
-        name = self.reduction.denominator
-        weight = (self.executor.denominators.get(name, values.get(name)) if self.reduction.kind == "ratio"
-                  else torch.ones(())).detach().to(loss)
+        weight = self._loss_weight(values).to(loss)
         if not weight:
             self._terms.append((torch.zeros_like(loss), weight))
             return None

@@ -1,7 +1,8 @@
 """The trainers: run a plan on the ranks of a job, one process per device.
 
 ``Trainer`` is what both plan kinds offer (``step``, ``state_dict``, ``load_state_dict``,
-``gradients``, ``report``) and the code they share; ``ParallelTrainer`` runs an SPMD ``Plan``:
+``gradients``, ``clip_grad_norm_``, ``save`` / ``load`` / ``save_full``, ``report``) and the code
+they share; ``ParallelTrainer`` runs an SPMD ``Plan``:
 each rank builds only its own parameter shards, runs the captured graph on local shards with the
 planned collectives (``executor.py``), back-propagates through them (each collective's dual is
 explicit, ``collectives.py``), synchronizes the deferred data-parallel gradients in buckets and
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
@@ -23,6 +25,7 @@ import torch.distributed as dist
 from ..core.capture import CapturedGraph
 from ..core.plan import Plan, PlanError, gradient_buckets
 from ..core.spec import ShardingSpec
+from . import checkpoint
 from .collectives import COUNTS, MeshGroups, all_reduce_bucket, gather_full, local_slice
 from .executor import LocalExecutor
 from .init import local_constants, local_shards, store_buffer_mutations
@@ -70,6 +73,11 @@ class Trainer:
         groups: this rank's ``MeshGroups``; buckets: its deferred gradient buckets.
         zero: its ``ZeroPartition`` (the optimizer's slices of ZeRO-1/2 parameters).
         timer: a ``StepTimer`` when the trainer reports (``parallelize(..., report=True)``).
+        max_grad_norm: when set, ``step`` clips the gradients to this global norm
+            (``clip_grad_norm_``) before the optimizer update; last_grad_norm: then the global
+            norm of the last step's gradients before clipping (float; None before).
+        num_microbatches: microbatches of a step's batch along dim 0 (a pipeline's, or the
+            gradient accumulation steps of an SPMD plan); the plan is made for one of them.
     """
 
     plan: object
@@ -78,6 +86,8 @@ class Trainer:
     groups: MeshGroups
     num_microbatches: int = 1
     timer: StepTimer | None = None
+    max_grad_norm: float | None = None
+    last_grad_norm: float | None = None
 
     def _build(self, model, plan: Plan, optimizer: Callable, seed: int, init_fn) -> None:
         """The state of this rank for the SPMD ``plan`` of ``self.view``: shards, constants,
@@ -89,6 +99,7 @@ class Trainer:
         self.buckets = gradient_buckets(self.view, plan.nodes, plan.grad_sync, self.groups.shape, plan.bucket_bytes)
         self.zero = ZeroPartition(self.view, plan, self.params, self.groups)
         self.optimizer = optimizer(self.zero.optimizer_params()) if self.params else None
+        self._placeholders = {fqn: ph for ph, fqn in {**self.view.param_fqns, **self.view.buffer_fqns}.items()}
 
     def _local_plan(self) -> Plan:
         """This rank's SPMD plan (the whole plan, or its stage's)."""
@@ -117,6 +128,8 @@ class Trainer:
             for p in self.params.values():
                 p.grad = None
             loss = self._train_step(flat)
+            if self.max_grad_norm is not None:
+                self.last_grad_norm = float(self.clip_grad_norm_(self.max_grad_norm))
             if self.optimizer is not None:
                 self.optimizer.step()
                 self.zero.gather()
@@ -140,6 +153,20 @@ class Trainer:
                 raise ValueError(f"input {name} has shape {tuple(x.shape)}, the plan was made for {want}{per}")
         return flat
 
+    def _microbatch(self, flat: list[torch.Tensor], mb: int) -> list[torch.Tensor]:
+        """Microbatch ``mb`` of the flat batch: rows ``[mb n, (mb + 1) n)`` of every batched input."""
+        return [x[mb * (x.shape[0] // self.num_microbatches):(mb + 1) * (x.shape[0] // self.num_microbatches)]
+                if x.dim() else x for x in flat]
+
+    def _loss_weight(self, values: dict) -> torch.Tensor:
+        """``w_m`` of a microbatch's loss (``pipeline.py``'s module docstring): the denominator of a
+        token mean over valid targets (``LossReduction`` kind ``"ratio"``), else 1; 0-dim, detached."""
+        reduction = self.plan.loss_reduction
+        if reduction.kind != "ratio":
+            return torch.ones(())
+        name = reduction.denominator
+        return self.executor.denominators.get(name, values.get(name)).detach()
+
     def _sync_buckets(self) -> None:
         """All-reduce (ZeRO-2: reduce-scatter) the deferred data-parallel gradients, one bucket at
         a time (``Plan.grad_sync``)."""
@@ -158,6 +185,83 @@ class Trainer:
         """The full tensor of ``placeholder`` from this rank's shard ``x``."""
         shape = tuple(self.cg.node(placeholder).meta["val"].shape)
         return gather_full(x.detach(), self._spec(placeholder), shape, self.groups)
+
+    # ---------------------------------------------------------------- clipping
+    def owns(self, fqn: str) -> bool:
+        """Whether this rank's copy of parameter / buffer ``fqn`` is the one counted in the global
+        gradient norm and written to a checkpoint (a pipeline's weight held by several stages:
+        the first stage's)."""
+        return True
+
+    def _job_group(self):
+        """The process group of every rank of the plan."""
+        return dist.group.WORLD
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The global ``norm_type``-norm of the gradients of every parameter, as one process
+        computes it over the full gradients (``torch.nn.utils.get_total_norm``); on every rank.
+
+        Each rank takes the norm of its gradient shards; a shard held by ``r`` ranks (replicated
+        along the mesh axes that do not split it) counts ``1 / r`` of its ``p``-th power, so
+        each element counts once; one all-reduce over the plan's ranks sums the powers (the
+        maximum for ``inf``). Parameters without a gradient are skipped, as torch does.
+
+        Returns:
+            a 0-dim float32 tensor on this rank's device.
+        """
+        p = float(norm_type)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for fqn, param in self.params.items():
+            if param.grad is None or not self.owns(fqn):
+                continue
+            n = torch.linalg.vector_norm(param.grad.detach(), p).to(total)
+            if math.isinf(p):
+                total = torch.maximum(total, n)
+            else:
+                split = self._spec(self._placeholders[fqn]).axes()
+                total += n ** p / math.prod(s for a, s in enumerate(self.groups.shape) if a not in split)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM, group=self._job_group())
+        return (total if math.isinf(p) else total ** (1 / p)).to(torch.float32)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the gradients so their global norm (``grad_norm``) is at most ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_`` does in one process (the same coefficient
+        ``max_norm / (norm + 1e-6)``, capped at 1, on every rank). Call on every rank after the
+        gradients are synchronized (``step`` does, with ``max_grad_norm``).
+
+        Returns:
+            the global norm before clipping (0-dim float32 tensor), equal on every rank.
+        """
+        norm = self.grad_norm(norm_type)
+        grads = [p for p in self.params.values() if p.grad is not None]
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
+        return norm
+
+    # ---------------------------------------------------------------- checkpoints
+    def state_mesh(self):
+        """The ``DeviceMesh`` this rank's shards live on (the plan's; a pipeline stage's own)."""
+        raise NotImplementedError
+
+    def placements(self, fqn: str) -> tuple:
+        """DTensor placements of parameter / buffer ``fqn`` on ``state_mesh()``."""
+        return self._spec(self._placeholders[fqn]).placements(2)
+
+    def global_shape(self, fqn: str) -> tuple[int, ...]:
+        """The full shape of parameter / buffer ``fqn``."""
+        return tuple(self.cg.node(self._placeholders[fqn]).meta["val"].shape)
+
+    def save(self, path: str | Path, extra: dict | None = None) -> None:
+        """Write a sharded checkpoint (``runtime/checkpoint.py``): call on every rank."""
+        checkpoint.save(self, path, extra)
+
+    def load(self, path: str | Path) -> dict:
+        """Read a checkpoint written by ``save`` under any plan (``runtime/checkpoint.py``); call on
+        every rank. Returns the ``extra`` dict it was saved with."""
+        return checkpoint.load(self, path)
+
+    def save_full(self, path: str | Path) -> None:
+        """Write the full state dict for inference (``runtime/checkpoint.py``); call on every rank."""
+        checkpoint.save_full(self, path)
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -227,13 +331,19 @@ class ParallelTrainer(Trainer):
         captured: the ``CapturedGraph`` of the model (the plan's fingerprint).
         plan: the ``Plan``.
         optimizer: ``params -> torch.optim.Optimizer`` over this rank's shards.
+        accumulate: gradient accumulation steps ``K``: a step's batch is ``K`` microbatches of the
+            plan's batch along dim 0, run one after the other with one gradient synchronization
+            and one optimizer update (``_accumulate``).
 
     Raises:
         PlanError: the plan was made for another model, other input shapes or another mesh.
+        ValueError: ``accumulate`` is not a positive integer.
     """
 
     def __init__(self, model, device_mesh, captured: CapturedGraph, plan: Plan, optimizer: Callable, seed: int = 0,
-                 init_fn=None):
+                 init_fn=None, accumulate: int = 1):
+        if not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(f"accumulate must be a positive number of microbatches, got {accumulate!r}")
         if plan.fingerprint != captured.fingerprint():
             raise PlanError("the plan was made for another model or other input shapes "
                             f"(plan graph {plan.fingerprint}, this model {captured.fingerprint()})")
@@ -247,10 +357,20 @@ class ParallelTrainer(Trainer):
         ranks = sorted(int(r) for r in device_mesh.mesh.flatten())
         flat = dist.group.WORLD if len(ranks) == dist.get_world_size() else dist.new_group(ranks)
         self.groups = MeshGroups(shape, coord, groups, flat)
+        self.num_microbatches = accumulate
+        if accumulate > 1 and plan.loss_reduction.problems:
+            warnings.warn(f"accumulating {accumulate} microbatches changes the loss: "
+                          + "; ".join(plan.loss_reduction.problems), stacklevel=2)
         self._build(model, plan, optimizer, seed, init_fn)
 
     def _local_plan(self) -> Plan:
         return self.plan
+
+    def _job_group(self):
+        return self.groups.flat
+
+    def state_mesh(self):
+        return self.mesh
 
     def placeholder_values(self, flat: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every placeholder's local value for the flat batch ``flat`` (``cg.input_names`` order)."""
@@ -264,18 +384,41 @@ class ParallelTrainer(Trainer):
     def loss(self, *batch, **kwargs) -> torch.Tensor:
         """The (replicated) loss of a global batch, with the autograd graph for backward (no
         update; buffers such as batch-norm statistics are updated as in a forward)."""
-        return self._loss(self._flat_batch(batch, kwargs))
+        return self._accumulate(self._flat_batch(batch, kwargs), backward=False)
 
-    def _loss(self, flat: list[torch.Tensor]) -> torch.Tensor:
+    def _run(self, flat: list[torch.Tensor]) -> dict[str, object]:
         values = self.executor.run(self.placeholder_values(flat))
         store_buffer_mutations(self.cg, self.plan, values, self.buffers, self.groups)
-        return values[self.cg.loss_name]
+        return values
+
+    def _accumulate(self, flat: list[torch.Tensor], backward: bool) -> torch.Tensor:
+        """The loss of the whole batch over its ``K`` microbatches, ``sum_m w_m L_m / Z``, as a
+        pipeline combines its microbatches (``pipeline.py``'s module docstring): a mean
+        averages them, a sum adds them, a token mean over valid targets weighs each by its
+        count. With ``backward``, each ``w_m L_m`` is back-propagated as soon as it is computed
+        (one microbatch's activations live at a time) and the gradients are divided by ``Z``;
+        then the loss is detached. ``K = 1`` is the plain loss."""
+        losses, weights = [], []
+        for mb in range(self.num_microbatches):
+            values = self._run(self._microbatch(flat, mb))
+            loss = values[self.cg.loss_name]
+            weight = (self._loss_weight(values) if self.num_microbatches > 1 else torch.ones(())).to(loss)
+            term = loss * weight if weight else torch.zeros_like(loss)  # w_m = 0: no valid target, L_m is 0/0
+            if backward and weight:
+                term.backward()
+            losses.append(term.detach() if backward else term)
+            weights.append(weight)
+        z = torch.ones_like(weights[0]) if self.plan.loss_reduction.kind == "sum" else torch.stack(weights).sum()
+        if backward and float(z) not in (0.0, 1.0):
+            for p in self.params.values():
+                if p.grad is not None:
+                    p.grad.div_(z)
+        return torch.stack(losses).sum() / z
 
     def _train_step(self, flat: list[torch.Tensor]) -> float:
-        loss = self._loss(flat)
-        loss.backward()
+        loss = self._accumulate(flat, backward=True)
         self._sync_buckets()
-        return float(loss.detach())
+        return float(loss)
 
     def _gather(self, local: dict[str, torch.Tensor], placeholders: dict[str, str]) -> dict[str, torch.Tensor]:
         out = {}

@@ -1,0 +1,251 @@
+"""Checkpoints of a trainer: sharded, with ``torch.distributed.checkpoint`` (DCP), readable under
+any plan; and a full export for inference.
+
+``save(trainer, path)``: every rank hands DCP its shards as DTensors on the mesh they live on
+(the plan's ``DeviceMesh``; a pipeline stage's own submesh) with the plan's placements
+(``ShardingSpec.placements``): the parameters and buffers under ``model.<fqn>``, and every
+optimizer state shaped like its parameter (Adam's moments, SGD's momentum) under
+``optim.state.<fqn>.<name>`` with the same placements (scalars such as Adam's ``step`` as plain
+tensors). DCP writes each rank's chunks in parallel, a replicated chunk once, and records each
+tensor's global shape and chunk offsets in ``.metadata``; nothing is gathered. The checkpoint
+goes to a temporary directory beside ``path`` that replaces ``path`` only once complete, so a
+failed save leaves what was there.
+
+``load(trainer, path)``: every rank asks DCP for its own shards under its own plan (another mesh
+shape, sharding, world size, or a pipelined plan); DCP reads the overlapping chunks of the saved
+ones. A weight several pipeline stages hold is saved by the first and read by all. Optimizer
+hyperparameters (learning rate ...) come from the new trainer's optimizer, not the checkpoint.
+
+``save_full(trainer, path)``: the full state dict (``Trainer.state_dict``) on rank 0, as
+safetensors for a ``.safetensors`` path, else ``torch.save``; also written to a temporary name
+and renamed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+EXTRA = "extra.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or corrupt, or does not fit the trainer's model."""
+
+
+def _dtensor(trainer, mesh, fqn: str, local: torch.Tensor):
+    """``local`` (a shard of ``fqn``, or a tensor shaped like one) as a DTensor with ``fqn``'s
+    placements and global shape."""
+    from torch.distributed.tensor import DTensor
+
+    shape = trainer.global_shape(fqn)
+    return DTensor.from_local(local, mesh, trainer.placements(fqn), run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+def _sharded_state(trainer) -> dict[str, object]:
+    """The flat DCP state dict of this rank (module docstring)."""
+    mesh = trainer.state_mesh()
+    state: dict[str, object] = {}
+    for fqn, x in {**trainer.params, **trainer.buffers}.items():
+        if trainer.owns(fqn):
+            state[f"model.{fqn}"] = _dtensor(trainer, mesh, fqn, x.detach())
+    if trainer.optimizer is None:
+        return state
+    for fqn, p in trainer.params.items():
+        if not trainer.owns(fqn):
+            continue
+        for name, value in trainer.optimizer.state.get(p, {}).items():
+            key = f"optim.state.{fqn}.{name}"
+            if isinstance(value, torch.Tensor) and value.shape == p.shape:
+                state[key] = _dtensor(trainer, mesh, fqn, value)
+            elif isinstance(value, torch.Tensor) and value.dim() == 0:
+                state[key] = value
+            elif isinstance(value, torch.Tensor):
+                raise CheckpointError(f"optimizer state {name!r} of {fqn} has shape {tuple(value.shape)}, not its "
+                                      f"parameter shard's {tuple(p.shape)}: checkpoints hold optimizer states "
+                                      "shaped like their parameter (Adam, SGD momentum ...) or scalars")
+            else:
+                state[key] = value
+    return state
+
+
+def save(trainer, path: str | Path, extra: dict | None = None) -> None:
+    """Write ``trainer``'s parameter, buffer and optimizer-state shards to the directory ``path``
+    (module docstring); call on every rank. ``path`` must be on a file system every rank sees.
+
+    Args:
+        extra: JSON-able data saved with the checkpoint (a step count ...); ``load`` returns it.
+
+    Raises:
+        ValueError: ``path``'s parent directory does not exist, or ``extra`` is not JSON-able.
+        CheckpointError: an optimizer state that is neither parameter-shaped nor a scalar.
+        torch.distributed.checkpoint.CheckpointException: a rank failed to write (on every rank;
+            ``path`` is left as it was).
+    """
+    path = Path(path).absolute()
+    if not path.parent.is_dir():
+        raise ValueError(f"cannot save to {path}: the directory {path.parent} does not exist")
+    text = json.dumps(extra or {})  # fails here, on every rank, before anything is written
+    state = _sharded_state(trainer)
+    box = [tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+           if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    tmp = Path(box[0])
+    try:
+        if dist.get_rank() == 0:
+            (tmp / EXTRA).write_text(text)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
+    except BaseException:
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if dist.get_rank() == 0:
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        else:
+            os.replace(tmp, path)
+    dist.barrier()
+
+
+def _reader(path: Path):
+    """A ``FileSystemReader`` of ``path`` and its metadata, after checking that every file the
+    metadata names is there and long enough."""
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint at {path} (not a directory)")
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"checkpoint {path} has no .metadata file: it is not a complete checkpoint "
+                              "(a save that did not finish?)")
+    reader = dcp.FileSystemReader(path)
+    try:
+        metadata = reader.read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unpickling error means the same
+        raise CheckpointError(f"checkpoint {path}: .metadata is corrupt ({type(e).__name__}: {e})") from None
+    sizes: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(sizes.items()):
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {path} is incomplete: file {name} is missing")
+        if f.stat().st_size < size:
+            raise CheckpointError(f"checkpoint {path} is corrupt: file {name} has {f.stat().st_size} bytes, "
+                                  f"its metadata says at least {size}")
+    return reader, metadata
+
+
+def load(trainer, path: str | Path) -> dict:
+    """Read the checkpoint ``path`` (written by ``save`` under any plan) into ``trainer``'s shards
+    and optimizer state; call on every rank.
+
+    Returns:
+        the ``extra`` dict given to ``save``.
+
+    Raises:
+        CheckpointError: no checkpoint at ``path``; a file the metadata names is missing or too
+            short; ``.metadata`` is corrupt; a parameter of the model is not in the checkpoint
+            (the message names its key) or has another shape there (another model).
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(path)
+    reader, metadata = _reader(path)
+    saved = metadata.state_dict_metadata
+    mesh = trainer.state_mesh()
+    target: dict[str, object] = {}
+    for fqn, x in {**trainer.params, **trainer.buffers}.items():
+        key = f"model.{fqn}"
+        if key not in saved:
+            if fqn in trainer.buffers:  # a buffer missing keeps its value (non-persistent buffers)
+                continue
+            raise CheckpointError(f"checkpoint {path} has no {key!r}: it is not a checkpoint of this model")
+        if tuple(saved[key].size) != trainer.global_shape(fqn):
+            raise CheckpointError(f"checkpoint {path}: {key!r} has shape {tuple(saved[key].size)}, the model's is "
+                                  f"{trainer.global_shape(fqn)}")
+        target[key] = _dtensor(trainer, mesh, fqn, torch.empty_like(x.detach()))
+    if trainer.optimizer is not None:
+        for fqn, p in trainer.params.items():
+            prefix = f"optim.state.{fqn}."
+            for key, m in saved.items():
+                if not key.startswith(prefix) or "." in key[len(prefix):]:
+                    continue
+                if not isinstance(m, TensorStorageMetadata):
+                    target[key] = None
+                elif tuple(m.size) == trainer.global_shape(fqn):
+                    target[key] = _dtensor(trainer, mesh, fqn, torch.empty_like(p.detach(), dtype=m.properties.dtype))
+                else:
+                    target[key] = torch.empty(tuple(m.size), dtype=m.properties.dtype, device=p.device)
+    try:
+        dcp.load(target, storage_reader=reader)
+    except Exception as e:  # noqa: BLE001 - DCP raises CheckpointException on every rank
+        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
+    local = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in target.items()}
+    with torch.no_grad():
+        for fqn, x in {**trainer.params, **trainer.buffers}.items():
+            if f"model.{fqn}" in local:
+                x.copy_(local[f"model.{fqn}"])
+    if trainer.optimizer is not None:
+        _load_optimizer(trainer, local)
+    extra = path / EXTRA
+    return json.loads(extra.read_text()) if extra.is_file() else {}
+
+
+def _load_optimizer(trainer, local: dict[str, object]) -> None:
+    """Set the optimizer state of every parameter from the loaded ``optim.state.<fqn>.<name>``."""
+    state_dict = trainer.optimizer.state_dict()
+    order = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    index = {id(p): i for i, p in enumerate(order)}
+    state = {}
+    for fqn, p in trainer.params.items():
+        prefix = f"optim.state.{fqn}."
+        entry = {k[len(prefix):]: v for k, v in local.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
+        if entry and id(p) in index:
+            state[index[id(p)]] = entry
+    trainer.optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
+
+
+def save_full(trainer, path: str | Path) -> None:
+    """Write the full (gathered) parameters and buffers by FQN, tied names included, to the file
+    ``path`` from rank 0: safetensors when ``path`` ends in ``.safetensors``, else ``torch.save``;
+    call on every rank (it gathers, as ``state_dict`` does).
+
+    Raises:
+        ValueError: the directory of ``path`` does not exist.
+        ImportError: a ``.safetensors`` path without the safetensors package.
+        OSError: rank 0 could not write (on every rank; ``path`` is left as it was).
+    """
+    path = Path(path).absolute()
+    if not path.parent.is_dir():
+        raise ValueError(f"cannot save to {path}: the directory {path.parent} does not exist")
+    if path.suffix == ".safetensors":
+        try:
+            from safetensors.torch import save_file
+        except ImportError:
+            raise ImportError("a .safetensors export needs the safetensors package (pip install safetensors); "
+                              "or give a .pt path for torch.save") from None
+    state = trainer.state_dict()
+    box = [None]
+    if dist.get_rank() == 0:
+        tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+        try:
+            if path.suffix == ".safetensors":
+                save_file({k: v.contiguous().clone() for k, v in state.items()}, str(tmp))
+            else:
+                torch.save(state, tmp)
+            os.replace(tmp, path)
+        except OSError as e:
+            box[0] = f"{type(e).__name__}: {e}"
+        finally:
+            tmp.unlink(missing_ok=True)
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise OSError(f"saving {path} on rank 0 failed: {box[0]}")
