@@ -459,12 +459,9 @@ def _batch_norm(node, fresh):
 
 
 def _one_hot(node, fresh):
-    """``one_hot`` with a given class count splits its input's dims (the class dim stays whole);
-    with ``num_classes=-1`` the count comes from the data's max, which a shard does not see."""
-    a = op_args(node)
-    if a["num_classes"] < 0:
-        return None
-    inp = _dims("d", len(_shape(a["self"])))
+    """``one_hot`` splits its input's dims; the class dim stays whole (export needs the class
+    count: with ``num_classes=-1`` it would come from the data)."""
+    inp = _dims("d", len(_shape(op_args(node)["self"])))
     return OpSignature([inp], [inp + (fresh(),)])
 
 

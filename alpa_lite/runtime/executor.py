@@ -44,6 +44,17 @@ _BIAS_AFTER = {aten.linear.default: "bias", aten.conv2d.default: "bias", aten.co
                aten.convolution.default: "bias", aten.addmm.default: "self", aten.baddbmm.default: "self"}
 
 
+def local_arguments(target, args: tuple, kwargs: dict, in_specs, mesh_shape) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of ``target`` run on operands arriving in ``in_specs``: a grouped
+    convolution split by whole groups (``compiler.ops``'s convolution rule) runs
+    ``groups / shards`` of them; other calls are unchanged."""
+    if target in _CONV and in_specs[0].dims[1]:
+        groups = bind_args(target, args, kwargs)["groups"]
+        if groups > 1:
+            return with_arg(target, args, kwargs, "groups", groups // in_specs[0].shards(1, mesh_shape))
+    return args, kwargs
+
+
 class LocalExecutor:
     """Interprets ``captured``'s graph on this rank's shards under ``plan``; ``seed`` seeds the
     random ops (module docstring).
@@ -121,10 +132,7 @@ class LocalExecutor:
         return out
 
     def _local(self, node, np_: NodePlan, target, args, kwargs):
-        if target in _CONV and np_.in_specs[0].dims[1] and bind_args(target, args, kwargs)["groups"] > 1:
-            # split by whole groups (ops._conv): this shard runs groups / shards of them
-            groups = bind_args(target, args, kwargs)["groups"] // np_.in_specs[0].shards(1, self.mesh.shape)
-            args, kwargs = with_arg(target, args, kwargs, "groups", groups)
+        args, kwargs = local_arguments(target, args, kwargs, np_.in_specs, self.mesh.shape)
         if target is aten._native_batch_norm_legit_functional.default and np_.in_specs[0].dims[0]:
             return self._sync_batch_norm(np_, **bind_args(target, args, kwargs))
         if target is aten.cross_entropy_loss.default and np_.in_specs[0].dims[1]:
