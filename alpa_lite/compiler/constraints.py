@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..core.options import PlanOptions
 from ..core.spec import ShardingSpec
+from .ops import HEAVY_TARGETS
 from .strategies import NodeStrategies
 
 
@@ -75,7 +76,10 @@ def apply_constraints(cg, table: dict[str, NodeStrategies], mesh, options: PlanO
     - ``force_data_parallel``: every other parameter replicated, the batch dim of every value split
       over all mesh axes of more than one device; ``replicate_params``: only the former;
     - ``batch_axis``: the batch dim of every value split along that axis (nothing on an axis of
-      size 1).
+      size 1);
+    - ``allow_replicated_heavy_ops`` False: a compute-heavy op (``ops.HEAVY_TARGETS``) keeps the
+      strategies that split its work (a result or contraction label) along every mesh axis of more
+      than one device, when it has any.
     Parameters and inputs not in ``table`` (another stage's) are skipped.
 
     Raises:
@@ -91,6 +95,12 @@ def apply_constraints(cg, table: dict[str, NodeStrategies], mesh, options: PlanO
         name = cg.input_names[int(key)] if key.isdigit() else key
         if name in table:
             force(table[name], on_mesh(ShardingSpec.parse(text), mesh.shape), f"input {name}", cg, mesh)
+    if not options.allow_replicated_heavy_ops:
+        axes = {a for a in (0, 1) if mesh.shape[a] > 1}
+        for name, ns in table.items():
+            if cg.node(name).target in HEAVY_TARGETS:
+                split = [s for s in ns.strategies if axes <= set(s.partial_axes).union(*(o.axes() for o in s.out_specs))]
+                ns.strategies[:] = split or ns.strategies
     if options.force_data_parallel or options.replicate_params:  # except those given a spec (ZeRO, Megatron)
         for ph in cg.param_fqns:
             if ph in table and ph not in forced:

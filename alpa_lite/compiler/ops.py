@@ -564,6 +564,11 @@ def signature(node: torch.fx.Node) -> OpSignature | None:
     return sig
 
 
+HEAVY_TARGETS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default, aten.linear.default,
+                 aten.matmul.default, aten.einsum.default, aten.conv1d.default, aten.conv2d.default,
+                 aten.convolution.default, aten.scaled_dot_product_attention.default}
+"""Compute-heavy ops (matmul, convolution, einsum, attention): ``PlanOptions.allow_replicated_heavy_ops``."""
+
 STAT_TARGETS = {aten.cross_entropy_loss.default, aten._native_batch_norm_legit_functional.default}
 """The ops whose rules may share statistics (``OpSignature.stats``)."""
 

@@ -44,6 +44,11 @@ class PlanOptions:
     """``"cbc"`` (ships with PuLP) or ``"highs"`` (needs ``highspy``)."""
     bucket_bytes: float = 25 * 2**20
     """Largest bucket of deferred data-parallel gradients synchronized together, bytes."""
+    allow_replicated_heavy_ops: bool = True
+    """False: every compute-heavy op (matmul, convolution, einsum, attention) splits its work along
+    every mesh axis of more than one device, never computing the same product twice (Alpa's
+    default, Zheng et al. 2022, section 4.2); an op whose shapes allow no such strategy keeps all
+    of its strategies."""
 
     def __post_init__(self):
         if self.memory_budget is not None and not self.memory_budget > 0:

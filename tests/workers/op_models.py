@@ -33,11 +33,12 @@ class VocabHead(nn.Module):
 
 
 class ConvBN(nn.Module):
-    """A grouped convolution, a synchronized batch norm (training) and a depthwise convolution."""
+    """A grouped convolution, a synchronized batch norm (training) and a depthwise convolution
+    with a bias."""
 
     def __init__(self):
         super().__init__()
-        self.conv = nn.Conv2d(4, 8, 3, padding=1, groups=2)
+        self.conv = nn.Conv2d(4, 8, 3, padding=1, groups=2, bias=False)  # a bias before BN has no gradient
         self.bn = nn.BatchNorm2d(8)
         self.dw = nn.Conv2d(8, 8, 3, padding=1, groups=8)
 
