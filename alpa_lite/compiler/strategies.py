@@ -60,7 +60,8 @@ class Strategy:
         reduce: ``"sum"`` or ``"mean"``: how the partial result is formed.
         grad_partial: per operand, the mesh axes along which its gradient is a partial sum
             (None for an operand that needs no gradient: data, or values computed from data only).
-        compute: seconds, forward + backward; comm: seconds of the forward all-reduce;
+        compute: seconds, forward + backward; comm: seconds of the forward all-reduce and of the
+            statistics' all-reduces (``ops.stat_reductions``);
         memory: bytes per device.
     """
 
