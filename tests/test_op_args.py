@@ -57,7 +57,9 @@ def test_bind_args_fills_defaults_and_reads_keywords():
 def test_cross_entropy_rule_reads_every_option(options, output, reduce):
     node = _node(lambda x, y: F.cross_entropy(x, y, **options).sum(), torch.randn(8, 5), torch.randint(0, 5, (8,)))
     sig = signature(node)
-    assert sig.outputs == [output] and sig.reduce == reduce and sig.fixed == {"c"}
+    assert sig.outputs == [output] and sig.reduce == reduce and sig.fixed == set()
+    # vocab-parallel: per sample max, sum-exp, target logit (and the logits' sum when smoothing)
+    assert len(sig.stats["c"]) == (4 if options.get("label_smoothing") else 3)
 
 
 def test_cross_entropy_weighted_mean_and_sum_split_the_batch():
@@ -100,7 +102,7 @@ def test_convolution_groups_and_transposed_weight_layout():
     x = torch.randn(2, 4, 8, 8)
     grouped = signature(_node(lambda x, w: F.conv2d(x, w, stride=2, padding=1, dilation=2, groups=2).sum(),
                               x, torch.randn(4, 2, 3, 3), target=aten.conv2d.default))
-    assert grouped.inputs[0][1].startswith("#")  # grouped: channels not split
+    assert grouped.inputs[0][1] == grouped.inputs[1][0] == "g" and grouped.units == {"g": 2}  # by whole groups
     conv = next(n for n in capture(torch.nn.Sequential(torch.nn.ConvTranspose2d(4, 6, 3), torch.nn.Flatten(0)),
                                    (x,), lambda out: out.sum()).graph.nodes
                 if "conv" in str(n.target))

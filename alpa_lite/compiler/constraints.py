@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..core.options import PlanOptions
 from ..core.spec import ShardingSpec
+from .ops import HEAVY_TARGETS
 from .strategies import NodeStrategies
 
 
@@ -80,6 +81,9 @@ def apply_constraints(cg, table: dict[str, NodeStrategies], mesh, options: PlanO
     - ``zero_stage``: every trainable parameter in that ZeRO stage over ``data_parallel_axes``
       (stage 3: its storage split along all of them; under ``force_data_parallel`` along those
       only).
+    - ``allow_replicated_heavy_ops`` False: a compute-heavy op (``ops.HEAVY_TARGETS``) keeps the
+      strategies that split its work (a result or contraction label) along every mesh axis of more
+      than one device, when it has any.
     Parameters and inputs not in ``table`` (another stage's) are skipped.
 
     Raises:
@@ -96,6 +100,13 @@ def apply_constraints(cg, table: dict[str, NodeStrategies], mesh, options: PlanO
         name = cg.input_names[int(key)] if key.isdigit() else key
         if name in table:
             force(table[name], on_mesh(ShardingSpec.parse(text), mesh.shape), f"input {name}", cg, mesh)
+    if not options.allow_replicated_heavy_ops:
+        axes = {a for a in (0, 1) if mesh.shape[a] > 1}
+        for name, ns in table.items():
+            if cg.node(name).target in HEAVY_TARGETS:
+                split = [s for s in ns.strategies
+                         if axes <= set(s.partial_axes).union(*(o.axes() | set(o.partial) for o in s.out_specs))]
+                ns.strategies[:] = split or ns.strategies
     dp_axes = data_parallel_axes(options, mesh.shape)
     if options.force_data_parallel or options.replicate_params:  # except those given a spec (ZeRO, Megatron)
         allowed = set(dp_axes) if options.zero_stage == 3 else set()

@@ -42,6 +42,13 @@ class OpSignature:
         linear_in: alternative sets of input positions the op is linear in jointly (``((0, 1),)``
             for add, ``((0,), (1,))`` for a product): each set may arrive as a partial sum along
             mesh axes no label uses, and the result leaves as one (``linear_inputs``).
+        stats: label -> the statistics the op's local variant all-reduces over the mesh axes that
+            split that label, each ``(phase, labels of the statistic)`` (``"forward"`` or
+            ``"backward"``): a vocab-parallel cross-entropy's max and sum-exp per sample, a
+            synchronized batch norm's mean and variance per channel. Such a label is no
+            contraction: the result is complete after those all-reduces.
+        units: label -> how many indivisible units the dim holds (a grouped convolution's
+            channels split by whole groups): a split of the label must divide it.
     """
 
     inputs: list[Labels]
@@ -50,11 +57,13 @@ class OpSignature:
     reduce: str = "sum"
     post_reduce: set[int] = field(default_factory=set)
     linear_in: tuple[tuple[int, ...], ...] = ()
+    stats: dict[str, tuple[tuple[str, Labels], ...]] = field(default_factory=dict)
+    units: dict[str, int] = field(default_factory=dict)
 
     @property
     def contraction(self) -> set[str]:
         out = {lab for labs in self.outputs for lab in labs}
-        return {lab for labs in self.inputs for lab in labs} - out
+        return {lab for labs in self.inputs for lab in labs} - out - set(self.stats)
 
     @property
     def labels(self) -> list[str]:
@@ -176,10 +185,18 @@ def _linear(node, fresh):
 
 
 def _matmul(node, fresh):
+    """``torch.matmul``, vectors included: a 1-D operand has only its ``k`` (the dot product
+    contracts it), a 1-D left operand drops ``m`` from the result, a 1-D right one ``n``."""
     a, b = (_shape(v) for v in op_args(node).values())
     out_shape = _shape(node)
-    if len(a) < 2 or len(b) < 2:
-        return None  # vector products: replicated only
+    if len(a) == 1 and len(b) == 1:
+        return OpSignature([("k",), ("k",)], [()])
+    if len(a) == 1:
+        out = _dims("d", len(out_shape) - 1) + ("n",)
+        return OpSignature([("k",), _broadcast(b[:-2], out[:-1], out_shape[:-1], fresh) + ("k", "n")], [out])
+    if len(b) == 1:
+        out = _dims("d", len(out_shape) - 1) + ("m",)
+        return OpSignature([_broadcast(a[:-2], out[:-1], out_shape[:-1], fresh) + ("m", "k"), ("k",)], [out])
     out = _dims("d", len(out_shape) - 2) + ("m", "n")
     la = _broadcast(a[:-2], out[:-2], out_shape[:-2], fresh) + ("m", "k")
     lb = _broadcast(b[:-2], out[:-2], out_shape[:-2], fresh) + ("k", "n")
@@ -370,7 +387,12 @@ def _embedding(node, fresh):
 
 def _cross_entropy(node, fresh):
     """Cross-entropy and nll (arguments by schema): a mean over split targets is reduced as sum
-    and count separately by the runtime (``losses.ratio_parts``), so every option splits."""
+    and count separately by the runtime (``losses.ratio_parts``), so every option splits.
+
+    Cross-entropy without class weights may also split the classes (vocab-parallel, Megatron-LM:
+    Shoeybi et al. 2019, section 3): each shard all-reduces per sample the max of its logits, the
+    sum of their exponentials and the target's logit (and, with label smoothing, the logits' sum)
+    instead of gathering the logits; nll and weighted cross-entropy keep the classes whole."""
     a = op_args(node)
     logits = _shape(a["self"])
     if len(logits) < 2 or _shape(a["target"]) != (logits[0],) + logits[2:]:
@@ -378,9 +400,13 @@ def _cross_entropy(node, fresh):
     x = ("n", "c") + _dims("d", len(logits) - 2)
     t = ("n",) + x[2:]
     ins = [x, t] + ([("c",)] if isinstance(a["weight"], torch.fx.Node) else [])
+    vocab = node.target is aten.cross_entropy_loss.default and len(ins) == 2
+    stats = {"c": (("forward", t),) * (4 if a["label_smoothing"] else 3)} if vocab else {}
+    fixed = set() if vocab else {"c"}
     if a["reduction"] == 0:
-        return OpSignature(ins, [t], fixed={"c"})
-    return OpSignature(ins, [()], fixed={"c"}, reduce="mean" if a["reduction"] == 1 else "sum")  # 1: at::Reduction::Mean
+        return OpSignature(ins, [t], fixed=fixed, stats=stats)
+    return OpSignature(ins, [()], fixed=fixed, stats=stats,  # 1: at::Reduction::Mean
+                       reduce="mean" if a["reduction"] == 1 else "sum")
 
 
 def _mse(node, fresh):
@@ -395,31 +421,76 @@ def _mse(node, fresh):
 
 def _conv(node, fresh):
     """Channels split (output channels, or input channels as a contraction) for ``groups`` 1;
-    a transposed convolution's weight is (in, out / groups, kernel). Spatial dims stay whole, so
-    stride, padding, dilation and output padding run unchanged on every shard."""
+    a transposed convolution's weight is (in, out / groups, kernel). A grouped (or depthwise)
+    convolution splits by whole groups: input channels, output channels and the weight's first
+    dim share the label ``g`` (``groups`` units), and a shard runs ``groups / shards`` of them
+    (the executor's local variant). Spatial dims stay whole, so stride, padding, dilation and
+    output padding run unchanged on every shard."""
     a = op_args(node)
     nd = len(_shape(a["input"])) - 2
     sp_in = tuple(fresh() for _ in range(nd))
     sp_out = tuple(fresh() for _ in range(nd))
     kern = tuple(fresh() for _ in range(nd))
-    c, o = ("c", "o") if a["groups"] == 1 else (fresh(), fresh())
-    ins = [("n", c) + sp_in, ((c, o) if a.get("transposed") else (o, c)) + kern]
+    units = {}
+    if a["groups"] == 1:
+        c, o = "c", "o"
+        weight = (c, o) if a.get("transposed") else (o, c)
+    else:
+        c = o = "g"
+        weight = ("g", fresh())
+        units = {"g": a["groups"]}
+    ins = [("n", c) + sp_in, weight + kern]
     post = set()
     if isinstance(a["bias"], torch.fx.Node):
         ins.append((o,))
         post = {2}
-    return OpSignature(ins, [("n", o) + sp_out], post_reduce=post)
+    return OpSignature(ins, [("n", o) + sp_out], post_reduce=post, units=units)
 
 
 def _batch_norm(node, fresh):
-    """Training batch norm: statistics over the batch, so the batch dim stays whole (no sync-BN)."""
-    x = _shape(op_args(node)["input"])
+    """Batch norm. Training ``_native_batch_norm_legit_functional`` splits the batch as a
+    synchronized batch norm (Ioffe and Szegedy 2015; the batch statistics of the whole batch):
+    per channel, the mean and the variance are all-reduced forward, and the two gradient sums
+    backward, over the mesh axes that split the batch. Another training batch norm keeps the
+    batch whole; in evaluation it splits freely."""
+    a = op_args(node)
+    x = _shape(a["input"])
     spatial = tuple(fresh() for _ in range(len(x) - 2))
-    n = fresh()
+    sync = bool(a["training"]) and node.target is aten._native_batch_norm_legit_functional.default
+    n = "n" if sync or not a["training"] else fresh()
     ins = [(n, "c") + spatial] + [("c",) for _ in _tensor_inputs(node)[1:]]
     val = _val(node)
     outs = [(n, "c") + spatial] + ([("c",)] * (len(val) - 1) if isinstance(val, (tuple, list)) else [])
-    return OpSignature(ins, outs)
+    stats = {"n": (("forward", ("c",)),) * 2 + (("backward", ("c",)),) * 2} if sync else {}
+    return OpSignature(ins, outs, stats=stats)
+
+
+def _one_hot(node, fresh):
+    """``one_hot`` splits its input's dims; the class dim stays whole (export needs the class
+    count: with ``num_classes=-1`` it would come from the data)."""
+    inp = _dims("d", len(_shape(op_args(node)["self"])))
+    return OpSignature([inp], [inp + (fresh(),)])
+
+
+def _index(node, fresh):
+    """``x[..., idx, ...]`` with one integer index tensor at dim ``k``: a gather along ``k``, which
+    stays whole; every other dim of ``x`` and every dim of ``idx`` may be split."""
+    a = op_args(node)
+    idx = a["indices"]
+    pos = [i for i, t in enumerate(idx) if t is not None]
+    if len(pos) != 1 or _val(idx[pos[0]]).dtype not in (torch.int64, torch.int32):
+        return None  # several index tensors (broadcast together) or a boolean mask
+    k = pos[0]
+    inp = _dims("d", len(_shape(a["self"])))
+    il = _dims("i", len(_shape(idx[k])))
+    return OpSignature([inp, il], [inp[:k] + il + inp[k + 1:]], fixed={inp[k]})
+
+
+def _pad(node, fresh):
+    """``pad`` / ``constant_pad_nd``: the padded dims stay whole, the others split."""
+    a = op_args(node)
+    pad, r = a["pad"], len(_shape(a["self"]))
+    return _normalize(node, fresh, [r - 1 - i // 2 for i, p in enumerate(pad) if p])
 
 
 def _pool(node, fresh):
@@ -476,6 +547,10 @@ _TABLE = {
     aten.max_pool2d.default: _pool, aten.max_pool2d_with_indices.default: _pool,
     aten.avg_pool2d.default: _pool, aten.adaptive_avg_pool2d.default: _pool,
     aten.triu.default: lambda n, f: _normalize(n, f, [-1, -2]), aten.tril.default: lambda n, f: _normalize(n, f, [-1, -2]),
+    aten.cumsum.default: lambda n, f: _normalize(n, f, [op_args(n)["dim"]]), aten.one_hot.default: _one_hot,
+    aten.ones_like.default: _same_labels, aten.zeros_like.default: _same_labels, aten.full_like.default: _same_labels,
+    aten.empty_like.default: _same_labels, aten.index.Tensor: _index, aten.pad.default: _pad,
+    aten.constant_pad_nd.default: _pad,
 }
 
 
@@ -521,6 +596,29 @@ def signature(node: torch.fx.Node) -> OpSignature | None:
         return None
     sig.linear_in = linear_inputs(node)
     return sig
+
+
+HEAVY_TARGETS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default, aten.linear.default,
+                 aten.matmul.default, aten.einsum.default, aten.conv1d.default, aten.conv2d.default,
+                 aten.convolution.default, aten.scaled_dot_product_attention.default}
+"""Compute-heavy ops (matmul, convolution, einsum, attention): ``PlanOptions.allow_replicated_heavy_ops``."""
+
+STAT_TARGETS = {aten.cross_entropy_loss.default, aten._native_batch_norm_legit_functional.default}
+"""The ops whose rules may share statistics (``OpSignature.stats``)."""
+
+
+def stat_reductions(sig: OpSignature, in_specs, in_shapes, itemsize: int, mesh_shape
+                    ) -> list[tuple[str, int, float]]:
+    """The all-reduces of the statistics (``OpSignature.stats``) of a strategy whose operands
+    arrive in ``in_specs`` (global ``in_shapes``): ``(phase, mesh axis, bytes per device)``,
+    one per statistic and mesh axis, as the local variant issues them."""
+    axes_of, local = {}, {}
+    for labs, spec, shape in zip(sig.inputs, in_specs, in_shapes):
+        for lab, entry, size in zip(labs, spec.dims, shape):
+            axes_of.setdefault(lab, entry)
+            local.setdefault(lab, size // math.prod(mesh_shape[a] for a in entry))
+    return [(phase, axis, float(itemsize * math.prod(local[lab] for lab in labs)))
+            for lab, stats in sig.stats.items() for phase, labs in stats for axis in axes_of.get(lab, ())]
 
 
 def is_supported(node: torch.fx.Node) -> bool:

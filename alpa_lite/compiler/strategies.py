@@ -18,7 +18,8 @@ Cost per strategy (seconds and bytes, for one training step):
   measured rate of its kernel class (``kernel_class``: attention, compute-heavy pointwise) when
   the mesh has one, else at the matmul peak;
 - communication: forward all-reduce of a partial result reduced in the op (0 when it leaves
-  partial); its backward dual is the identity;
+  partial; its backward dual is the identity), and the all-reduces of the statistics a local
+  variant shares (``ops.stat_reductions``: vocab-parallel cross-entropy, synchronized batch norm);
 - memory: the local result kept for backward (parameters count their weights, gradients and
   Adam states, ``training_state_bytes``: 4x the local bytes when none is partitioned);
 - a parameter's storage spec also carries the optimizer update of its local shard, memory-bound:
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import operator
 from dataclasses import dataclass, replace
 
@@ -40,7 +42,7 @@ import torch.fx
 
 from ..core.capture import CapturedGraph, nbytes_of
 from ..core.mesh import LogicalMesh
-from .ops import FOLLOWER_TARGETS, OpSignature, flops, signature
+from .ops import FOLLOWER_TARGETS, OpSignature, flops, signature, stat_reductions
 from ..core.spec import ShardingSpec
 
 BACKWARD_FLOPS_FACTOR = 2.0
@@ -66,8 +68,9 @@ class Strategy:
         reduce: ``"sum"`` or ``"mean"``: how the partial result is formed.
         grad_partial: per operand, the mesh axes along which its gradient is a partial sum
             (None for an operand that needs no gradient: data, or values computed from data only).
-        compute: seconds, forward + backward; comm: seconds of the forward all-reduce (of a
-            ZeRO-1/2 parameter: its all-gather after the update);
+        compute: seconds, forward + backward; comm: seconds of the forward all-reduce and of the
+            statistics' all-reduces (``ops.stat_reductions``; of a ZeRO-1/2 parameter: its
+            all-gather after the update);
         memory: bytes per device.
         zero_stage / zero_axes: a parameter's ZeRO-1/2 partitioning (``compiler/zero.py``).
     """
@@ -127,6 +130,10 @@ def _label_assignments(labels: list[str], mesh_shape: tuple[int, int]):
         yield assign
 
 
+def _shards(axes: tuple[int, ...], mesh_shape) -> int:
+    return math.prod(mesh_shape[a] for a in axes)
+
+
 def _spec(labels, assign) -> ShardingSpec:
     return ShardingSpec(tuple(assign.get(lab, ()) for lab in labels))
 
@@ -152,7 +159,7 @@ def enumerate_strategies(node: torch.fx.Node, sig: OpSignature, mesh: LogicalMes
     ins = [n.meta["val"] for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
     tensors = tuple((tuple(v.shape), v.element_size()) for v in ins + _tensor_vals(node.meta["val"]))
     key = (tuple(sig.inputs), tuple(sig.outputs), frozenset(sig.fixed), sig.reduce, frozenset(sig.post_reduce),
-           sig.linear_in, can_leave_partial(node, sig))
+           sig.linear_in, can_leave_partial(node, sig), tuple(sig.stats.items()), tuple(sig.units.items()))
     return list(_enumerate(key, tensors, flops(node, sig), kernel_class(node), node.target in FOLLOWER_TARGETS, mesh))
 
 
@@ -169,7 +176,8 @@ def _enumerate(sig_key: tuple, tensors: tuple, fl: float, kernel: str | None, fo
                mesh: LogicalMesh) -> tuple[Strategy, ...]:
     """``enumerate_strategies`` from what it depends on (hashable: repeated blocks hit the cache).
     ``tensors``: ``(shape, itemsize)`` of the tensor operands, then of the results."""
-    sig = OpSignature(list(sig_key[0]), list(sig_key[1]), set(sig_key[2]), sig_key[3], set(sig_key[4]), sig_key[5])
+    sig = OpSignature(list(sig_key[0]), list(sig_key[1]), set(sig_key[2]), sig_key[3], set(sig_key[4]), sig_key[5],
+                      dict(sig_key[7]), dict(sig_key[8]))
     leave_partial = sig_key[6]
     contraction = sig.contraction
     labels = list(sig.inputs) + list(sig.outputs)
@@ -179,6 +187,8 @@ def _enumerate(sig_key: tuple, tensors: tuple, fl: float, kernel: str | None, fo
         specs = tuple(_spec(labs, assign) for labs in labels)
         in_specs, out_specs = specs[:len(sig.inputs)], specs[len(sig.inputs):]
         if not all(s.divides(shape, mesh.shape) for s, (shape, _) in zip(specs, tensors)):
+            continue
+        if any(units % _shards(assign.get(lab, ()), mesh.shape) for lab, units in sig.units.items()):
             continue
         partial = tuple(sorted(a for lab in contraction for a in assign.get(lab, ())))
         varying = set(partial) | {a for s in out_specs for a in s.axes()}
@@ -193,6 +203,8 @@ def _enumerate(sig_key: tuple, tensors: tuple, fl: float, kernel: str | None, fo
         compute = (1 + BACKWARD_FLOPS_FACTOR) * mesh.compute_cost(fl / shards, sum(local), kernel)
         out_local = sum(local[len(sig.inputs):])
         comm = mesh.all_reduce_cost(out_local, partial) if partial else 0.0
+        comm += sum(mesh.all_reduce_cost(nbytes, (axis,)) for _, axis, nbytes in stat_reductions(
+            sig, in_specs, [shape for shape, _ in tensors], tensors[0][1], mesh.shape))
         memory = 0.0 if follower else out_local
         key = (in_specs, out_specs, partial)
         if key not in result:

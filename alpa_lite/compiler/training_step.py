@@ -9,6 +9,7 @@ from ..core.capture import CapturedGraph
 from ..core.mesh import LogicalMesh
 from ..core.plan import Collective, NodePlan, gradient_buckets, local_bytes, update_buckets
 from ..core.resharding import backward_steps, forward_steps, is_gradient_sync, step_cost
+from .ops import STAT_TARGETS, signature, stat_reductions
 from .strategies import NodeStrategies, Strategy
 
 
@@ -62,9 +63,10 @@ def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Logica
                      grad_sync: dict[str, tuple[int, ...]] | None = None,
                      bucket_bytes: float = 25 * 2**20) -> list[Collective]:
     """Every collective of one training step for the chosen strategies: partial-sum all-reduces
-    inside ops (not of a result left partial: its edges reduce it), the resharding of every edge
-    (forward, then backward in reverse), the bucketed gradient all-reduces (reduce-scatters for
-    ZeRO-2), then the bucketed all-gathers of the ZeRO-1/2 parameters after the update."""
+    inside ops (not of a result left partial: its edges reduce it), the all-reduces of shared
+    statistics (``ops.stat_reductions``), the resharding of every edge (forward, then backward in
+    reverse), the bucketed gradient all-reduces (reduce-scatters for ZeRO-2), then the bucketed
+    all-gathers of the ZeRO-1/2 parameters after the update."""
     forward, backward = [], []
     for name, np_ in nodes.items():
         node = cg.node(name)
@@ -79,6 +81,13 @@ def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Logica
                                       ("backward", [] if gp is None else backward_steps(src, dst, gp, *args), backward)):
                 out.extend(Collective(s.kind, (s.axis,), s.nbytes, phase, name, src_name, step_cost(s, mesh))
                            for s in steps if s.is_collective)
+        sig = signature(node) if node.target in STAT_TARGETS else None
+        if sig is not None and sig.stats:
+            shapes = [tuple(cg.node(n).meta["val"].shape) for n in np_.inputs]
+            itemsize = cg.node(np_.inputs[0]).meta["val"].element_size()
+            for phase, axis, nbytes in stat_reductions(sig, np_.in_specs, shapes, itemsize, mesh.shape):
+                (forward if phase == "forward" else backward).append(Collective(
+                    "all-reduce", (axis,), nbytes, phase, name, name, mesh.all_reduce_cost(nbytes, (axis,))))
         if np_.partial_axes:
             vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else [node.meta["val"]]
             for spec, val in zip(np_.out_specs, vals):

@@ -51,6 +51,11 @@ class PlanOptions:
     ``3`` parameters too (all-gathered before use). None: the ILP chooses per parameter among
     replicated, ZeRO-1, ZeRO-2 and ZeRO-3 storage, jointly with its tensor-parallel spec
     (docs/planner.md, "ZeRO stages")."""
+    allow_replicated_heavy_ops: bool = True
+    """False: every compute-heavy op (matmul, convolution, einsum, attention) splits its work along
+    every mesh axis of more than one device, never computing the same product twice (Alpa's
+    default, Zheng et al. 2022, section 4.2); an op whose shapes allow no such strategy keeps all
+    of its strategies."""
 
     def __post_init__(self):
         if self.memory_budget is not None and not self.memory_budget > 0:

@@ -186,15 +186,40 @@ class AllReducePartial(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, axes, mesh):
-        x = x.contiguous().clone()
-        for axis in axes:
-            with _issued("all-reduce", "forward"):
-                dist.all_reduce(x, group=mesh.groups[axis])
-        return x
+        return _all_reduce(x, axes, mesh, "forward", dist.ReduceOp.SUM)
 
     @staticmethod
     def backward(ctx, grad):
         return grad, None, None
+
+
+class AllReduceShared(torch.autograd.Function):
+    """Sum a tensor over mesh ``axes`` where every device goes on to use the sum differently (a
+    synchronized batch norm's statistics over a split batch): forward all-reduce, backward
+    all-reduce of the gradient (each device's use contributes to it)."""
+
+    @staticmethod
+    def forward(ctx, x, axes, mesh):
+        ctx.args = (axes, mesh)
+        return _all_reduce(x, axes, mesh, "forward", dist.ReduceOp.SUM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, *ctx.args, "backward", dist.ReduceOp.SUM), None, None
+
+
+def _all_reduce(x: torch.Tensor, axes, mesh: MeshGroups, phase: str, op) -> torch.Tensor:
+    x = x.contiguous().clone()
+    for axis in axes:
+        with _issued("all-reduce", phase):
+            dist.all_reduce(x, op=op, group=mesh.groups[axis])
+    return x
+
+
+def all_reduce_max(x: torch.Tensor, axes: tuple[int, ...], mesh: MeshGroups) -> torch.Tensor:
+    """The elementwise max of ``x`` over the devices of mesh ``axes`` (no gradient)."""
+    with torch.no_grad():
+        return _all_reduce(x, axes, mesh, "forward", dist.ReduceOp.MAX)
 
 
 def reshard(x: torch.Tensor, src: ShardingSpec, dst: ShardingSpec, grad_partial, shape, mesh: MeshGroups):

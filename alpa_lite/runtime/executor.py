@@ -7,9 +7,12 @@ consumer's edge reduces it, or a linear consumer runs on it as is). Most ops run
 shape arguments become local shapes, a mean over a split dim of equal shards is scaled by
 1/shards before the all-reduce, a mean cross-entropy / nll is the all-reduced sum of its losses
 over the all-reduced count of its valid targets (``losses.ratio_parts``: shards may hold
-different counts of ``ignore_index``), a bias is added after the reduction, and a vocab-parallel embedding looks up only
-its own rows (Megatron-LM, Shoeybi et al. 2019, section 3). Arguments are read and set by their
-schema names (``core.aten.bind_args``).
+different counts of ``ignore_index``), a bias is added after the reduction, a vocab-parallel embedding looks up only
+its own rows and a vocab-parallel cross-entropy all-reduces per-sample statistics instead of
+gathering the logits (Megatron-LM, Shoeybi et al. 2019, section 3), a grouped convolution split
+by groups runs its share of the groups, and a training batch norm over a split batch is a
+synchronized one (statistics all-reduced). Arguments are read and set by their schema names
+(``core.aten.bind_args``).
 
 Random ops (dropout, bernoulli, ``rand_like``, attention dropout) draw from a generator seeded per
 shard: from the run's seed, a call counter, the node and this rank's shard coordinates along the
@@ -31,14 +34,26 @@ import torch.fx
 
 from ..core.aten import alias_root, bind_args, is_random, op_args, with_arg, written_args
 from ..core.capture import CapturedGraph
-from ..core.losses import is_ratio, ratio_parts
+from ..core.losses import MEAN, SUM, is_ratio, ratio_parts
 from ..core.plan import NodePlan, Plan
-from .collectives import AllReducePartial, MeshGroups, reshard
+from .collectives import AllReducePartial, AllReduceShared, MeshGroups, all_reduce_max, reshard
 
 aten = torch.ops.aten
 _SHAPE_ARG = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+_CONV = {aten.conv2d.default, aten.conv1d.default, aten.convolution.default}
 _BIAS_AFTER = {aten.linear.default: "bias", aten.conv2d.default: "bias", aten.conv1d.default: "bias",
                aten.convolution.default: "bias", aten.addmm.default: "self", aten.baddbmm.default: "self"}
+
+
+def local_arguments(target, args: tuple, kwargs: dict, in_specs, mesh_shape) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of ``target`` run on operands arriving in ``in_specs``: a grouped
+    convolution split by whole groups (``compiler.ops``'s convolution rule) runs
+    ``groups / shards`` of them; other calls are unchanged."""
+    if target in _CONV and in_specs[0].dims[1]:
+        groups = bind_args(target, args, kwargs)["groups"]
+        if groups > 1:
+            return with_arg(target, args, kwargs, "groups", groups // in_specs[0].shards(1, mesh_shape))
+    return args, kwargs
 
 
 class LocalExecutor:
@@ -118,8 +133,19 @@ class LocalExecutor:
         return out
 
     def _local(self, node, np_: NodePlan, target, args, kwargs):
+        args, kwargs = local_arguments(target, args, kwargs, np_.in_specs, self.mesh.shape)
+        if target is aten._native_batch_norm_legit_functional.default and np_.in_specs[0].dims[0]:
+            return self._sync_batch_norm(np_, **bind_args(target, args, kwargs))
+        if target is aten.cross_entropy_loss.default and np_.in_specs[0].dims[1]:
+            a = bind_args(target, args, kwargs)
+            loss, valid = self._vocab_parallel_cross_entropy(np_, a)
+            if a["reduction"] == MEAN:
+                return self._ratio(node, np_, loss.sum(), valid.sum().to(loss.dtype))
+            if a["reduction"] == SUM:
+                return AllReducePartial.apply(loss.sum(), np_.partial_axes, self.mesh)
+            return loss
         if is_ratio(target, args, kwargs):
-            return self._ratio(node, np_, args, kwargs)
+            return self._ratio(node, np_, *ratio_parts(node.target, args, kwargs))
         return self._partial(node, np_, args, kwargs) if np_.partial_axes else target(*args, **kwargs)
 
     def _shard_seed(self, node, np_: NodePlan) -> int:
@@ -148,10 +174,9 @@ class LocalExecutor:
         with torch.no_grad():
             values[placeholder].copy_(reshard(out.detach(), spec, self.specs[placeholder][0], None, shape, self.mesh))
 
-    def _ratio(self, node, np_: NodePlan, args, kwargs):
-        """A mean cross-entropy / nll: local loss sum and valid-target count, all-reduced together
-        (one collective) along the split axes, then divided."""
-        num, den = ratio_parts(node.target, args, kwargs)
+    def _ratio(self, node, np_: NodePlan, num, den):
+        """A mean cross-entropy / nll from its local loss sum ``num`` and valid-target count
+        ``den``, all-reduced together (one collective) along the split axes, then divided."""
         if np_.partial_axes:
             both = AllReducePartial.apply(torch.stack([num, den]), np_.partial_axes, self.mesh)
             num, den = both[0], both[1]
@@ -184,10 +209,55 @@ class LocalExecutor:
         if bias is not None and any(self.mesh.coord[a] for a in left):
             bias = bias * 0  # in the autograd graph: its gradient is 0 here, summed over the axes
         if bias is not None:
-            if node.target in (aten.conv2d.default, aten.conv1d.default, aten.convolution.default):
+            if node.target in _CONV:
                 bias = bias.view(-1, *([1] * (out.dim() - 2)))
             out = out + bias
         return out
+
+    def _vocab_parallel_cross_entropy(self, np_: NodePlan, a: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-sample cross-entropy losses (zero at ``ignore_index``) and the valid-target mask of
+        logits split on the class dim (``a``: the call's arguments by schema name; no class
+        weights), Megatron-LM's vocab-parallel cross-entropy (Shoeybi et al. 2019, section 3):
+        the per-sample max, sum of exponentials and target logit (and, with label smoothing, the
+        logits' sum) are all-reduced over the class-splitting axes, the logits never gathered."""
+        x, target, eps = a["self"], a["target"], a["label_smoothing"]
+        axes = np_.in_specs[0].dims[1]
+        classes = x.shape[1]
+        start = self.mesh.shard_index(axes) * classes
+        z = x - all_reduce_max(x.detach().amax(1), axes, self.mesh).unsqueeze(1)
+        lse = AllReducePartial.apply(z.exp().sum(1), axes, self.mesh).log()
+        local = target - start
+        inside = (local >= 0) & (local < classes)
+        picked = torch.where(inside, z.gather(1, torch.where(inside, local, 0).unsqueeze(1)).squeeze(1), 0.0)
+        loss = lse - AllReducePartial.apply(picked, axes, self.mesh)
+        if eps:
+            total = classes * math.prod(self.mesh.shape[ax] for ax in axes)
+            loss = (1 - eps) * loss + eps * (lse - AllReducePartial.apply(z.sum(1), axes, self.mesh) / total)
+        valid = target != a["ignore_index"]
+        return torch.where(valid, loss, 0.0), valid
+
+    def _sync_batch_norm(self, np_: NodePlan, input, weight, bias, running_mean, running_var, training, momentum, eps):
+        """Training batch norm over a batch split along ``np_.in_specs[0].dims[0]``: the mean and
+        the biased variance of the whole batch per channel from all-reduced sums (two-pass), the
+        running statistics updated with the unbiased variance, as ``_native_batch_norm_legit``
+        returns ``(out, mean, rstd, running_mean, running_var)``."""
+        axes = np_.in_specs[0].dims[0]
+        dims = [0] + list(range(2, input.dim()))
+        count = input.numel() // input.shape[1] * math.prod(self.mesh.shape[a] for a in axes)
+        shape = (1, -1) + (1,) * (input.dim() - 2)
+        mean = AllReduceShared.apply(input.sum(dims), axes, self.mesh) / count
+        centered = input - mean.view(shape)
+        var = AllReduceShared.apply((centered * centered).sum(dims), axes, self.mesh) / count
+        rstd = torch.rsqrt(var + eps)
+        out = centered * rstd.view(shape)
+        if weight is not None:
+            out = out * weight.view(shape)
+        if bias is not None:
+            out = out + bias.view(shape)
+        with torch.no_grad():
+            new_mean = (1 - momentum) * running_mean + momentum * mean
+            new_var = (1 - momentum) * running_var + momentum * var * (count / max(count - 1, 1))
+        return out, mean, rstd, new_mean, new_var
 
     def _vocab_parallel_embedding(self, np_: NodePlan, weight, indices, padding_idx, scale_grad_by_freq, sparse):
         """This rank's rows ``[start, start + rows)`` of a vocab-split table: the lookup of its own

@@ -1,0 +1,175 @@
+"""Op rules checked against dense math: every strategy of an op, simulated on a 2x2 mesh of
+in-memory devices (each device runs the op on its shards, with the executor's local arguments;
+a partial result is summed over its group), gives the shards of the dense result.
+
+The rules whose local variants communicate (vocab-parallel cross-entropy, synchronized batch
+norm) are checked here for their strategies and prices; their numerics run on 4 gloo ranks in
+``test_op_rules_ranks.py``.
+"""
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from alpa_lite import LogicalMesh
+from alpa_lite.compiler.ops import signature
+from alpa_lite.compiler.strategies import build_strategies
+from alpa_lite.core.capture import capture
+from alpa_lite.runtime.collectives import MeshGroups, local_slice
+from alpa_lite.runtime.executor import local_arguments
+
+aten = torch.ops.aten
+MESH = LogicalMesh((2, 2), mesh_alpha=(1e-5, 1e-5), mesh_beta=(1e-9, 2e-9), peak_flops=1e12,
+                   mem_bandwidth=1e15, memory_bytes=1e12)
+DEVICES = list(itertools.product(range(2), range(2)))
+
+
+def _captured(fn, inputs):
+    class Wrap(torch.nn.Module):
+        def forward(self, *xs):
+            return fn(*xs).float().sum()
+    return capture(Wrap(), inputs)
+
+
+def _values(cg, inputs, stop):
+    """Every value of the graph up to node ``stop``, computed densely."""
+    values = dict(zip(cg.input_names, inputs))
+    for node in cg.graph.nodes:
+        if node.op == "call_function":
+            values[node.name] = node.target(*torch.fx.node.map_arg(node.args, lambda n: values[n.name]),
+                                            **torch.fx.node.map_arg(node.kwargs, lambda n: values[n.name]))
+        if node is stop:
+            return values
+
+
+def simulate(fn, inputs, target):
+    """Per strategy of the ``target`` node: (strategy, dense result, per device its local result
+    after the partial sum, per device the dense result's shard). Returns the strategies' list."""
+    cg = _captured(fn, inputs)
+    node = next(n for n in cg.graph.nodes if n.target == target)
+    values = _values(cg, inputs, node)
+    full = values[node.name]
+    table = build_strategies(cg, MESH)
+    out = []
+    for s in table[node.name].strategies:
+        local = {}
+        for c in DEVICES:
+            view = MeshGroups(MESH.shape, c, (None, None))
+            operands = {n.name: local_slice(values[n.name], spec, view)
+                        for n, spec in zip(node.all_input_nodes, s.in_specs)}
+            args = torch.fx.node.map_arg(node.args, lambda n: operands[n.name])
+            kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: operands[n.name])
+            args, kwargs = local_arguments(node.target, args, kwargs, s.in_specs, MESH.shape)
+            local[c] = node.target(*args, **kwargs)
+        if s.partial_axes:
+            scale = 1 / math.prod(MESH.shape[a] for a in s.partial_axes) if s.reduce == "mean" else 1
+            local = {c: scale * sum(local[p] for p in DEVICES if all(p[a] == c[a] for a in (0, 1)
+                                                                     if a not in s.partial_axes))
+                     for c in DEVICES}
+        want = {c: local_slice(full, s.out_spec, MeshGroups(MESH.shape, c, (None, None))) for c in DEVICES}
+        out.append((s, local, want))
+    return out
+
+
+def check(fn, inputs, target, expect_split=(), values=True):
+    """Every strategy equals dense math (only in shape where ``values`` is False: ``empty_like``);
+    ``expect_split``: specs (of the result) some strategy must have (the rule's point)."""
+    results = simulate(fn, inputs, target)
+    for s, got, want in results:
+        for c in DEVICES:
+            assert got[c].shape == want[c].shape, (s.name, c)
+            assert not values or torch.allclose(got[c].float(), want[c].float(), atol=1e-5), (s.name, c)
+    specs = {str(s.out_spec) for s, _, _ in results}
+    assert set(expect_split) <= specs, specs
+    return results
+
+
+def test_one_hot_splits_its_input_not_the_classes():
+    ids = torch.arange(32).reshape(4, 8) % 7
+    results = check(lambda x: F.one_hot(x, 7), (ids,), aten.one_hot.default, {"S0S1R", "S01RR", "RS01R"})
+    assert all(not s.out_spec.dims[2] for s, _, _ in results)
+
+
+def test_cumsum_keeps_its_dim_whole():
+    results = check(lambda x: x.cumsum(1), (torch.randn(4, 8, 6),), aten.cumsum.default, {"S0RS1", "S01RR"})
+    assert all(not s.out_spec.dims[1] for s, _, _ in results)
+
+
+@pytest.mark.parametrize("make,target", [
+    (torch.ones_like, aten.ones_like.default), (torch.zeros_like, aten.zeros_like.default),
+    (lambda x: torch.full_like(x, 3.0), aten.full_like.default),
+    (lambda x: torch.empty_like(x).fill_(1.0), aten.empty_like.default)], ids=["ones", "zeros", "full", "empty"])
+def test_like_ops_follow_a_split_input(make, target):
+    check(lambda x: make(x * 2), (torch.randn(4, 8),), target, {"S0S1", "S01R", "RS01"},
+          values=target is not aten.empty_like.default)
+
+
+def test_index_gathers_along_a_whole_dim_of_a_split_tensor():
+    idx = torch.tensor([[5, 0], [2, 2], [7, 1], [3, 6]])
+    results = check(lambda x, i: x[:, i], (torch.randn(4, 8, 6), idx), aten.index.Tensor,
+                    {"S0RRS1", "RS0RS1", "RRS1S0", "S01RRR"})
+    assert all(s.in_specs[0].dims[1] == () for s, _, _ in results)  # the gathered dim stays whole
+
+
+@pytest.mark.parametrize("pad,target", [
+    (lambda x: F.pad(x, (1, 2)), aten.pad.default),
+    (lambda x: F.pad(x, (0, 0, 2, 1), value=0.5), aten.pad.default),
+    (lambda x: aten.constant_pad_nd(x, [1, 1]), aten.constant_pad_nd.default)], ids=["last", "middle", "nd"])
+def test_pad_splits_the_dims_it_does_not_pad(pad, target):
+    results = check(pad, (torch.randn(4, 6, 8),), target, {"S0S1R" if pad(torch.zeros(1, 1, 1)).shape[2] > 1
+                                                            else "S0RS1"})
+    for s, _, _ in results:
+        padded = [d for d in range(3) if pad(torch.zeros(4, 6, 8)).shape[d] != (4, 6, 8)[d]]
+        assert all(s.out_spec.dims[d] == () for d in padded)
+
+
+@pytest.mark.parametrize("shapes,expect", [
+    (((8,), (8, 12)), {"S0", "S1", "S01"}),       # vector @ matrix: n split, or k (partial sums)
+    (((12, 8), (8,)), {"S0", "S01"}),             # matrix @ vector
+    (((4, 12, 8), (8,)), {"S0S1", "RS01"}),       # batched matrix @ vector
+    (((8,), (8,)), {""}),                         # dot product: k split, partial sums
+], ids=["vm", "mv", "bmv", "dot"])
+def test_vector_matmul(shapes, expect):
+    results = check(lambda a, b: torch.matmul(a, b), tuple(torch.randn(s) for s in shapes), aten.matmul.default,
+                    expect)
+    assert any(s.partial_axes for s, _, _ in results)  # the contraction splits too
+
+
+@pytest.mark.parametrize("channels,groups", [(8, 2), (8, 8)], ids=["grouped", "depthwise"])
+def test_grouped_convolution_splits_by_groups(channels, groups):
+    x, w, b = torch.randn(2, channels, 6, 6), torch.randn(8, channels // groups, 3, 3), torch.randn(8)
+    results = check(lambda x, w, b: F.conv2d(x, w, b, groups=groups, padding=1), (x, w, b), aten.conv2d.default,
+                    {"RS0RR", "S0S1RR", "RS01RR"} if groups == 8 else {"RS0RR", "S0S1RR"})
+    split = {s.out_spec.shards(1, MESH.shape) for s, _, _ in results}
+    assert max(split) == min(4, groups)  # 2 groups split over 2 devices at most
+
+
+def test_vocab_parallel_cross_entropy_strategies_and_price():
+    cg = _captured(lambda x, t: F.cross_entropy(x, t, label_smoothing=0.1), (torch.randn(8, 16), torch.arange(8)))
+    node = next(n for n in cg.graph.nodes if n.target == aten.cross_entropy_loss.default)
+    by_in = {tuple(map(str, s.in_specs)): s for s in build_strategies(cg, MESH)[node.name].strategies}
+    vocab = by_in[("S0S1", "S0")]  # samples on axis 0, classes on axis 1
+    assert vocab.partial_axes == (0,)  # the loss sums over the samples only: the classes are done
+    # per sample (4 local): max, sum-exp, target logit and the smoothing sum, all-reduced on axis 1;
+    # then the (loss, count) of the mean on axis 0
+    stats = 4 * MESH.all_reduce_cost(4 * 4, (1,))
+    assert vocab.comm == pytest.approx(MESH.all_reduce_cost(4, (0,)) + stats)
+    assert ("RS01", "R") in by_in  # classes over the whole mesh
+    weighted = _captured(lambda x, t, w: F.cross_entropy(x, t, weight=w), (torch.randn(8, 16), torch.arange(8),
+                                                                           torch.rand(16)))
+    node = next(n for n in weighted.graph.nodes if n.target == aten.cross_entropy_loss.default)
+    assert signature(node).fixed == {"c"}  # class weights: the classes stay whole
+
+
+def test_synchronized_batch_norm_splits_the_batch():
+    bn = torch.nn.BatchNorm2d(4)
+    cg = capture(bn, (torch.randn(8, 4, 3, 3),), lambda y: y.sum())
+    node = next(n for n in cg.graph.nodes if n.target == aten._native_batch_norm_legit_functional.default)
+    strategies = build_strategies(cg, MESH)[node.name].strategies
+    split = [s for s in strategies if s.in_specs[0] == "S0S1RR"]
+    assert len(split) == 1 and split[0].partial_axes == ()
+    # mean and variance forward, two gradient sums backward: 4 all-reduces of 2 channels (axis 0)
+    assert split[0].comm == pytest.approx(4 * MESH.all_reduce_cost(2 * 4, (0,)))
+    assert split[0].grad_partial[1] == (0,)  # the weight's gradient sums over the batch shards
