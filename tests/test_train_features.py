@@ -39,12 +39,13 @@ def test_accumulation_equals_one_process_on_the_whole_batch(results):
 
 def test_global_norm_and_clipping_equal_one_process(results):
     r = results["accumulation_and_clipping"]
-    for name in ("megatron_k4", "dp_k2", "clipped_2d", "clipped_zero3", "clipped_pipeline"):
+    for name in ("megatron_k4", "dp_k2", "clipped_2d", "clipped_zero3", "clipped_zero2", "clipped_zero1",
+                 "clipped_pipeline"):
         assert r[name]["norm"] == pytest.approx(r["ref_norm"], rel=1e-5), name
         assert r[name]["same"], name
     for name in ("megatron_k4", "dp_k2"):
         assert r[name]["inf"] == pytest.approx(r["ref_inf"], rel=1e-6), name
-    for name in ("clipped_2d", "clipped_zero3", "clipped_pipeline"):
+    for name in ("clipped_2d", "clipped_zero3", "clipped_zero2", "clipped_zero1", "clipped_pipeline"):
         assert r[name]["param_err"] < 1e-5, name
     assert r["unclipped_move"] > 1e-2  # clipping changed the run: a missing clip would fail above
 
@@ -53,7 +54,7 @@ def test_checkpoint_resumes_under_other_plans(results):
     r = results["checkpoints"]
     ref = r["source"]["ref_losses"]
     assert r["source"]["losses"] == pytest.approx(ref, rel=1e-5)
-    for plan in ("dp_1x4", "pipeline", "auto"):
+    for plan in ("dp_1x4", "pipeline", "auto", "zero2"):  # zero2: loaded, one step, saved, loaded into DP
         assert r[plan]["extra"] == {"step": 2}, plan
         assert r[plan]["losses"] == pytest.approx(ref[2:], rel=1e-5), plan
         assert r[plan]["param_err"] < 2e-4, plan

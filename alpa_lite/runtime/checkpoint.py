@@ -6,8 +6,10 @@ any plan; and a full export for inference.
 (``ShardingSpec.placements``): the parameters and buffers under ``model.<fqn>``, and every
 optimizer state shaped like its parameter (Adam's moments, SGD's momentum) under
 ``optim.state.<fqn>.<name>`` with the same placements (scalars such as Adam's ``step`` as plain
-tensors). DCP writes each rank's chunks in parallel, a replicated chunk once, and records each
-tensor's global shape and chunk offsets in ``.metadata``; nothing is gathered. The checkpoint
+tensors; the states of a ZeRO-1/2 parameter's slice are all-gathered over its zero axes into the
+shape of its shard first, and sliced again on load, so a checkpoint does not depend on ZeRO).
+DCP writes each rank's chunks in parallel, a replicated chunk once, and records each tensor's
+global shape and chunk offsets in ``.metadata``; nothing is gathered onto one rank. The checkpoint
 goes to a temporary directory beside ``path`` that replaces ``path`` only once complete, so a
 failed save leaves what was there.
 
@@ -58,11 +60,14 @@ def _sharded_state(trainer) -> dict[str, object]:
             state[f"model.{fqn}"] = _dtensor(trainer, mesh, fqn, x.detach())
     if trainer.optimizer is None:
         return state
+    zero = trainer.zero
     for fqn, p in trainer.params.items():
         if not trainer.owns(fqn):
             continue
-        for name, value in trainer.optimizer.state.get(p, {}).items():
+        for name, value in trainer.optimizer.state.get(zero.slices.get(fqn, p), {}).items():
             key = f"optim.state.{fqn}.{name}"
+            if fqn in zero.slices and isinstance(value, torch.Tensor) and value.dim():
+                value = zero.unslice(fqn, value)  # a ZeRO-1/2 slice's state, as its shard's
             if isinstance(value, torch.Tensor) and value.shape == p.shape:
                 state[key] = _dtensor(trainer, mesh, fqn, value)
             elif isinstance(value, torch.Tensor) and value.dim() == 0:
@@ -205,9 +210,13 @@ def _load_optimizer(trainer, local: dict[str, object]) -> None:
     order = [p for group in trainer.optimizer.param_groups for p in group["params"]]
     index = {id(p): i for i, p in enumerate(order)}
     state = {}
+    zero = trainer.zero
     for fqn, p in trainer.params.items():
         prefix = f"optim.state.{fqn}."
         entry = {k[len(prefix):]: v for k, v in local.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
+        if fqn in zero.slices:  # a ZeRO-1/2 parameter: the optimizer holds its slice
+            p = zero.slices[fqn]
+            entry = {k: zero.slice(fqn, v) if isinstance(v, torch.Tensor) and v.dim() else v for k, v in entry.items()}
         if entry and id(p) in index:
             state[index[id(p)]] = entry
     trainer.optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})

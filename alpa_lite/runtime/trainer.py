@@ -197,28 +197,42 @@ class Trainer:
         """The process group of every rank of the plan."""
         return dist.group.WORLD
 
+    def _gradient_holders(self) -> list[tuple[str, torch.Tensor, set[int]]]:
+        """``(fqn, tensor, axes)`` of every parameter whose ``tensor.grad`` holds its gradient
+        after the synchronization: the local shard, or for a ZeRO-2 parameter the optimizer's
+        slice; ``axes``: the mesh axes that split (or, for the slice, partition) it."""
+        holders = []
+        for fqn, param in self.params.items():
+            split = self._spec(self._placeholders[fqn]).axes()
+            stage, zero_axes = self.zero.stages.get(fqn, (0, ()))
+            if stage == 2:
+                holders.append((fqn, self.zero.slices[fqn], split | set(zero_axes)))
+            else:
+                holders.append((fqn, param, split))
+        return holders
+
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The global ``norm_type``-norm of the gradients of every parameter, as one process
         computes it over the full gradients (``torch.nn.utils.get_total_norm``); on every rank.
 
-        Each rank takes the norm of its gradient shards; a shard held by ``r`` ranks (replicated
-        along the mesh axes that do not split it) counts ``1 / r`` of its ``p``-th power, so
-        each element counts once; one all-reduce over the plan's ranks sums the powers (the
-        maximum for ``inf``). Parameters without a gradient are skipped, as torch does.
+        Each rank takes the norm of its gradient shards (a ZeRO-2 parameter's: its slice); a
+        shard held by ``r`` ranks (replicated along the mesh axes that neither split nor
+        partition it) counts ``1 / r`` of its ``p``-th power, so each element counts once; one
+        all-reduce over the plan's ranks sums the powers (the maximum for ``inf``). Parameters
+        without a gradient are skipped, as torch does.
 
         Returns:
             a 0-dim float32 tensor on this rank's device.
         """
         p = float(norm_type)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for fqn, param in self.params.items():
-            if param.grad is None or not self.owns(fqn):
+        for fqn, holder, split in self._gradient_holders():
+            if holder.grad is None or not self.owns(fqn):
                 continue
-            n = torch.linalg.vector_norm(param.grad.detach(), p).to(total)
+            n = torch.linalg.vector_norm(holder.grad.detach(), p).to(total)
             if math.isinf(p):
                 total = torch.maximum(total, n)
             else:
-                split = self._spec(self._placeholders[fqn]).axes()
                 total += n ** p / math.prod(s for a, s in enumerate(self.groups.shape) if a not in split)
         dist.all_reduce(total, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM, group=self._job_group())
         return (total if math.isinf(p) else total ** (1 / p)).to(torch.float32)
@@ -233,8 +247,8 @@ class Trainer:
             the global norm before clipping (0-dim float32 tensor), equal on every rank.
         """
         norm = self.grad_norm(norm_type)
-        grads = [p for p in self.params.values() if p.grad is not None]
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
+        holders = [h for _, h, _ in self._gradient_holders() if h.grad is not None]
+        torch.nn.utils.clip_grads_with_norm_(holders, max_norm, norm)
         return norm
 
     # ---------------------------------------------------------------- checkpoints

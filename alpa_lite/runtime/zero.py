@@ -98,15 +98,29 @@ class ZeroPartition:
                     x.copy_(torch.cat([part[offset: offset + c] for part in parts])[:x.numel()])
                     offset += c
 
+    def unslice(self, fqn: str, value: torch.Tensor) -> torch.Tensor:
+        """``value`` shaped like the slice of ZeRO-1/2 parameter ``fqn`` (its gradient, an
+        optimizer state) all-gathered over the zero axes into the shape of the local shard; call
+        on every rank of the zero group."""
+        p = self.params[fqn]
+        _, axes = self.stages[fqn]
+        start, end, c = self._range[fqn]
+        parts = all_gather_bucket(torch.cat([value.reshape(-1), value.new_zeros(c - value.numel())]), axes,
+                                  self.groups, "gather")
+        return torch.cat(parts)[:p.numel()].view(p.shape)
+
+    def slice(self, fqn: str, value: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of ``value``, shaped like the local shard of ZeRO-1/2 parameter
+        ``fqn`` (the inverse of ``unslice``; a copy)."""
+        start, end, _ = self._range[fqn]
+        return value.reshape(-1)[start:end].clone()
+
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """FQN -> the whole local gradient of every ZeRO-2 parameter (all-gathered from the
         slices; for inspection, ``Trainer.gradients``)."""
         out = {}
-        for fqn, (stage, axes) in self.stages.items():
+        for fqn, (stage, _) in self.stages.items():
             if stage == 2:
-                p, g = self.params[fqn], self.slices[fqn].grad
-                g = g if g is not None else torch.zeros_like(self.slices[fqn])
-                start, end, c = self._range[fqn]
-                parts = all_gather_bucket(torch.cat([g, g.new_zeros(c - g.numel())]), axes, self.groups, "gather")
-                out[fqn] = torch.cat(parts)[:p.numel()].view_as(p)
+                g = self.slices[fqn].grad
+                out[fqn] = self.unslice(fqn, g if g is not None else torch.zeros_like(self.slices[fqn]))
         return out

@@ -31,6 +31,8 @@ PLANS = {  # name -> (mesh, options)
     "megatron": ((2, 2), MEGATRON),
     "2d": ((2, 2), {"param_specs": {k: v.replace("S1", "S01") for k, v in MEGATRON["param_specs"].items()}}),
     "zero3": ((2, 2), ZERO3),
+    "zero2": ((2, 2), {"force_data_parallel": True, "zero_stage": 2}),
+    "zero1": ((2, 2), {"force_data_parallel": True, "zero_stage": 1}),
     "pipeline": ((1, 4), {"num_stages": 2, "num_microbatches": 2, "num_layers": 2}),
     "auto": ((2, 2), {}),
 }
@@ -112,7 +114,7 @@ def accumulation_and_clipping(model, batches) -> dict:
     ref_norms, ref_clipped = reference_sgd(model, batches[:2], max_norm)
     out["unclipped_move"] = err(reference_sgd(model, batches[:2], math.inf)[1], ref_clipped)
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.5)  # noqa: E731 - SGD: a clipped step moves by less
-    for plan in ("2d", "zero3", "pipeline"):
+    for plan in ("2d", "zero3", "zero2", "zero1", "pipeline"):
         trainer, _ = train(model, plan, batches, 1, optimizer=sgd, max_grad_norm=max_norm)
         first = trainer.last_grad_norm
         trainer.step(*batches[1])
@@ -133,6 +135,15 @@ def checkpoints(model, batches, root: Path) -> dict:
         extra = trainer.load(path)
         out[plan] = {"losses": [trainer.step(*b) for b in batches[2:]], "extra": extra,
                      "param_err": err(trainer.state_dict(), ref_params)}
+    # into ZeRO-2 (the Adam states of its slices) and, after one more step, out of it again
+    trainer, _ = train(model, "zero2", batches, 0, seed=5)
+    trainer.load(path)
+    losses = [trainer.step(*batches[2])]
+    trainer.save(root / "ckpt_zero2", extra={"step": 3})
+    again, _ = train(model, "dp_1x4", batches, 0, seed=6)
+    again.load(root / "ckpt_zero2")
+    out["zero2"] = {"losses": losses + [again.step(*batches[3])], "extra": {"step": 2},
+                    "param_err": err(again.state_dict(), ref_params)}
     # one process resumed with the parameters but a fresh AdamW: what a lost optimizer state changes
     m = copy.deepcopy(model)
     m.load_state_dict(reference(model, batches[:2], LR)[2], strict=False)
