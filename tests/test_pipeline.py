@@ -38,17 +38,17 @@ def test_1f1b_order_and_in_flight():
 def test_zb_h1_order():
     # 1F1B's F / B order; stage s runs each W once s more Bs have run, the rest at the end
     z = ZBH1()
-    assert [(k[0].upper(), m) for k, m in z.compute_order(0, 2, 4)] == [
+    assert [(k[0].upper(), m) for k, m, _ in z.compute_order(0, 2, 4)] == [
         ("F", 0), ("F", 1), ("B", 0), ("W", 0), ("F", 2), ("B", 1), ("W", 1), ("F", 3), ("B", 2), ("W", 2),
         ("B", 3), ("W", 3)]
-    assert [(k[0].upper(), m) for k, m in z.compute_order(1, 2, 4)] == [
+    assert [(k[0].upper(), m) for k, m, _ in z.compute_order(1, 2, 4)] == [
         ("F", 0), ("B", 0), ("F", 1), ("B", 1), ("W", 0), ("F", 2), ("B", 2), ("W", 1), ("F", 3), ("B", 3),
         ("W", 2), ("W", 3)]
     kinds = [a.kind for a in z.actions(1, 3, 1)]
     assert kinds == ["recv_act", "forward", "send_act", "recv_grad", "backward", "send_grad", "weight"]
 
 
-@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("name", [n for n in SCHEDULES if n != "interleaved"])
 @pytest.mark.parametrize("stages,b", [(1, 3), (2, 1), (2, 4), (3, 2), (4, 4), (4, 8), (5, 7)])
 def test_schedule_tables(name, stages, b):
     sched = get_schedule(name)
@@ -56,9 +56,9 @@ def test_schedule_tables(name, stages, b):
     for s in range(stages):
         order = sched.compute_order(s, stages, b)
         # every pass of every microbatch exactly once, a microbatch's passes in order F, B, W
-        assert sorted(order) == sorted((k, m) for k in kinds for m in range(b)), (s, order)
+        assert sorted(order) == sorted((k, m, 0) for k in kinds for m in range(b)), (s, order)
         for m in range(b):
-            assert [k for k, mb in order if mb == m] == list(kinds), (s, m)
+            assert [k for k, mb, _ in order if mb == m] == list(kinds), (s, m)
         # the peak the runtime meets is the closed form the stage DP uses: ZB-H1 holds 1F1B's
         # first-stage peak min(S, B) on every stage, 1F1B min(S - s, B), GPipe B
         want = {"gpipe": b, "1f1b": min(stages - s, b), "zb-h1": min(stages, b)}[name]
