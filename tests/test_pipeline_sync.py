@@ -49,7 +49,34 @@ def cases() -> dict:
     out["zb/mlp/2x2/megatron"] = MLP | zb | {"plan": {"num_stages": 2, "num_microbatches": 4, "num_layers": 4}
                                              | SPECS["megatron"]}
     out["zb/tied/2x2/dp"] = gpt | zb | {"plan": {"num_stages": 2, "num_microbatches": 2, "force_data_parallel": True}}
+    out.update(interleaved_cases())
     return out
+
+
+def interleaved_cases() -> dict:
+    """Interleaved 1F1B, 2 chunks per device group: 4 groups of 1 device (8 stages, B = 4),
+    2 groups of 2 devices (4 stages; data parallel and Megatron inside, B = 2 and 4), and the
+    tied embedding on the first and the last of 4 stages."""
+    il = {"schedules": ["interleaved"]}
+    mlp8 = MLP | {"build": {"num_layers": 8, "hidden": 16}}
+    out = {f"il/mlp/4x1x2/B{b}": mlp8 | il | {"plan": {"num_stages": 8, "num_microbatches": b, "num_layers": 8,
+                                                         "schedule": "interleaved"}} for b in (4,)}
+    four = {"num_stages": 4, "num_layers": 4, "schedule": "interleaved"}
+    out["il/mlp/2x2x2/B4/dp"] = MLP | il | {"plan": four | {"num_microbatches": 4} | SPECS["dp"]}
+    out["il/mlp/2x2x2/B2/megatron"] = MLP | il | {"plan": four | {"num_microbatches": 2} | SPECS["megatron"]}
+    out["il/tied/2x2x2/dp"] = {"model": "gpt-tiny", "batch": 8, "seq": 16, "build": {"num_layers": 4}} | il | {
+        "plan": four | {"num_microbatches": 2, "force_data_parallel": True}}
+    return out
+
+
+def test_interleaved_layouts(results):
+    # stage s runs on the ranks of stage s mod p: p = 4 groups of 1, p = 2 groups of 2
+    assert [s["ranks"] for s in results["il/mlp/4x1x2/B4/interleaved"]["stages"]] == [[r] for r in range(4)] * 2
+    for name in ("il/mlp/2x2x2/B4/dp", "il/mlp/2x2x2/B2/megatron", "il/tied/2x2x2/dp"):
+        stages = results[f"{name}/interleaved"]["stages"]
+        assert [s["ranks"] for s in stages] == [[0, 1], [2, 3], [0, 1], [2, 3]], name
+    stages = results["il/tied/2x2x2/dp/interleaved"]["stages"]  # the embedding on stage 0, the head on 3
+    assert "wte.weight" in stages[0]["params"] and "lm_head.weight" in stages[3]["params"]
 
 
 @pytest.fixture(scope="module")

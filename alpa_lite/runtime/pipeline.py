@@ -125,6 +125,7 @@ class PipelineTrainer(Trainer):
             raise PlanError("the plan was made for another model or other microbatch shapes "
                             f"(plan graph {plan.fingerprint}, this model {captured.fingerprint()})")
         self.plan, self.cg = plan, captured
+        self._check_chunks_disjoint()
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.reduction = plan.loss_reduction
         self.stages = [i for i, s in enumerate(plan.stages) if rank in s.ranks]
@@ -141,10 +142,6 @@ class PipelineTrainer(Trainer):
                     and self.reduction.denominator not in (*self.sp.nodes, *self.sp.recv)):
                 raise PlanError(f"the loss's denominator {self.reduction.denominator} is not on the last stage")
             self._build(model, self.sp.plan, lambda _: None, seed, init_fn)
-            shared = sorted((set(params) & set(self.params)) | (set(buffers) & set(self.buffers)))
-            if shared:
-                raise PlanError(f"stages {self.stages} run on the same ranks and share {', '.join(shared)}; "
-                                "use another layer split or a schedule with one stage per device group")
             params |= self.params
             buffers |= self.buffers
             self.chunks.append({k: getattr(self, k) for k in _CHUNK_STATE})
@@ -152,6 +149,17 @@ class PipelineTrainer(Trainer):
         self.optimizer = optimizer(list(params.values())) if params else None  # none on a stage with nothing to train
         self.tied_groups = self._tied_groups()
         self.peak_activation_bytes = 0
+
+    def _check_chunks_disjoint(self) -> None:
+        """The stages of one device group hold disjoint parameters and buffers (checked on every rank alike)."""
+        state = {**self.cg.param_fqns, **self.cg.buffer_fqns}
+        for d in range(self.num_devices):
+            seen: dict[str, int] = {}
+            for i in range(d, self.num_stages, self.num_devices):
+                for ph in self.plan.stages[i].plan.nodes:
+                    if ph in state and seen.setdefault(ph, i) != i:
+                        raise PlanError(f"stages {seen[ph]} and {i} run on the same ranks and both hold {state[ph]}; "
+                                        "use another layer split or a schedule with one stage per device group")
 
     def _enter(self, stage: int) -> None:
         """Make the chunk of ``stage`` (one of ``self.stages``) the current one."""
