@@ -306,8 +306,11 @@ def exhaustive_stage_search(num_layers: int, cluster_shape: tuple[int, int], cos
                             num_microbatches: int, *, num_stages: int | None = None, schedule: str = "1f1b",
                             submeshes: Sequence[tuple[int, int]] | None = None) -> DPResult:
     """Every partition of the layers into stages and every submesh sequence using all devices
-    (the reference ``stage_dp`` is tested against; exponential, small cases only)."""
+    (the reference ``stage_dp`` is tested against; exponential, small cases only; one stage per
+    device group, so not ``"interleaved"``)."""
     sched = get_schedule(schedule)
+    if sched.chunks > 1:
+        raise ValueError("exhaustive_stage_search gives every stage its own devices; interleaved has no reference here")
     n, m = cluster_shape
     devices, b = n * m, num_microbatches
     check_stage_count(num_stages, num_layers, devices)
