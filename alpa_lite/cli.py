@@ -30,6 +30,7 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
                    help="pipeline stages on submeshes of the mesh (Alpa's inter-op pass): 'auto' or a stage count")
     p.add_argument("--schedule", default="1f1b", choices=(*SCHEDULES, "auto"),
                    help="pipeline schedule ('auto': the least predicted step time that fits memory)")
+    p.add_argument("--chunks", type=int, default=2, help="stages per device group under --schedule interleaved")
     p.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches (default: chosen)")
     p.add_argument("--layers", type=int, default=None, help="layers to cluster the graph into (default: chosen)")
     p.add_argument("--schedule-chart", default=None, metavar="PNG", help="save a Gantt chart of one pipelined step")
@@ -67,7 +68,8 @@ def cmd_plan(args) -> int:
     with console.status("capturing") as status, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
         pipelined = {} if args.pipeline is None else dict(
-            pipeline=args.pipeline, schedule=args.schedule, num_microbatches=args.microbatches, num_layers=args.layers)
+            pipeline=args.pipeline, schedule=args.schedule, chunks=args.chunks, num_microbatches=args.microbatches,
+            num_layers=args.layers)
         result = plan(model, example, mesh, memory_budget=budget, force_data_parallel=args.force_dp,
                       batch_axis=args.batch_axis, zero_stage=args.zero_stage, time_limit=args.time_limit, **pipelined,
                       progress=lambda stage: status.update({"capture": "capturing the model (torch.export)",

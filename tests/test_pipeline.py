@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from alpa_lite import LogicalMesh, plan
+from alpa_lite import LogicalMesh, load_plan, plan
 from alpa_lite.runtime.launch import torchrun
 from alpa_lite.zoo.models import build_model
-from alpa_lite.core.schedules import SCHEDULES, ZBH1, GPipe, OneFOneB, get_schedule, simulate, step_seconds
+from alpa_lite.compiler.stage_dp import PipelinePlanError, StageOption, bubble_fraction, stage_dp
+from alpa_lite.core.schedules import (SCHEDULES, ZBH1, GPipe, Interleaved, OneFOneB, get_schedule, simulate,
+                                      step_seconds)
 from alpa_lite.tools.display import schedule_chart, stages_table
 
 WORKER = str(Path(__file__).parent / "workers" / "pipeline_equivalence.py")
@@ -38,17 +40,17 @@ def test_1f1b_order_and_in_flight():
 def test_zb_h1_order():
     # 1F1B's F / B order; stage s runs each W once s more Bs have run, the rest at the end
     z = ZBH1()
-    assert [(k[0].upper(), m) for k, m in z.compute_order(0, 2, 4)] == [
+    assert [(k[0].upper(), m) for k, m, _ in z.compute_order(0, 2, 4)] == [
         ("F", 0), ("F", 1), ("B", 0), ("W", 0), ("F", 2), ("B", 1), ("W", 1), ("F", 3), ("B", 2), ("W", 2),
         ("B", 3), ("W", 3)]
-    assert [(k[0].upper(), m) for k, m in z.compute_order(1, 2, 4)] == [
+    assert [(k[0].upper(), m) for k, m, _ in z.compute_order(1, 2, 4)] == [
         ("F", 0), ("B", 0), ("F", 1), ("B", 1), ("W", 0), ("F", 2), ("B", 2), ("W", 1), ("F", 3), ("B", 3),
         ("W", 2), ("W", 3)]
     kinds = [a.kind for a in z.actions(1, 3, 1)]
     assert kinds == ["recv_act", "forward", "send_act", "recv_grad", "backward", "send_grad", "weight"]
 
 
-@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("name", [n for n in SCHEDULES if n != "interleaved"])
 @pytest.mark.parametrize("stages,b", [(1, 3), (2, 1), (2, 4), (3, 2), (4, 4), (4, 8), (5, 7)])
 def test_schedule_tables(name, stages, b):
     sched = get_schedule(name)
@@ -56,9 +58,9 @@ def test_schedule_tables(name, stages, b):
     for s in range(stages):
         order = sched.compute_order(s, stages, b)
         # every pass of every microbatch exactly once, a microbatch's passes in order F, B, W
-        assert sorted(order) == sorted((k, m) for k in kinds for m in range(b)), (s, order)
+        assert sorted(order) == sorted((k, m, 0) for k in kinds for m in range(b)), (s, order)
         for m in range(b):
-            assert [k for k, mb in order if mb == m] == list(kinds), (s, m)
+            assert [k for k, mb, _ in order if mb == m] == list(kinds), (s, m)
         # the peak the runtime meets is the closed form the stage DP uses: ZB-H1 holds 1F1B's
         # first-stage peak min(S, B) on every stage, 1F1B min(S - s, B), GPipe B
         want = {"gpipe": b, "1f1b": min(stages - s, b), "zb-h1": min(stages, b)}[name]
@@ -84,6 +86,66 @@ def test_bubble_formulas_match_the_simulation(stages, b):
         sched = get_schedule(name)
         end = max(x.end for x in simulate(sched, [1.0] * stages, [2.0] * stages, b))
         assert end == pytest.approx(total) == pytest.approx(step_seconds(sched, [3.0] * stages, b)), name
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 2), (2, 2, 4), (2, 3, 6), (3, 2, 3), (3, 2, 9), (4, 2, 4), (4, 2, 8),
+                                   (4, 3, 12)])
+def test_interleaved_tables(p, v, m):
+    sched, S = Interleaved(v), p * v
+    for d in range(p):
+        order = sched.compute_order(d, p, m)
+        # every forward and backward of every microbatch once per chunk, the forward first
+        assert sorted(order) == sorted((k, mb, c) for k in ("forward", "backward") for mb in range(m) for c in range(v))
+        for mb in range(m):
+            for c in range(v):
+                assert [k for k, x, y in order if (x, y) == (mb, c)] == ["forward", "backward"]
+        # Megatron's peak: the warm-up forwards 2 (p - d - 1) + (v - 1) p, plus the first steady
+        # forward; group 0 holds p v + p - 1 chunk-microbatches once m >= 2p (Korthikanti et al.)
+        assert sched.peak_in_flight(d, p, m) == min(2 * (p - d - 1) + (v - 1) * p + 1, v * m)
+    if m >= 2 * p:
+        assert sched.peak_in_flight(0, p, m) == p * v + p - 1
+    slots = {(x.stage, x.kind, x.microbatch): x for x in simulate(sched, [1.0] * S, [2.0] * S, m)}
+    assert len(slots) == 2 * S * m
+    for (s, kind, mb), x in slots.items():  # stage s runs on group s mod p, after its producer
+        dep = (s - 1, "forward", mb) if kind == "forward" else (s + 1, "backward", mb) if s < S - 1 else \
+            (s, "forward", mb)
+        if dep[0] >= 0:
+            assert x.start >= slots[dep].end, (s, kind, mb)
+    # F = 1, B = 2 per stage: the step is (v m + p - 1) 3, 1F1B's bubble (p - 1) v 3 divided by v
+    end = max(x.end for x in slots.values())
+    assert end == pytest.approx(3 * (v * m + p - 1)) == pytest.approx(step_seconds(sched, [3.0] * S, m))
+    assert bubble_fraction([3.0] * S, m, "interleaved", v) == pytest.approx((p - 1) / (v * m + p - 1))
+
+
+def test_interleaved_transfers_and_errors():
+    # group 0 of 2 holds stages 0 and 2: chunk 1 receives activations, chunk 0 sends them
+    acts = Interleaved(2).actions(0, 2, 2)
+    assert [(a.kind, a.microbatch, a.chunk) for a in acts[:6]] == [
+        ("forward", 0, 0), ("send_act", 0, 0), ("forward", 1, 0), ("send_act", 1, 0), ("recv_act", 0, 1),
+        ("forward", 0, 1)]
+    with pytest.raises(ValueError, match="multiple of the device groups"):
+        Interleaved(2).compute_order(0, 2, 3)
+    with pytest.raises(ValueError, match="chunks >= 2"):
+        get_schedule("interleaved", 1)
+
+
+def test_stage_dp_prices_interleaved():
+    # a layer costs 1 s on one device, 0.75 s on two (no perfect scaling); 4 layers, 2 devices, B = 4:
+    # one stage on 2 devices 4 * 3 = 12, 1F1B on 2 x 2 layers (4 + 1) 2 = 10, interleaved 4 stages
+    # of 1 layer on groups 0, 1, 0, 1: 4 * 2 + (4 - 2) / 2 = 9 (and in flight: its chunks' peaks)
+    def cost(k, i, shape):
+        return [StageOption((i - k) * (1.0 if shape == (1, 1) else 0.75), 0.0, 1.0)]
+
+    one = stage_dp(4, (1, 2), cost, 100.0, 4, schedule="1f1b")
+    il = stage_dp(4, (1, 2), cost, 100.0, 4, schedule="interleaved")
+    assert one.objective == pytest.approx(10.0) and il.objective == pytest.approx(9.0)
+    assert [(s.start, s.end, s.submesh) for s in il.stages] == [(k, k + 1, (1, 1)) for k in range(4)]
+    assert [s.in_flight for s in il.stages] == [Interleaved(2).in_flight(s, 4, 4) for s in range(4)] == [4, 3, 2, 1]
+    # each chunk gets half a device: 4 microbatches of 1 byte need 4 <= M / 2
+    with pytest.raises(PipelinePlanError, match="no pipeline fits"):
+        stage_dp(4, (1, 2), cost, 7.0, 4, schedule="interleaved")
+    with pytest.raises(PipelinePlanError, match="interleaved 1F1B with 2 chunks has no layout"):
+        stage_dp(4, (1, 2), cost, 100.0, 3, schedule="interleaved")
 
 
 @pytest.mark.parametrize("schedule", [GPipe(), OneFOneB()])
@@ -163,3 +225,18 @@ def test_auto_schedule_picks_the_least_predicted_step(tmp_path):
     assert auto.step_seconds < one.step_seconds
     assert [s.in_flight for s in auto.stages] == [2, 2] and [s.in_flight for s in one.stages] == [2, 1]
     assert schedule_chart(auto, tmp_path / "zb.png").stat().st_size > 5000
+
+
+def test_interleaved_plan(tmp_path):
+    # 4 layers on 2 devices, 2 chunks: stage s on device s mod 2; the plan's step is the
+    # interleaved model's, its memory the sum of each device's chunks; it round-trips through JSON
+    model, example = build_model("mlp", 64, None, device="meta", num_layers=4, hidden=16)
+    p = plan(model, example, LogicalMesh((1, 2), cluster="cpu-gloo"), schedule="interleaved", num_microbatches=4,
+             num_layers=4)
+    assert p.schedule == "interleaved" and p.chunks == 2
+    assert [s.ranks for s in p.stages] == [[0], [1], [0], [1]]
+    t = [s.seconds for s in p.stages]
+    assert p.step_seconds == pytest.approx(sum(s.once_seconds for s in p.stages) + step_seconds(Interleaved(2), t, 4))
+    assert p.memory_bytes == pytest.approx(max(p.stages[d].memory_bytes + p.stages[d + 2].memory_bytes for d in (0, 1)))
+    assert load_plan(p.to_json()).chunks == 2
+    assert schedule_chart(p, tmp_path / "il.png").stat().st_size > 5000

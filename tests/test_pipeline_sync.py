@@ -6,7 +6,8 @@ as the stage's specs say, once per step after the last microbatch, and a weight 
 1 stage x 4 devices} x {GPipe, 1F1B} x {B = 1, 2, 4} x {data parallel, Megatron, ZeRO-3 (S01R),
 auto}, then tied embeddings across 2 stages x 2 devices and inside one stage of 4, and a stage
 without parameters, and ZB-H1 (split backward) on 4 stages x 1 device (B = 2 < S and B = 4)
-and 2 stages x 2 devices (Megatron inside, and the tied embedding). Every plan is trained with SGD (exact zeros stay zero, errors stay linear)
+and 2 stages x 2 devices (Megatron inside, and the tied embedding), and interleaved 1F1B with
+2 chunks per device group (``interleaved_cases``). Every plan is trained with SGD (exact zeros stay zero, errors stay linear)
 and with AdamW. Tolerances as tests/test_runtime.py: losses 1e-5 relative, gradients 1e-4 of the
 largest, parameters 1e-5 (SGD) / 2e-4 (AdamW: rounding of near-zero gradients becomes a step);
 a missing all-reduce is off by O(gradient) and O(lr) = 1e-2 per step.
@@ -49,7 +50,34 @@ def cases() -> dict:
     out["zb/mlp/2x2/megatron"] = MLP | zb | {"plan": {"num_stages": 2, "num_microbatches": 4, "num_layers": 4}
                                              | SPECS["megatron"]}
     out["zb/tied/2x2/dp"] = gpt | zb | {"plan": {"num_stages": 2, "num_microbatches": 2, "force_data_parallel": True}}
+    out.update(interleaved_cases())
     return out
+
+
+def interleaved_cases() -> dict:
+    """Interleaved 1F1B, 2 chunks per device group: 4 groups of 1 device (8 stages, B = 4),
+    2 groups of 2 devices (4 stages; data parallel and Megatron inside, B = 2 and 4), and the
+    tied embedding on the first and the last of 4 stages."""
+    il = {"schedules": ["interleaved"]}
+    mlp8 = MLP | {"build": {"num_layers": 8, "hidden": 16}}
+    out = {"il/mlp/4x1x2/B4": mlp8 | il | {"plan": {"num_stages": 8, "num_microbatches": 4, "num_layers": 8,
+                                                    "schedule": "interleaved"}}}
+    four = {"num_stages": 4, "num_layers": 4, "schedule": "interleaved"}
+    out["il/mlp/2x2x2/B4/dp"] = MLP | il | {"plan": four | {"num_microbatches": 4} | SPECS["dp"]}
+    out["il/mlp/2x2x2/B2/megatron"] = MLP | il | {"plan": four | {"num_microbatches": 2} | SPECS["megatron"]}
+    out["il/tied/2x2x2/dp"] = {"model": "gpt-tiny", "batch": 8, "seq": 16, "build": {"num_layers": 4}} | il | {
+        "plan": four | {"num_microbatches": 2, "force_data_parallel": True}}
+    return out
+
+
+def test_interleaved_layouts(results):
+    # stage s runs on the ranks of stage s mod p: p = 4 groups of 1, p = 2 groups of 2
+    assert [s["ranks"] for s in results["il/mlp/4x1x2/B4/interleaved"]["stages"]] == [[r] for r in range(4)] * 2
+    for name in ("il/mlp/2x2x2/B4/dp", "il/mlp/2x2x2/B2/megatron", "il/tied/2x2x2/dp"):
+        stages = results[f"{name}/interleaved"]["stages"]
+        assert [s["ranks"] for s in stages] == [[0, 1], [2, 3], [0, 1], [2, 3]], name
+    stages = results["il/tied/2x2x2/dp/interleaved"]["stages"]  # the embedding on stage 0, the head on 3
+    assert "wte.weight" in stages[0]["params"] and "lm_head.weight" in stages[3]["params"]
 
 
 @pytest.fixture(scope="module")

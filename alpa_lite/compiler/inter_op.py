@@ -116,9 +116,11 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
         cg = capture_rows(batch // b)
         check_names(cg, options)
         layers = cluster_layers(cg, pipeline.num_layers)
-        check_stage_count(pipeline.num_stages, len(layers), devices)
+        # interleaved: up to ``chunks`` stages per device, each holding up to B microbatches
+        chunked = pipeline.chunks if "interleaved" in schedules else 1
+        check_stage_count(pipeline.num_stages, len(layers), devices * chunked)
         costs = GraphStageCosts(cg, layers, cluster, budget,
-                                max_in_flight=b if widest == "gpipe" else min(b, len(layers), devices),
+                                max_in_flight=b if widest in ("gpipe", "interleaved") else min(b, len(layers), devices),
                                 options=options, num_microbatches=b, schedule=widest,
                                 mode=pipeline.stage_solve)
         pruned = _balanced(costs, layers, devices, pipeline.imbalance)
@@ -132,7 +134,7 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
             for cost in (pruned, costs):  # the FLOPs-balance pruning may leave no way to make num_stages
                 try:
                     found = stage_dp(len(layers), mesh.shape, cost, budget, b, num_stages=pipeline.num_stages,
-                                     schedule=schedule, submeshes=shapes)
+                                     schedule=schedule, submeshes=shapes, chunks=pipeline.chunks)
                     if res is None or found.objective < res.objective:
                         res = found
                     break
@@ -151,7 +153,9 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
         warnings.warn(f"{res.num_microbatches} microbatches change the loss: " + "; ".join(reduction.problems),
                       stacklevel=3)
     say("stage plans")
-    ranks = place_submeshes([s.submesh for s in res.stages], mesh.shape)
+    groups = len(res.stages) // (pipeline.chunks if res.schedule == "interleaved" else 1)
+    ranks = place_submeshes([s.submesh for s in res.stages[:groups]], mesh.shape)  # stage s on group s mod p
+    ranks = [ranks[i % groups] for i in range(len(res.stages))]
     stage_plans = [_stage_plan(cg, costs, layers, st, rk, budget, options) for st, rk in zip(res.stages, ranks)]
     stats = {"total_s": time.perf_counter() - t0, "microbatch_objectives": {str(k): v for k, v in tried.items()},
              "layers": len(layers), "ilp_solves": costs.stats["ilp_solves"], "cache_hits": costs.stats["cache_hits"],
@@ -162,8 +166,9 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
                         num_microbatches=res.num_microbatches, step_seconds=res.objective,
                         compute_seconds=res.num_microbatches * sum(s.plan.compute_seconds for s in stage_plans),
                         bubble_fraction=bubble_fraction([s.seconds for s in stage_plans], res.num_microbatches,
-                                                        res.schedule),
-                        memory_bytes=max(s.memory_bytes for s in stage_plans), fingerprint=cg.fingerprint(),
+                                                        res.schedule, pipeline.chunks),
+                        memory_bytes=max(sum(s.memory_bytes for s in stage_plans[d::groups]) for d in range(groups)),
+                        fingerprint=cg.fingerprint(),
                         loss_reduction=reduction, options=recorded, stats=stats, captured=cg, layers=layers)
 
 

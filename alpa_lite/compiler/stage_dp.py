@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..core.schedules import Schedule, get_schedule, step_seconds
+from ..core.schedules import Schedule, device_seconds, get_schedule, step_seconds
 
 
 class PipelinePlanError(ValueError):
@@ -139,7 +139,7 @@ def _objective(stages: Sequence[StageChoice], b: int, schedule: Schedule) -> flo
 
 def stage_dp(num_layers: int, cluster_shape: tuple[int, int], cost: CostFn, memory_bytes: float,
              num_microbatches: int, *, num_stages: int | None = None, schedule: str = "1f1b",
-             submeshes: Sequence[tuple[int, int]] | None = None) -> DPResult:
+             submeshes: Sequence[tuple[int, int]] | None = None, chunks: int = 2) -> DPResult:
     """Alpa's stage/submesh DP (module docstring; OSDI'22 section 5.1, Algorithm 1).
 
     Args:
@@ -149,9 +149,10 @@ def stage_dp(num_layers: int, cluster_shape: tuple[int, int], cost: CostFn, memo
         memory_bytes: device memory, bytes.
         num_microbatches: B.
         num_stages: fix S (None: any).
-        schedule: ``"1f1b"``, ``"gpipe"`` or ``"zb-h1"`` (the activations each stage keeps in
-            flight and the fill ratio).
+        schedule: ``"1f1b"``, ``"gpipe"``, ``"zb-h1"`` or ``"interleaved"`` (the activations each
+            stage keeps in flight and the fill ratio; ``interleaved_dp`` for the last).
         submeshes: the submesh shapes to use (default ``submesh_shapes(cluster_shape)``).
+        chunks: v, stages per device group under ``"interleaved"``.
 
     Returns:
         the optimal ``DPResult``.
@@ -160,11 +161,14 @@ def stage_dp(num_layers: int, cluster_shape: tuple[int, int], cost: CostFn, memo
         PipelinePlanError: ``num_stages`` out of range, or no assignment fits memory.
         ValueError: an unknown schedule.
     """
-    sched = get_schedule(schedule)
+    sched = get_schedule(schedule, chunks)
     n, m = cluster_shape
     devices, b = n * m, int(num_microbatches)
     if b < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    if sched.chunks > 1:
+        return interleaved_dp(num_layers, cluster_shape, cost, memory_bytes, b, sched, num_stages=num_stages,
+                              submeshes=submeshes)
     s_max = check_stage_count(num_stages, num_layers, devices)
     if num_stages is None and not _by_position(sched, s_max, b):  # in flight depends on S: one DP per S
         results, errors = [], []
@@ -181,8 +185,54 @@ def stage_dp(num_layers: int, cluster_shape: tuple[int, int], cost: CostFn, memo
         return best
     if num_stages is not None:
         s_max = num_stages
+    return _solve(num_layers, devices, cost, memory_bytes, b, s_max, num_stages, sched,
+                  list(submeshes or submesh_shapes(cluster_shape)), f"on a {n}x{m} cluster")
+
+
+def interleaved_dp(num_layers: int, cluster_shape: tuple[int, int], cost: CostFn, memory_bytes: float,
+                   num_microbatches: int, schedule: Schedule, *, num_stages: int | None = None,
+                   submeshes: Sequence[tuple[int, int]] | None = None) -> DPResult:
+    """The stage DP for interleaved 1F1B (Narayanan et al., SC'21, section 2.2.2): ``p`` equal
+    device groups of one submesh shape ``q`` (``p |q|`` = all devices, ``p >= 2``, ``p`` dividing
+    B) and ``S = v p`` stages, stage ``s`` on group ``s mod p``. For each such ``q`` the DP above
+    runs with ``S`` stages all on ``q`` over ``v`` copies of the devices, each stage within
+    ``M_dev / v`` (its chunk's share of the device; in flight: its chunk's own peak,
+    ``Interleaved.in_flight``); its recursion balances stage times with the fill ratio ``1 / v``,
+    and the answer's objective is the interleaved step model (``core/schedules.py``, stage
+    times summed per device group). Limits: one submesh shape for all stages, and a conservative
+    memory split (each chunk's peak, within an even share).
+
+    Raises:
+        PipelinePlanError: no submesh shape makes a valid interleaved pipeline, or none fits memory.
+    """
+    n, m = cluster_shape
+    devices, v, b = n * m, schedule.chunks, num_microbatches
+    best, why = None, []
+    for q in submeshes or submesh_shapes(cluster_shape):
+        size = q[0] * q[1]
+        p = devices // size
+        if devices % size or p < 2 or b % p or p * v > num_layers or num_stages not in (None, p * v):
+            continue
+        try:
+            res = _solve(num_layers, v * devices, cost, memory_bytes / v, b, p * v, p * v, schedule, [q],
+                         f"on {p} groups of {q[0]}x{q[1]} devices with {v} chunks each")
+        except PipelinePlanError as e:
+            why.append(str(e))
+            continue
+        if best is None or res.objective < best.objective:
+            best = res
+    if best is None:
+        raise PipelinePlanError("; ".join(why) or (
+            f"interleaved 1F1B with {v} chunks has no layout on a {n}x{m} cluster for {num_layers} layers and "
+            f"{b} microbatches: it needs p >= 2 equal device groups (p divides the devices and B) and "
+            f"p * {v} <= {num_layers} stages" + (f" = num_stages={num_stages}" if num_stages else "")))
+    return best
+
+
+def _solve(num_layers: int, devices: int, cost: CostFn, memory_bytes: float, b: int, s_max: int,
+           num_stages: int | None, sched: Schedule, shapes: list[tuple[int, int]], where: str) -> DPResult:
+    """The DP for stage counts up to ``s_max`` (exactly ``num_stages`` when given) on ``devices``."""
     r = sched.fill_ratio()
-    shapes = list(submeshes or submesh_shapes(cluster_shape))
     sizes = [a * c for a, c in shapes]
     L, Q = num_layers, len(shapes)
     # per (k, i, q, s-1, option): the option's times where it fits a stage s-th from the end
@@ -208,8 +258,8 @@ def stage_dp(num_layers: int, cluster_shape: tuple[int, int], cost: CostFn, memo
         if obj < best_obj:
             best_obj, best_t = obj, float(t_max)
     if best_t is None:
-        raise PipelinePlanError(f"no pipeline fits {memory_bytes / 2**30:.2f} GiB per device on a {n}x{m} cluster "
-                                f"with {b} microbatches ({schedule}); use more devices, more microbatches or "
+        raise PipelinePlanError(f"no pipeline fits {memory_bytes / 2**30:.2f} GiB per device {where} "
+                                f"with {b} microbatches ({sched.name}); use more devices, more microbatches or "
                                 "a smaller batch")
     f, choice = _dp_table(t_arr, o_arr, best_t, r, sizes, devices, s_max, record=True)
     totals = f[:, 0, devices].copy()
@@ -224,7 +274,7 @@ def stage_dp(num_layers: int, cluster_shape: tuple[int, int], cost: CostFn, memo
         option = table[(k, int(i), int(q))][int(np.argmin(masked))]
         stages.append(StageChoice(k, int(i), shapes[q], option, sched.in_flight(s_max - s, s_max, b)))
         k, d, s = int(i), d - sizes[q], s - 1
-    return DPResult(_objective(stages, b, sched), max(st.option.seconds for st in stages), stages, b, schedule, tried)
+    return DPResult(_objective(stages, b, sched), max(st.option.seconds for st in stages), stages, b, sched.name, tried)
 
 
 def _dp_table(t_arr, o_arr, t_max, r, sizes, devices, s_max, record):
@@ -256,8 +306,11 @@ def exhaustive_stage_search(num_layers: int, cluster_shape: tuple[int, int], cos
                             num_microbatches: int, *, num_stages: int | None = None, schedule: str = "1f1b",
                             submeshes: Sequence[tuple[int, int]] | None = None) -> DPResult:
     """Every partition of the layers into stages and every submesh sequence using all devices
-    (the reference ``stage_dp`` is tested against; exponential, small cases only)."""
+    (the reference ``stage_dp`` is tested against; exponential, small cases only; one stage per
+    device group, so not ``"interleaved"``)."""
     sched = get_schedule(schedule)
+    if sched.chunks > 1:
+        raise ValueError("exhaustive_stage_search gives every stage its own devices; interleaved has no reference here")
     n, m = cluster_shape
     devices, b = n * m, num_microbatches
     check_stage_count(num_stages, num_layers, devices)
@@ -302,10 +355,13 @@ def _product(lists):
             yield (head,) + tail
 
 
-def bubble_fraction(stage_seconds: Sequence[float], num_microbatches: int, schedule: str = "1f1b") -> float:
-    """Idle share of the devices' time in one pipelined step: ``1 - B sum_i t_i / (S T)`` with
-    ``T = B max_i t_i + r (sum_i t_i - max_i t_i)`` (``core/schedules.py``; equal stages:
-    ``r (S - 1) / (B + r (S - 1))``, ``(S - 1) / (B + S - 1)`` under GPipe and 1F1B)."""
-    s, b = len(stage_seconds), num_microbatches
-    total = step_seconds(get_schedule(schedule), stage_seconds, b)
-    return 1.0 - b * sum(stage_seconds) / (s * total) if total > 0 else 0.0
+def bubble_fraction(stage_seconds: Sequence[float], num_microbatches: int, schedule: str = "1f1b",
+                    chunks: int = 2) -> float:
+    """Idle share of the devices' time in one pipelined step: ``1 - B sum_d T_d / (p T)`` with
+    ``T = B max_d T_d + r (sum_d T_d - max_d T_d)`` (``core/schedules.py``; ``T_d`` the stage times
+    summed per device group, ``p`` groups; equal stages: ``r (p - 1) / (B + r (p - 1))``,
+    ``(S - 1) / (B + S - 1)`` under GPipe and 1F1B, ``(p - 1) / (v B + p - 1)`` interleaved)."""
+    sched = get_schedule(schedule, chunks)
+    b, t = num_microbatches, device_seconds(sched, stage_seconds)
+    total = step_seconds(sched, stage_seconds, b)
+    return 1.0 - b * sum(t) / (len(t) * total) if total > 0 else 0.0

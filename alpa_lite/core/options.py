@@ -88,11 +88,16 @@ class PipelineOptions:
     """Options of the inter-operator pass: layer clustering, stages, submeshes, microbatches."""
 
     num_stages: int | None = None
-    """S, the number of pipeline stages; None: the stage DP chooses."""
+    """S, the number of pipeline stages (under ``"interleaved"``: all ``p * chunks`` of them);
+    None: the stage DP chooses."""
     schedule: str = "1f1b"
     """``"1f1b"`` (PipeDream-flush, Narayanan et al. 2021), ``"gpipe"`` (Huang et al. 2019),
-    ``"zb-h1"`` (zero-bubble, Qi et al. 2024; ``core/schedules.py``) or ``"auto"``: the one of
-    these with the least predicted step time within the memory budget."""
+    ``"zb-h1"`` (zero-bubble, Qi et al. 2024), ``"interleaved"`` (interleaved 1F1B, Narayanan et
+    al. 2021, section 2.2.2; ``core/schedules.py``) or ``"auto"``: the one of these with the
+    least predicted step time within the memory budget."""
+    chunks: int = 2
+    """v, stages per device group under ``"interleaved"`` (stage ``s`` on group ``s mod p``);
+    the other schedules ignore it."""
     num_microbatches: int | None = None
     """B, microbatches per training step (must divide the batch); None: the best of
     ``microbatch_candidates``."""
@@ -118,6 +123,8 @@ class PipelineOptions:
             raise ValueError(f"stage_solve must be 'chain' or 'exact', got {self.stage_solve!r}")
         if self.schedule not in (*SCHEDULES, "auto"):
             raise ValueError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULES)} or auto")
+        if not isinstance(self.chunks, int) or self.chunks < 2:
+            raise ValueError(f"chunks must be an integer >= 2 (stages per device group), got {self.chunks!r}")
         for name in ("num_stages", "num_microbatches", "num_layers", "workers"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

@@ -289,8 +289,9 @@ class PipelinePlan:
 
     Attributes:
         mesh: the cluster as a ``LogicalMesh`` of shape ``(N nodes, M devices per node)``.
-        stages: the ``StagePlan`` of every stage, in pipeline order.
-        schedule: ``"1f1b"`` or ``"gpipe"``; num_microbatches: B per training step.
+        stages: the ``StagePlan`` of every stage, in pipeline order (under ``"interleaved"``,
+            stage ``s`` runs on the ranks of stage ``s mod p``, ``p`` the distinct rank sets).
+        schedule: a name of ``core/schedules.py``; num_microbatches: B per training step.
         step_seconds: predicted step time ``sum(t_i + o_i) + (B - 1) max t_i``, seconds
             (docs/pipeline.md).
         compute_seconds: B times the stages' compute per microbatch, seconds (the rest of the
@@ -321,6 +322,11 @@ class PipelinePlan:
     layers: list = field(default_factory=list, compare=False, repr=False)
 
     kind = "pipeline"
+
+    @property
+    def chunks(self) -> int:
+        """Stages per device group (``v`` of interleaved 1F1B; 1 when every stage has its own ranks)."""
+        return len(self.stages) // len({tuple(s.ranks) for s in self.stages})
 
     @property
     def param_specs(self) -> dict[str, ShardingSpec]:

@@ -41,23 +41,22 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or corrupt, or does not fit the trainer's model."""
 
 
-def _dtensor(trainer, mesh, fqn: str, local: torch.Tensor):
+def _dtensor(trainer, fqn: str, local: torch.Tensor):
     """``local`` (a shard of ``fqn``, or a tensor shaped like one) as a DTensor with ``fqn``'s
     placements and global shape."""
     from torch.distributed.tensor import DTensor
 
     shape = trainer.global_shape(fqn)
-    return DTensor.from_local(local, mesh, trainer.placements(fqn), run_check=False, shape=torch.Size(shape),
+    return DTensor.from_local(local, trainer.state_mesh(fqn), trainer.placements(fqn), run_check=False, shape=torch.Size(shape),
                               stride=torch.empty(shape, device="meta").stride())
 
 
 def _sharded_state(trainer) -> dict[str, object]:
     """The flat DCP state dict of this rank (module docstring)."""
-    mesh = trainer.state_mesh()
     state: dict[str, object] = {}
     for fqn, x in {**trainer.params, **trainer.buffers}.items():
         if trainer.owns(fqn):
-            state[f"model.{fqn}"] = _dtensor(trainer, mesh, fqn, x.detach())
+            state[f"model.{fqn}"] = _dtensor(trainer, fqn, x.detach())
     if trainer.optimizer is None:
         return state
     zero = trainer.zero
@@ -69,7 +68,7 @@ def _sharded_state(trainer) -> dict[str, object]:
             if fqn in zero.slices and isinstance(value, torch.Tensor) and value.dim():
                 value = zero.unslice(fqn, value)  # a ZeRO-1/2 slice's state, as its shard's
             if isinstance(value, torch.Tensor) and value.shape == p.shape:
-                state[key] = _dtensor(trainer, mesh, fqn, value)
+                state[key] = _dtensor(trainer, fqn, value)
             elif isinstance(value, torch.Tensor) and value.dim() == 0:
                 state[key] = value
             elif isinstance(value, torch.Tensor):
@@ -165,7 +164,6 @@ def load(trainer, path: str | Path) -> dict:
     path = Path(path)
     reader, metadata = _reader(path)
     saved = metadata.state_dict_metadata
-    mesh = trainer.state_mesh()
     target: dict[str, object] = {}
     for fqn, x in {**trainer.params, **trainer.buffers}.items():
         key = f"model.{fqn}"
@@ -176,7 +174,7 @@ def load(trainer, path: str | Path) -> dict:
         if tuple(saved[key].size) != trainer.global_shape(fqn):
             raise CheckpointError(f"checkpoint {path}: {key!r} has shape {tuple(saved[key].size)}, the model's is "
                                   f"{trainer.global_shape(fqn)}")
-        target[key] = _dtensor(trainer, mesh, fqn, torch.empty_like(x.detach()))
+        target[key] = _dtensor(trainer, fqn, torch.empty_like(x.detach()))
     if trainer.optimizer is not None:
         for fqn, p in trainer.params.items():
             prefix = f"optim.state.{fqn}."
@@ -186,7 +184,7 @@ def load(trainer, path: str | Path) -> dict:
                 if not isinstance(m, TensorStorageMetadata):
                     target[key] = None
                 elif tuple(m.size) == trainer.global_shape(fqn):
-                    target[key] = _dtensor(trainer, mesh, fqn, torch.empty_like(p.detach(), dtype=m.properties.dtype))
+                    target[key] = _dtensor(trainer, fqn, torch.empty_like(p.detach(), dtype=m.properties.dtype))
                 else:
                     target[key] = torch.empty(tuple(m.size), dtype=m.properties.dtype, device=p.device)
     try:

@@ -17,6 +17,14 @@ gradients, and later the weight pass as ``torch.autograd.backward(..., inputs=pa
 deferred data-parallel gradient buckets of each stage are all-reduced, a weight used by several
 stages (tied embeddings) gets the sum of their gradients, and one optimizer step runs.
 
+Under interleaved 1F1B (Narayanan et al., SC'21, section 2.2.2) a rank holds ``v`` stages
+(chunks): stages ``d, d + p, ..., d + (v - 1) p`` of device group ``d``. Each chunk keeps its own
+stage state (stage plan, graph view, executor, process groups, gradient buckets; ``_CHUNK_STATE``),
+made current before one of its actions runs; the parameters of all chunks form one dict under one
+optimizer (a rank's chunks must hold disjoint parameters and buffers), and each chunk synchronizes
+its own gradient buckets. Message tags carry the stage boundary they cross, so the two chunks a
+pair of ranks exchange values for never mix.
+
 The step's loss is the loss of the whole batch, ``sum_m w_m L_m / Z``, by how the loss reduces
 over the batch (``PipelinePlan.loss_reduction``, ``core/losses.py``): a sum adds the microbatch losses
 (``w_m = 1``, ``Z = 1``), a mean averages them (``w_m = 1``, ``Z = B``), and a token mean over
@@ -48,17 +56,20 @@ from .collectives import MeshGroups, local_slice, reshard
 from .init import store_buffer_mutations
 from .trainer import Trainer
 
+_CHUNK_STATE = ("stage", "sp", "index", "groups", "view", "_written", "executor", "constants", "buckets", "zero",
+                "_placeholders")
+
 
 class _ActivationMeter:
-    """Bytes autograd saves for backward, per microbatch in flight; ``peak`` over the step."""
+    """Bytes autograd saves for backward, per (stage, microbatch) in flight; ``peak`` over the step."""
 
     def __init__(self):
         self.live = 0
         self.peak = 0
-        self.per_mb: dict[int, int] = {}
+        self.per_mb: dict[tuple[int, int], int] = {}
         self._current = None
 
-    def hooks(self, mb: int):
+    def hooks(self, mb: tuple[int, int]):
         self._current = mb
         self.per_mb[mb] = 0
 
@@ -68,11 +79,11 @@ class _ActivationMeter:
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
-    def forward_done(self, mb: int):
+    def forward_done(self, mb: tuple[int, int]):
         self.live += self.per_mb[mb]
         self.peak = max(self.peak, self.live)
 
-    def backward_done(self, mb: int):
+    def backward_done(self, mb: tuple[int, int]):
         self.live -= self.per_mb.pop(mb)
 
 
@@ -82,55 +93,88 @@ class PipelineTrainer(Trainer):
     Args:
         model: the module (meta or real parameters; ``runtime.init`` semantics).
         captured: the ``CapturedGraph`` of ONE microbatch (the plan's fingerprint).
-        plan: a ``PipelinePlan``; its stages' ranks must tile the world.
+        plan: a ``PipelinePlan``; its stages' ranks must tile the world (under interleaved 1F1B:
+            the first ``p`` stages', stage ``s`` on the ranks of stage ``s mod p``).
         optimizer: ``params -> torch.optim.Optimizer`` over this rank's shards (not called on a
             stage without parameters: it has nothing to update).
         timeout_s: timeout of the stage process groups' collectives, seconds (point-to-point
             transfers run on the default group, whose timeout ``init_distributed`` set).
 
     Attributes:
-        stage: this rank's stage index; peak_activation_bytes: the most bytes of tensors saved for
-            backward this rank held during the last step (all microbatches in flight).
+        stages: this rank's stage indices (one per chunk); stage: the current chunk's;
+        peak_activation_bytes: the most bytes of tensors saved for backward this rank held during
+            the last step (all microbatches of all chunks in flight).
 
     Raises:
-        PlanError: the plan's stages do not tile the world, or it was made for another model.
+        PlanError: the plan's stages do not tile the world, two of a rank's chunks share a
+            parameter or buffer, or the plan was made for another model.
     """
 
     def __init__(self, model, captured, plan: PipelinePlan, optimizer: Callable, seed: int = 0, init_fn=None,
                  timeout_s: float = 120.0):
         world, rank = dist.get_world_size(), dist.get_rank()
-        all_ranks = sorted(r for s in plan.stages for r in s.ranks)
-        if all_ranks != list(range(world)):
-            raise PlanError(f"the plan's stages use ranks {all_ranks}; the world has ranks 0 .. {world - 1}")
+        self.schedule = get_schedule(plan.schedule, plan.chunks)
+        self.num_stages, self.num_microbatches = len(plan.stages), plan.num_microbatches
+        self.num_devices = self.num_stages // self.schedule.chunks  # p device groups
+        all_ranks = sorted(r for s in plan.stages[:self.num_devices] for r in s.ranks)
+        if all_ranks != list(range(world)) or any(s.ranks != plan.stages[i % self.num_devices].ranks
+                                                  for i, s in enumerate(plan.stages)):
+            raise PlanError(f"the plan's stages use ranks {[s.ranks for s in plan.stages]}; they must tile the "
+                            f"world's ranks 0 .. {world - 1} ({plan.schedule}: {self.schedule.chunks} stage(s) per "
+                            "device group, stage s on the ranks of stage s mod the group count)")
         if plan.fingerprint != captured.fingerprint():
             raise PlanError("the plan was made for another model or other microbatch shapes "
                             f"(plan graph {plan.fingerprint}, this model {captured.fingerprint()})")
         self.plan, self.cg = plan, captured
+        self._check_chunks_disjoint()
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.schedule = get_schedule(plan.schedule)
-        self.num_stages, self.num_microbatches = len(plan.stages), plan.num_microbatches
-        self.stage = next(i for i, s in enumerate(plan.stages) if rank in s.ranks)
-        self.sp = plan.stages[self.stage]
-        self._written = {alias_root(op_args(node)[a]).name for node in map(self.cg.node, self.sp.nodes)
-                         if isinstance(node.target, torch._ops.OpOverload) for a in written_args(node.target)}
         self.reduction = plan.loss_reduction
-        if (self.reduction.kind == "ratio" and self.stage == self.num_stages - 1
-                and self.reduction.denominator not in (*self.sp.nodes, *self.sp.recv)):
-            raise PlanError(f"the loss's denominator {self.reduction.denominator} is not on the last stage")
-        self.index = self.sp.ranks.index(rank)  # position in the stage's logical mesh (row-major)
-        self.groups = self._make_groups(rank)
-        self.view = stage_view(captured, list(self.sp.plan.nodes))
-        self.tied_groups = self._tied_groups(rank)
-        self._build(model, self.sp.plan, optimizer, seed, init_fn)  # no optimizer on a stage with nothing to train
+        self.stages = [i for i, s in enumerate(plan.stages) if rank in s.ranks]
+        self.device_group = self.stages[0]
+        stage_groups = self._make_groups(rank)
+        self.chunks, params, buffers = [], {}, {}
+        for stage in self.stages:
+            self.stage, self.sp, self.groups = stage, plan.stages[stage], stage_groups[stage]
+            self.index = self.sp.ranks.index(rank)  # position in the stage's logical mesh (row-major)
+            self.view = stage_view(captured, list(self.sp.plan.nodes))
+            self._written = {alias_root(op_args(node)[a]).name for node in map(self.cg.node, self.sp.nodes)
+                             if isinstance(node.target, torch._ops.OpOverload) for a in written_args(node.target)}
+            if (self.reduction.kind == "ratio" and stage == self.num_stages - 1
+                    and self.reduction.denominator not in (*self.sp.nodes, *self.sp.recv)):
+                raise PlanError(f"the loss's denominator {self.reduction.denominator} is not on the last stage")
+            self._build(model, self.sp.plan, lambda _: None, seed, init_fn)
+            params |= self.params
+            buffers |= self.buffers
+            self.chunks.append({k: getattr(self, k) for k in _CHUNK_STATE})
+        self.params, self.buffers = params, buffers
+        self.optimizer = optimizer(list(params.values())) if params else None  # none on a stage with nothing to train
+        self.tied_groups = self._tied_groups()
         self.peak_activation_bytes = 0
         self._stage_meshes = None
 
+    def _check_chunks_disjoint(self) -> None:
+        """The stages of one device group hold disjoint parameters and buffers (checked on every rank alike)."""
+        state = {**self.cg.param_fqns, **self.cg.buffer_fqns}
+        for d in range(self.num_devices):
+            seen: dict[str, int] = {}
+            for i in range(d, self.num_stages, self.num_devices):
+                for ph in self.plan.stages[i].plan.nodes:
+                    if ph in state and seen.setdefault(ph, i) != i:
+                        raise PlanError(f"stages {seen[ph]} and {i} run on the same ranks and both hold {state[ph]}; "
+                                        "use another layer split or a schedule with one stage per device group")
+
+    def _enter(self, stage: int) -> None:
+        """Make the chunk of ``stage`` (one of ``self.stages``) the current one."""
+        vars(self).update(self.chunks[self.stages.index(stage)])
+
     # ---------------------------------------------------------------- process groups
-    def _make_groups(self, rank: int) -> MeshGroups:
-        """Every stage's axis and flat groups, created by all ranks in the same order; ours kept."""
-        mine = [None, None, None]
-        coord = None
-        for s in self.plan.stages:
+    def _make_groups(self, rank: int) -> dict[int, MeshGroups]:
+        """Every stage's axis and flat groups, created by all ranks in the same order; ours kept
+        (by stage index)."""
+        out = {}
+        for stage, s in enumerate(self.plan.stages):
+            mine = [None, None, None]
+            coord = None
             a, b = s.plan.mesh.shape
             grid = [s.ranks[i * b:(i + 1) * b] for i in range(a)]
             for j in range(b):
@@ -146,10 +190,12 @@ class PipelineTrainer(Trainer):
                 mine[2] = g
                 k = s.ranks.index(rank)
                 coord = (k // b, k % b)
-        return MeshGroups(tuple(self.sp.plan.mesh.shape), coord, (mine[0], mine[1]), mine[2])
+                out[stage] = MeshGroups((a, b), coord, (mine[0], mine[1]), mine[2])
+        return out
 
-    def _tied_groups(self, rank: int) -> dict[str, object]:
-        """Parameter placeholder -> group of the ranks of every stage that holds it (when > 1 stage)."""
+    def _tied_groups(self) -> dict[str, tuple[int, object]]:
+        """Parameter placeholder -> (this rank's stage holding it, group of the ranks of every
+        stage that holds it) (when > 1 stage)."""
         holders: dict[str, list[int]] = {}
         for i, s in enumerate(self.plan.stages):
             for ph in s.plan.nodes:
@@ -160,26 +206,38 @@ class PipelineTrainer(Trainer):
             if len(holders[ph]) > 1:
                 ranks = sorted(r for i in holders[ph] for r in self.plan.stages[i].ranks)
                 g = dist.new_group(timeout=self.timeout, ranks=ranks)
-                if self.stage in holders[ph]:
-                    out[ph] = g
+                mine = [i for i in holders[ph] if i in self.stages]
+                if mine:
+                    out[ph] = (mine[0], g)
         return out
 
     def _local_plan(self) -> Plan:
         return self.sp.plan
 
+    def _select(self, fqn: str) -> None:
+        self._enter(next(stage for stage, chunk in zip(self.stages, self.chunks) if fqn in chunk["_placeholders"]))
+
     def owns(self, fqn: str) -> bool:
+        self._select(fqn)
         ph = self._placeholders[fqn]
         return next(i for i, s in enumerate(self.plan.stages) if ph in s.plan.nodes) == self.stage
 
-    def state_mesh(self):
-        """This stage's ``DeviceMesh`` (its ranks in its logical mesh's shape); every rank builds
-        every stage's mesh in stage order the first time (``DeviceMesh`` creates process groups)."""
+    def state_mesh(self, fqn: str):
+        """The ``DeviceMesh`` of the stage holding ``fqn`` here (its ranks in its logical mesh's
+        shape); every rank builds every stage's mesh in stage order the first time
+        (``DeviceMesh`` creates process groups)."""
         if self._stage_meshes is None:
             from torch.distributed.device_mesh import DeviceMesh
 
             self._stage_meshes = [DeviceMesh(self.device.type, torch.tensor(s.ranks).view(*s.plan.mesh.shape))
                                   for s in self.plan.stages]
+        self._select(fqn)
         return self._stage_meshes[self.stage]
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for stage in self.stages:  # each chunk loads its own parameters and buffers
+            self._enter(stage)
+            super().load_state_dict(state)
 
     # ---------------------------------------------------------------- point to point
     def _meta(self, name: str):
@@ -193,13 +251,14 @@ class PipelineTrainer(Trainer):
         prev = self.plan.stages[self.stage - 1]
         src = prev.ranks[self.index % len(prev.ranks)]
         bufs = {n: torch.empty(*self._meta(n)[:1], dtype=self._meta(n)[1], device=self.device) for n in self.sp.recv}
-        works = self._p2p([dist.P2POp(dist.irecv, bufs[n], src, tag=_tag(mb, 0, k)) for k, n in enumerate(self.sp.recv)])
+        works = self._p2p([dist.P2POp(dist.irecv, bufs[n], src, tag=_tag(self.stage, mb, 0, k))
+                           for k, n in enumerate(self.sp.recv)])
         for w in works:
             w.wait()
         return {n: (t.requires_grad_(True) if n in self.cg.requires_grad else t) for n, t in bufs.items()}
 
-    def _send(self, tensors: list[torch.Tensor], peers: list[int], mb: int, kind: int) -> None:
-        ops = [dist.P2POp(dist.isend, t.contiguous(), p, tag=_tag(mb, kind, k))
+    def _send(self, tensors: list[torch.Tensor], peers: list[int], boundary: int, mb: int, kind: int) -> None:
+        ops = [dist.P2POp(dist.isend, t.contiguous(), p, tag=_tag(boundary, mb, kind, k))
                for p in peers for k, t in enumerate(tensors)]
         self._pending += self._p2p(ops)
 
@@ -263,45 +322,48 @@ class PipelineTrainer(Trainer):
         synchronized."""
         self._pending = []
         meter = _ActivationMeter()
-        saved: dict[int, tuple] = {}
-        deferred: dict[int, tuple] = {}  # a split backward's roots, kept for its weight pass
+        # by (stage, microbatch): forward results, a split backward's roots kept for its weight
+        # pass, received activations
+        saved: dict[tuple[int, int], tuple] = {}
+        deferred: dict[tuple[int, int], tuple] = {}
+        received: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._terms = []
-        received: dict[int, dict[str, torch.Tensor]] = {}
-        for action in self.schedule.actions(self.stage, self.num_stages, self.num_microbatches):
-            mb = action.microbatch
+        for action in self.schedule.actions(self.device_group, self.num_devices, self.num_microbatches):
+            self._enter(self.stages[action.chunk])
+            mb, key = action.microbatch, (self.stage, action.microbatch)
             if action.kind == "recv_act":
-                received[mb] = self._recv_acts(mb)
+                received[key] = self._recv_acts(mb)
             elif action.kind == "forward":
-                with meter.hooks(mb):
-                    saved[mb] = self._forward(mb, batch, received.get(mb, {}))
-                meter.forward_done(mb)
+                with meter.hooks(key):
+                    saved[key] = self._forward(mb, batch, received.get(key, {}))
+                meter.forward_done(key)
             elif action.kind == "send_act":
-                self._send([t.detach() for t in saved[mb][0]], self._next_peers(), mb, 0)
+                self._send([t.detach() for t in saved[key][0]], self._next_peers(), self.stage + 1, mb, 0)
             elif action.kind == "recv_grad":
-                saved[mb] = saved[mb] + (self._recv_grads(mb, saved[mb][0]),)
+                saved[key] = saved[key] + (self._recv_grads(mb, saved[key][0]),)
             elif action.kind == "backward":
-                outputs = self._backward_roots(*saved.pop(mb))
+                outputs = self._backward_roots(*saved.pop(key))
                 if not self.schedule.split_backward:
                     if outputs[0]:
                         torch.autograd.backward(*outputs)
-                    meter.backward_done(mb)
+                    meter.backward_done(key)
                     continue
-                leaves = [t for n, t in received.get(mb, {}).items() if n in self.cg.requires_grad]
+                leaves = [t for n, t in received.get(key, {}).items() if n in self.cg.requires_grad]
                 if outputs[0] and leaves:  # input gradients only; the graph stays for the weight pass
                     grads = torch.autograd.grad(outputs[0], leaves, outputs[1], retain_graph=True, allow_unused=True)
                     for t, g in zip(leaves, grads):
                         t.grad = g
-                deferred[mb] = outputs
+                deferred[key] = outputs
             elif action.kind == "weight":
-                outputs, params = deferred.pop(mb), [p for p in self.params.values() if p.requires_grad]
+                outputs, params = deferred.pop(key), [p for p in self.params.values() if p.requires_grad]
                 if outputs[0] and params:
                     torch.autograd.backward(*outputs, inputs=params)
-                meter.backward_done(mb)
+                meter.backward_done(key)
             elif action.kind == "send_grad":
-                leaves = received.pop(mb)
+                leaves = received.pop(key)
                 out = [(t.grad if t.grad is not None else torch.zeros_like(t)) for n, t in leaves.items()
                        if n in self.cg.requires_grad]
-                self._send(out, self._prev_peers(), mb, 1)
+                self._send(out, self._prev_peers(), self.stage, mb, 1)
         for w in self._pending:
             w.wait()
         self._pending = []
@@ -329,15 +391,18 @@ class PipelineTrainer(Trainer):
         ops, k = [], 0
         for n, b in zip(self.sp.send, bufs):
             if b is not None:
-                ops.append(dist.P2POp(dist.irecv, b, src, tag=_tag(mb, 1, k)))
+                ops.append(dist.P2POp(dist.irecv, b, src, tag=_tag(self.stage + 1, mb, 1, k)))
                 k += 1
         for w in self._p2p(ops):
             w.wait()
         return bufs
 
     def _sync_gradients(self) -> None:
-        self._sync_buckets()  # deferred data-parallel gradients inside the stage
-        for ph, group in self.tied_groups.items():  # a weight several stages use: sum their gradients
+        for stage in self.stages:  # deferred data-parallel gradients inside each stage
+            self._enter(stage)
+            self._sync_buckets()
+        for ph, (stage, group) in self.tied_groups.items():  # a weight several stages use: sum their gradients
+            self._enter(stage)
             p = self.params[self.view.param_fqns[ph]]
             spec = self._spec(ph)
             full = self._full(p.grad if p.grad is not None else torch.zeros_like(p), ph)
@@ -368,7 +433,8 @@ class PipelineTrainer(Trainer):
         for ph in sorted(owners):
             fqn = placeholders[ph]
             shape, dtype = self._meta(ph)
-            if owners[ph] == self.stage:
+            if owners[ph] in self.stages:
+                self._enter(owners[ph])
                 x = self._full(local[fqn], ph).contiguous()
             else:
                 x = torch.empty(shape, dtype=dtype, device=self.device)
@@ -379,6 +445,7 @@ class PipelineTrainer(Trainer):
         return out
 
 
-def _tag(mb: int, kind: int, k: int) -> int:
-    """Message tag: microbatch, activation (0) or gradient (1), value index."""
-    return (mb * 2 + kind) * 1024 + k
+def _tag(boundary: int, mb: int, kind: int, k: int) -> int:
+    """Message tag: the stage boundary crossed (the receiving stage of an activation), microbatch,
+    activation (0) or gradient (1), value index."""
+    return ((boundary * 1024 + mb) * 2 + kind) * 1024 + k

@@ -187,6 +187,10 @@ class Trainer:
         return gather_full(x.detach(), self._spec(placeholder), shape, self.groups)
 
     # ---------------------------------------------------------------- clipping
+    def _select(self, fqn: str) -> None:
+        """Make the state that holds parameter / buffer ``fqn`` the current one (a pipeline rank's
+        chunk; nothing for an SPMD plan)."""
+
     def owns(self, fqn: str) -> bool:
         """Whether this rank's copy of parameter / buffer ``fqn`` is the one counted in the global
         gradient norm and written to a checkpoint (a pipeline's weight held by several stages:
@@ -198,17 +202,18 @@ class Trainer:
         return dist.group.WORLD
 
     def _gradient_holders(self) -> list[tuple[str, torch.Tensor, set[int]]]:
-        """``(fqn, tensor, axes)`` of every parameter whose ``tensor.grad`` holds its gradient
+        """``(fqn, tensor, copies)`` of every parameter whose ``tensor.grad`` holds its gradient
         after the synchronization: the local shard, or for a ZeRO-2 parameter the optimizer's
-        slice; ``axes``: the mesh axes that split (or, for the slice, partition) it."""
+        slice; ``copies``: how many ranks of its mesh hold the same one (the product of the mesh
+        axes that neither split nor partition it)."""
         holders = []
         for fqn, param in self.params.items():
+            self._select(fqn)
             split = self._spec(self._placeholders[fqn]).axes()
             stage, zero_axes = self.zero.stages.get(fqn, (0, ()))
             if stage == 2:
-                holders.append((fqn, self.zero.slices[fqn], split | set(zero_axes)))
-            else:
-                holders.append((fqn, param, split))
+                param, split = self.zero.slices[fqn], split | set(zero_axes)
+            holders.append((fqn, param, math.prod(s for a, s in enumerate(self.groups.shape) if a not in split)))
         return holders
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
@@ -226,14 +231,11 @@ class Trainer:
         """
         p = float(norm_type)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for fqn, holder, split in self._gradient_holders():
+        for fqn, holder, copies in self._gradient_holders():
             if holder.grad is None or not self.owns(fqn):
                 continue
             n = torch.linalg.vector_norm(holder.grad.detach(), p).to(total)
-            if math.isinf(p):
-                total = torch.maximum(total, n)
-            else:
-                total += n ** p / math.prod(s for a, s in enumerate(self.groups.shape) if a not in split)
+            total = torch.maximum(total, n) if math.isinf(p) else total + n ** p / copies
         dist.all_reduce(total, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM, group=self._job_group())
         return (total if math.isinf(p) else total ** (1 / p)).to(torch.float32)
 
@@ -252,12 +254,14 @@ class Trainer:
         return norm
 
     # ---------------------------------------------------------------- checkpoints
-    def state_mesh(self):
-        """The ``DeviceMesh`` this rank's shards live on (the plan's; a pipeline stage's own)."""
+    def state_mesh(self, fqn: str):
+        """The ``DeviceMesh`` this rank's shard of ``fqn`` lives on (the plan's; a pipeline
+        stage's own)."""
         raise NotImplementedError
 
     def placements(self, fqn: str) -> tuple:
-        """DTensor placements of parameter / buffer ``fqn`` on ``state_mesh()``."""
+        """DTensor placements of parameter / buffer ``fqn`` on ``state_mesh(fqn)``."""
+        self._select(fqn)
         return self._spec(self._placeholders[fqn]).placements(2)
 
     def global_shape(self, fqn: str) -> tuple[int, ...]:
@@ -383,7 +387,7 @@ class ParallelTrainer(Trainer):
     def _job_group(self):
         return self.groups.flat
 
-    def state_mesh(self):
+    def state_mesh(self, fqn: str):
         return self.mesh
 
     def placeholder_values(self, flat: list[torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -51,9 +51,11 @@ def stages_table(plan: PipelinePlan):
 
 
 def schedule_chart(plan: PipelinePlan, path: str | Path, title: str | None = None) -> Path:
-    """Save a Gantt chart (matplotlib, PNG by the suffix) of one training step: per stage, the
-    forward (light, ``F``), backward (dark, ``B``) and, under a split backward (ZB-H1), weight
-    pass (dark, hatched, ``W``) of every microbatch, simulated from the predicted stage times
+    """Save a Gantt chart (matplotlib, PNG by the suffix) of one training step: per device group
+    (one stage each, or ``v`` under interleaved 1F1B: boxes ``F3.1`` are microbatch 3 on chunk 1,
+    later chunks with a thicker edge), the forward (light, ``F``), backward (dark, ``B``) and,
+    under a split backward (ZB-H1), weight pass (dark, hatched, ``W``) of every microbatch,
+    simulated from the predicted stage times
     (forward = 1/3 of a stage's time, backward = 2/3: backward costs 2x the forward FLOPs; a
     split backward's weight pass is half of it).
 
@@ -66,20 +68,24 @@ def schedule_chart(plan: PipelinePlan, path: str | Path, title: str | None = Non
 
     _require_stages(plan)
     t = [s.seconds for s in plan.stages]
-    slots = simulate(get_schedule(plan.schedule), [x * (1 - BACKWARD_SHARE) for x in t],
-                     [x * BACKWARD_SHARE for x in t], plan.num_microbatches)
+    schedule = get_schedule(plan.schedule, plan.chunks)
+    slots = simulate(schedule, [x * (1 - BACKWARD_SHARE) for x in t], [x * BACKWARD_SHARE for x in t],
+                     plan.num_microbatches)
     S = len(plan.stages)
-    fig, ax = plt.subplots(figsize=(10, 0.6 * S + 1.5))
+    P = S // schedule.chunks
+    fig, ax = plt.subplots(figsize=(10, 0.6 * P + 1.5))
     colors = plt.get_cmap("tab20")
     for sl in slots:
         c = colors((2 * sl.microbatch) % 20 + (1 if sl.kind == "forward" else 0))
-        ax.broken_barh([(sl.start * 1e3, (sl.end - sl.start) * 1e3)], (S - 1 - sl.stage - 0.4, 0.8),
-                       facecolors=c, edgecolor="black", linewidth=0.3, hatch="//" if sl.kind == "weight" else None)
+        row, chunk = P - 1 - sl.stage % P, sl.stage // P
+        ax.broken_barh([(sl.start * 1e3, (sl.end - sl.start) * 1e3)], (row - 0.4, 0.8), facecolors=c,
+                       edgecolor="black", linewidth=0.3 + 1.2 * chunk, hatch="//" if sl.kind == "weight" else None)
         if (sl.end - sl.start) * 1e3 > 0.02 * max(x.end for x in slots) * 1e3:
-            ax.text((sl.start + sl.end) / 2 * 1e3, S - 1 - sl.stage, f"{sl.kind[0].upper()}"
-                    f"{sl.microbatch}", ha="center", va="center", fontsize=7)
-    ax.set_yticks(range(S))
-    ax.set_yticklabels([f"stage {S - 1 - i}" for i in range(S)])
+            ax.text((sl.start + sl.end) / 2 * 1e3, row, f"{sl.kind[0].upper()}{sl.microbatch}"
+                    + (f".{chunk}" if schedule.chunks > 1 else ""), ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(P))
+    ax.set_yticklabels([f"stage {P - 1 - i}" if schedule.chunks == 1 else
+                        "stages " + ", ".join(map(str, range(P - 1 - i, S, P))) for i in range(P)])
     ax.set_xlabel("time (ms)")
     ax.set_title(title or f"{plan.schedule}, {S} stages, {plan.num_microbatches} microbatches: "
                           f"step {plan.step_seconds * 1e3:.2f} ms, bubble {plan.bubble_fraction:.0%}")
