@@ -240,3 +240,17 @@ def test_interleaved_plan(tmp_path):
     assert p.memory_bytes == pytest.approx(max(p.stages[d].memory_bytes + p.stages[d + 2].memory_bytes for d in (0, 1)))
     assert load_plan(p.to_json()).chunks == 2
     assert schedule_chart(p, tmp_path / "il.png").stat().st_size > 5000
+
+
+def test_interleaved_refuses_a_weight_shared_within_a_device_group():
+    # gpt-tiny ties lm_head to the embedding; cut into 4 layers, its 4 interleaved stages on 2
+    # devices put the tied weight on two stages of one device group, which the runtime cannot run:
+    # the planner says so by name instead of returning that plan; 6 layers leave a valid split
+    model, example = build_model("gpt-tiny", batch=8, device="meta")
+    mesh = LogicalMesh((1, 2), cluster="cpu-gloo")
+    with pytest.raises(PipelinePlanError, match="both hold lm_head.weight"):
+        plan(model, example, mesh, schedule="interleaved", num_stages=4, num_layers=4, num_microbatches=2)
+    p = plan(model, example, mesh, schedule="interleaved", num_stages=4, num_layers=6, num_microbatches=2)
+    for d in (0, 1):
+        held = [{n for n in p.stages[i].plan.nodes if n in p.captured.param_fqns} for i in (d, d + 2)]
+        assert not held[0] & held[1]

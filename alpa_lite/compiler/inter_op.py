@@ -135,6 +135,10 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
                 try:
                     found = stage_dp(len(layers), mesh.shape, cost, budget, b, num_stages=pipeline.num_stages,
                                      schedule=schedule, submeshes=shapes, chunks=pipeline.chunks)
+                    shared = schedule == "interleaved" and _shared_in_group(cg, costs, found.stages, pipeline.chunks)
+                    if shared:
+                        raise PipelinePlanError(f"interleaved: two stages of one device group would both hold "
+                                                f"{shared} (a rank's chunks must hold disjoint state)")
                     if res is None or found.objective < res.objective:
                         res = found
                     break
@@ -170,6 +174,21 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
                         memory_bytes=max(sum(s.memory_bytes for s in stage_plans[d::groups]) for d in range(groups)),
                         fingerprint=cg.fingerprint(),
                         loss_reduction=reduction, options=recorded, stats=stats, captured=cg, layers=layers)
+
+
+def _shared_in_group(cg, costs: GraphStageCosts, stages, chunks: int) -> str | None:
+    """The FQN of a parameter or buffer that two stages of one device group (stages ``d``,
+    ``d + p``, ... of an interleaved plan) would both hold, or None: the runtime refuses such a
+    plan (``runtime/pipeline.py``), so the search must not return it."""
+    state = {**cg.param_fqns, **cg.buffer_fqns}
+    groups = len(stages) // chunks
+    for d in range(groups):
+        seen: dict[str, int] = {}
+        for i in range(d, len(stages), groups):
+            for ph in set(costs.subset(stages[i].start, stages[i].end)) & state.keys():
+                if seen.setdefault(ph, i) != i:
+                    return state[ph]
+    return None
 
 
 def _balanced(costs: GraphStageCosts, layers, devices: int, imbalance: float) -> CostFn:
