@@ -17,6 +17,7 @@ from alpa_lite import LogicalMesh
 from alpa_lite.compiler.ops import signature
 from alpa_lite.compiler.strategies import build_strategies
 from alpa_lite.core.capture import capture
+from alpa_lite.core.spec import ShardingSpec
 from alpa_lite.runtime.collectives import MeshGroups, local_slice
 from alpa_lite.runtime.executor import local_arguments
 
@@ -63,12 +64,13 @@ def simulate(fn, inputs, target):
             kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: operands[n.name])
             args, kwargs = local_arguments(node.target, args, kwargs, s.in_specs, MESH.shape)
             local[c] = node.target(*args, **kwargs)
-        if s.partial_axes:
-            scale = 1 / math.prod(MESH.shape[a] for a in s.partial_axes) if s.reduce == "mean" else 1
-            local = {c: scale * sum(local[p] for p in DEVICES if all(p[a] == c[a] for a in (0, 1)
-                                                                     if a not in s.partial_axes))
+        summed = set(s.partial_axes) | set(s.out_spec.partial)  # reduced in the op, or left partial
+        if summed:
+            scale = 1 / math.prod(MESH.shape[a] for a in summed) if s.reduce == "mean" else 1
+            local = {c: scale * sum(local[p] for p in DEVICES if all(p[a] == c[a] for a in (0, 1) if a not in summed))
                      for c in DEVICES}
-        want = {c: local_slice(full, s.out_spec, MeshGroups(MESH.shape, c, (None, None))) for c in DEVICES}
+        want = {c: local_slice(full, ShardingSpec(s.out_spec.dims), MeshGroups(MESH.shape, c, (None, None)))
+                for c in DEVICES}
         out.append((s, local, want))
     return out
 

@@ -174,7 +174,7 @@ def checkpoint_errors(batches, source, path: Path, root: Path) -> dict:
     writer.write_data = original
     dist.barrier()
     errors["unchanged"] = before == {f.name: f.read_bytes() for f in sorted(path.iterdir())}
-    errors["leftovers"] = sorted(f.name for f in root.iterdir() if f.name != "ckpt" and not f.name.startswith("c_"))
+    errors["leftovers"] = sorted(f.name for f in root.iterdir() if not f.name.startswith(("ckpt", "c_")))
     # corrupt copies: a shard file missing, a truncated file, no .metadata, another model's checkpoint
     import shutil
     if dist.get_rank() == 0:
