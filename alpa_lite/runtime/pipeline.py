@@ -10,8 +10,9 @@ same way: sending device ``i`` of the earlier stage takes the full gradient from
 ``i mod d_recv``. So stages may have different submesh and logical mesh shapes.
 
 A step: the batch is cut into ``B`` microbatches (dim 0); the schedule (``core/schedules.py``) gives
-each stage its order of forwards and backwards; gradients accumulate over microbatches; then the
-deferred data-parallel gradient buckets of each stage are all-reduced, a weight used by several
+each stage its order of forwards and backwards; gradients accumulate over microbatches; the
+deferred data-parallel gradient buckets of each stage are all-reduced, each started during the
+stage's last backward once its gradients are ready (``grad_sync.py``), a weight used by several
 stages (tied embeddings) gets the sum of their gradients, and one optimizer step runs.
 
 The step's loss is the loss of the whole batch, ``sum_m w_m L_m / Z``, by how the loss reduces
@@ -20,7 +21,7 @@ over the batch (``PipelinePlan.loss_reduction``, ``core/losses.py``): a sum adds
 valid targets weighs each by its count (``w_m = D_m``, its denominator, ``Z = sum_m D_m``), so
 it is the ratio of the summed numerators and denominators. The last stage back-propagates
 ``w_m L_m``; ``Z`` is known only after the last microbatch, so every rank divides its
-accumulated gradients by it before the optimizer step (one broadcast carries loss and ``Z``).
+synchronized gradients by it before the optimizer step (one broadcast carries loss and ``Z``).
 
 ``torch.distributed.pipelining`` is not used: its stages are one module per rank with one
 process group, and its schedules drive ``PipelineStage`` objects that exchange tensors of fixed
@@ -250,7 +251,9 @@ class PipelineTrainer(Trainer):
         saved: dict[int, tuple] = {}
         self._terms = []
         received: dict[int, dict[str, torch.Tensor]] = {}
-        for action in self.schedule.actions(self.stage, self.num_stages, self.num_microbatches):
+        actions = list(self.schedule.actions(self.stage, self.num_stages, self.num_microbatches))
+        last_backward = max(i for i, a in enumerate(actions) if a.kind == "backward")
+        for i, action in enumerate(actions):
             mb = action.microbatch
             if action.kind == "recv_act":
                 received[mb] = self._recv_acts(mb)
@@ -264,6 +267,8 @@ class PipelineTrainer(Trainer):
                 saved[mb] = saved[mb] + (self._recv_grads(mb, saved[mb][0]),)
             elif action.kind == "backward":
                 sent, term, *grads = saved.pop(mb)
+                if i == last_backward and self.overlap:  # the step's gradients complete in this backward
+                    self.bucket_sync.arm()
                 if self.stage == self.num_stages - 1:
                     if term is not None:
                         term.backward()
@@ -282,11 +287,11 @@ class PipelineTrainer(Trainer):
         self._pending = []
         self.peak_activation_bytes = meter.peak
         loss, z = self._broadcast_loss()
+        self._sync_gradients()
         if z not in (0.0, 1.0):
             for p in self.params.values():
                 if p.grad is not None:
                     p.grad.div_(z)
-        self._sync_gradients()
         return loss
 
     def _recv_grads(self, mb: int, sent: list[torch.Tensor]) -> list[torch.Tensor | None]:

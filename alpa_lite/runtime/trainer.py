@@ -4,7 +4,8 @@
 ``gradients``, ``report``) and the code they share; ``ParallelTrainer`` runs an SPMD ``Plan``:
 each rank builds only its own parameter shards, runs the captured graph on local shards with the
 planned collectives (``executor.py``), back-propagates through them (each collective's dual is
-explicit, ``collectives.py``), synchronizes the deferred data-parallel gradients in buckets and
+explicit, ``collectives.py``), synchronizes the deferred data-parallel gradients in buckets (each started during backward once
+its gradients are ready, ``grad_sync.py``) and
 updates its shards with a standard ``torch.optim`` optimizer. ``PipelineTrainer``
 (``pipeline.py``) runs a ``PipelinePlan``. Launch with ``torchrun`` (or ``alpa-lite run``); gloo
 on CPU, NCCL on CUDA, same code.
@@ -23,8 +24,9 @@ import torch.distributed as dist
 from ..core.capture import CapturedGraph
 from ..core.plan import Plan, PlanError, gradient_buckets
 from ..core.spec import ShardingSpec
-from .collectives import COUNTS, MeshGroups, all_reduce_bucket, gather_full, local_slice
+from .collectives import COUNTS, MeshGroups, gather_full, local_slice
 from .executor import LocalExecutor
+from .grad_sync import BucketSync
 from .init import local_constants, local_shards, store_buffer_mutations
 from .launch import default_device
 from .report import REPORT_JSON_ENV, StepTimer, print_report, write_record
@@ -66,7 +68,10 @@ class Trainer:
         params: parameter FQN -> this rank's shard (an ``nn.Parameter``); buffers: the same for
             buffers and frozen parameters.
         optimizer: the ``torch.optim`` optimizer over the local shards (None: nothing to train here).
-        groups: this rank's ``MeshGroups``; buckets: its deferred gradient buckets.
+        groups: this rank's ``MeshGroups``; buckets: its deferred gradient buckets;
+            bucket_sync: their all-reduces (``grad_sync.BucketSync``).
+        overlap: start each bucket's all-reduce during backward as soon as its gradients are
+            ready (default); False: all of them after backward (the plain step, for debugging).
         timer: a ``StepTimer`` when the trainer reports (``parallelize(..., report=True)``).
     """
 
@@ -76,6 +81,7 @@ class Trainer:
     groups: MeshGroups
     num_microbatches: int = 1
     timer: StepTimer | None = None
+    overlap: bool = True
 
     def _build(self, model, plan: Plan, optimizer: Callable, seed: int, init_fn) -> None:
         """The state of this rank for the SPMD ``plan`` of ``self.view``: shards, constants,
@@ -85,6 +91,8 @@ class Trainer:
         self.params, self.buffers = local_shards(model, self.view, plan, self.groups, self.device, seed, init_fn)
         self.constants = local_constants(self.cg, plan, self.groups, self.device)
         self.buckets = gradient_buckets(self.view, plan.nodes, plan.grad_sync, self.groups.shape, plan.bucket_bytes)
+        self.bucket_sync = BucketSync(self.buckets, {ph: self.params[fqn] for ph, fqn in self.view.param_fqns.items()},
+                                      self.groups)
         self.optimizer = optimizer(list(self.params.values())) if self.params else None
 
     def _local_plan(self) -> Plan:
@@ -137,13 +145,9 @@ class Trainer:
         return flat
 
     def _sync_buckets(self) -> None:
-        """All-reduce the deferred data-parallel gradients, one bucket at a time (``Plan.grad_sync``)."""
-        for axes, members in self.buckets:
-            params = [self.params[self.view.param_fqns[ph]] for ph in members]
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            all_reduce_bucket([p.grad for p in params], axes, self.groups)
+        """Finish the deferred data-parallel gradients' all-reduces (``Plan.grad_sync``): those the
+        hooks started during backward, then the rest (``grad_sync.BucketSync``)."""
+        self.bucket_sync.finish()
 
     def _full(self, x: torch.Tensor, placeholder: str) -> torch.Tensor:
         """The full tensor of ``placeholder`` from this rank's shard ``x``."""
@@ -264,6 +268,8 @@ class ParallelTrainer(Trainer):
 
     def _train_step(self, flat: list[torch.Tensor]) -> float:
         loss = self._loss(flat)
+        if self.overlap:
+            self.bucket_sync.arm()
         loss.backward()
         self._sync_buckets()
         return float(loss.detach())
