@@ -40,8 +40,8 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     init_distributed(60)
-    model, example = build_model("gpt-tiny", 8, 16, device="cpu", num_layers=4)
-    batches = [build_model("gpt-tiny", 8, 16, device="cpu", seed=100 + s, num_layers=4)[1] for s in range(STEPS)]
+    model, example = build_model("gpt-tiny", 8, 16, device="cpu", num_layers=2)
+    batches = [build_model("gpt-tiny", 8, 16, device="cpu", seed=100 + s, num_layers=2)[1] for s in range(STEPS)]
     results = {}
     for name, options in json.loads(args.plans).items():
         trainer, losses, counts, early = train(model, example, batches, True, options)
