@@ -65,3 +65,24 @@ def test_peer_dead_mid_backward_fails_fast_and_is_named(tmp_path):
     assert code != 0
     assert elapsed < 120, elapsed  # the collective timeout is 15 s; no hang on an outstanding handle
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*3", text), text[-3000:]
+
+
+def test_predicted_overlap_hides_all_buckets_but_the_first_up_to_backward():
+    from dataclasses import replace
+
+    from alpa_lite import LogicalMesh, plan
+    from alpa_lite.core.plan import Collective
+    from alpa_lite.zoo.models import build_model
+
+    model, example = build_model("mlp", 8, hidden=32, num_layers=2)
+    base = plan(model, example, LogicalMesh((2, 2), cluster="cpu-gloo"), force_data_parallel=True)
+    bucket = lambda k, s: Collective("all-reduce", (0, 1), 1e6, "backward", f"gradient bucket {k}", "", s)  # noqa: E731
+    other = Collective("all-gather", (1,), 1e6, "forward", "mm", "x", 0.5)
+    p = replace(base, collectives=[other, bucket(0, 1.0), bucket(1, 2.0), bucket(2, 3.0)], compute_seconds=9.0,
+                comm_seconds=6.5)
+    assert p.overlap_seconds == 5.0  # buckets 1 and 2; bucket 0 is ready only when backward ends
+    assert p.step_seconds == 9.0 + 6.5 - 5.0
+    short = replace(p, compute_seconds=3.0)  # backward (2/3 of compute) hides at most 2 s
+    assert short.overlap_seconds == 2.0 and short.step_seconds == 3.0 + 6.5 - 2.0
+    assert replace(p, collectives=[other, bucket(0, 1.0)]).overlap_seconds == 0.0
+    assert replace(p, collectives=[other]).overlap_seconds == 0.0
