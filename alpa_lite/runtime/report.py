@@ -131,6 +131,13 @@ def _order(key: tuple[str, str]) -> tuple:
     return (PHASES.index(phase) if phase in PHASES else 9, COLLECTIVES.index(kind) if kind in COLLECTIVES else 9, kind)
 
 
+def timed_prediction(plan: Plan | PipelinePlan) -> float:
+    """The predicted time of a step timed by ``report=True``, seconds: ``step_seconds``, with the
+    gradient buckets backward would hide (``Plan.overlap_seconds``) added back, as the timed step
+    waits on every collective where it is issued."""
+    return plan.step_seconds if isinstance(plan, PipelinePlan) else plan.compute_seconds + plan.comm_seconds
+
+
 def make_record(plan: Plan, step_seconds: Sequence[float], collective_seconds: dict[tuple[str, str], float],
                 collective_counts: dict[tuple[str, str], float], *, warmup_steps: int, world_size: int,
                 backend: str = "", name: str = "") -> dict:
@@ -160,7 +167,7 @@ def make_record(plan: Plan, step_seconds: Sequence[float], collective_seconds: d
         raise ValueError("no timed step: run more steps than report_warmup before asking for the report")
     measured = statistics.median(step_seconds)
     pipelined = isinstance(plan, PipelinePlan)  # its step is the stage DP's, not compute + comm
-    timed_prediction = plan.step_seconds if pipelined else plan.compute_seconds + plan.comm_seconds
+    predicted = timed_prediction(plan)
     pred = predicted_collectives(plan)
     rows = []
     for key in sorted(set(pred) | set(collective_counts) | set(collective_seconds), key=_order):
@@ -175,13 +182,13 @@ def make_record(plan: Plan, step_seconds: Sequence[float], collective_seconds: d
         "backend": backend,
         "warmup_steps": warmup_steps,
         "timed_steps": len(step_seconds),
-        "step": {"predicted_s": timed_prediction,
+        "step": {"predicted_s": predicted,
                  "predicted_overlap_s": None if pipelined else plan.overlap_seconds,
                  "predicted_compute_s": None if pipelined else plan.compute_seconds,
                  "predicted_comm_s": None if pipelined else plan.comm_seconds,
                  "measured_s": measured, "fastest_s": min(step_seconds), "samples_s": list(step_seconds),
                  "measured_collective_s": sum(collective_seconds.values()),
-                 "relative_error": relative_error(timed_prediction, measured)},
+                 "relative_error": relative_error(predicted, measured)},
         "collectives": rows,
     }
 
