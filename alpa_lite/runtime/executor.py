@@ -47,8 +47,10 @@ class _Dispatch:
     __slots__ = ("plan", "target", "args", "kwargs", "operands", "getitem", "random", "ratio", "written",
                  "mutates")
 
-    def __init__(self, node: torch.fx.Node, np_: NodePlan | None, operands: list[tuple], local_shape, device):
-        self.plan, self.operands, self.target = np_, operands, node.target
+    def __init__(self, node: torch.fx.Node, np_: NodePlan | None, operands: list[tuple], local_shape, device,
+                 mutates: str | None):
+        self.plan, self.operands = np_, operands
+        self.mutates = mutates  # the parameter placeholder whose new value this node computes, if any
         self.getitem = (node.args[0].name, node.args[1]) if node.target is operator.getitem else None
         args, kwargs = node.args, {k: (device if k == "device" else v) for k, v in node.kwargs.items()}
         target = node.target
@@ -64,7 +66,6 @@ class _Dispatch:
         self.random = is_random(target)
         self.ratio = is_ratio(target, args, kwargs)
         self.written = written_args(target)
-        self.mutates = None  # the parameter placeholder this node's value is the new value of
 
 
 class LocalExecutor:
@@ -98,9 +99,8 @@ class LocalExecutor:
             np_ = plan.nodes.get(node.name)
             local_shape = (list(specs[node.name][0].local_shape(tuple(node.meta["val"].shape), mesh.shape))
                            if np_ is not None and node.target in _SHAPE_ARG else None)
-            d = _Dispatch(node, np_, self.operands.get(node.name, []), local_shape, device)
-            d.mutates = captured.param_mutations.get(node.name)
-            self.dispatch[node.name] = d
+            self.dispatch[node.name] = _Dispatch(node, np_, self.operands.get(node.name, []), local_shape, device,
+                                                 captured.param_mutations.get(node.name))
         gen = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" else torch.default_generator
         self._generator = gen  # the one random ops on this device draw from (seeded per op, below)
 
