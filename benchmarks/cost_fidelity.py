@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from alpa_lite.runtime.report import relative_error, spearman  # noqa: E402
+from alpa_lite.runtime.report import relative_error, spearman, timed_prediction  # noqa: E402
 
 MESHES = ("2x2", "1x4")
 PROFILE_REPEATS = 10  # timings per collective point (the profile's CPU default is 5): steadier curves
@@ -215,10 +215,10 @@ def ablation(records: dict, cluster_path: Path, model, example, plan_options: di
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 p = plan(model, example, spec.logical_mesh(shape), **options)
-            err = relative_error(p.step_seconds, measured)
+            err = relative_error(timed_prediction(p), measured)
             same = {node: np_.strategy for node, np_ in p.nodes.items()} == records[name]["strategies"]
             worst[v] = max(worst[v], abs(err))
-            predicted[v].append(p.step_seconds)
+            predicted[v].append(timed_prediction(p))
             cells.append(f"{err:+.1%}{'' if same else ' *'}")
         lines.append(f"| {name} | {measured * 1e3:.1f} | " + " | ".join(cells) + " |")
     measured_all = [records[n]["step"][MEASURED] for n in plan_options]

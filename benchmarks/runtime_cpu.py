@@ -7,7 +7,7 @@
   ``RS1``, the rest replicated) vs DTensor ``parallelize_module`` with ``ColwiseParallel`` /
   ``RowwiseParallel`` on the same two layers of every block.
 Every rank trains the built-in GPT (``--hidden``, ``--layers``) with AdamW on the same batches;
-the median step time after warm-up and the peak growth of the resident set during the steps
+the median step time after warm-up (with its spread) and the peak growth of the resident set during the steps
 (sampled every millisecond, after returning freed heap
 pages to the OS) are compared as ratios alpa-lite / PyTorch.
 """
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 
-NOTE = ('Ratios are alpa-lite / PyTorch (below 1: alpa-lite is faster or smaller). Both data-parallel runs all-reduce the gradients in one bucket per step; DDP overlaps it with backward, alpa-lite issues it after backward. The tensor-parallel runs split the same layers; DTensor pays its per-op dispatch and sharding propagation on every call, alpa-lite runs plain aten ops on local shards with the collectives decided at planning time.')
+NOTE = ('Ratios are alpa-lite / PyTorch (below 1: alpa-lite is faster or smaller). Both data-parallel runs all-reduce the gradients in buckets of the same size, each started during backward once its gradients are ready. The tensor-parallel runs split the same layers; DTensor pays its per-op dispatch and sharding propagation on every call, alpa-lite runs plain aten ops on local shards with the collectives decided at planning time.')
 
 
 def _rss() -> int:
@@ -75,7 +75,9 @@ def _time_steps(step, batches, warmup):
             dt = time.perf_counter() - t
             if i >= warmup:
                 times.append(dt)
-    return statistics.median(times), mem.growth
+    q = statistics.quantiles(times, n=4)
+    med = statistics.median(times)
+    return med, (q[2] - q[0]) / 2 / med, mem.growth
 
 
 def worker(args) -> None:
@@ -98,7 +100,7 @@ def worker(args) -> None:
     results = {}
 
     # data parallel
-    ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=args.bucket_mib)
     opt = adamw(ddp.parameters())
 
     def ddp_step(b):
@@ -108,7 +110,8 @@ def worker(args) -> None:
         opt.step()
 
     results["DDP"] = _time_steps(ddp_step, batches, args.warmup)
-    alpa_dp = parallelize(copy.deepcopy(model), (1, n), example, optimizer=adamw, force_data_parallel=True)
+    alpa_dp = parallelize(copy.deepcopy(model), (1, n), example, optimizer=adamw, force_data_parallel=True,
+                          bucket_bytes=args.bucket_mib * 2**20)
     results["alpa-lite DP"] = _time_steps(lambda b: alpa_dp.step(*b), batches, args.warmup)
 
     # tensor parallel (Megatron FFN)
@@ -152,6 +155,7 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--bucket-mib", type=float, default=4.0, help="gradient bucket size of both DP runs, MiB")
     ap.add_argument("--out", default="docs/runtime_cpu.md")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--result", default=None)
@@ -180,16 +184,18 @@ def main() -> int:
         table.add_column(h, justify="right")
     lines = ["| " + " | ".join(heads[1:]).join(["comparison | ", ""]) + " |", "|" + "---|" * len(heads)]
     for label, ours, theirs in rows:
-        (t1, m1), (t2, m2) = r[ours], r[theirs]
-        cells = [f"{label} ({ours} vs {theirs})", f"{t1 * 1e3:.1f}", f"{t2 * 1e3:.1f}", f"{t1 / t2:.2f}",
+        (t1, s1, m1), (t2, s2, m2) = r[ours], r[theirs]
+        cells = [f"{label} ({ours} vs {theirs})", f"{t1 * 1e3:.1f} ±{s1:.0%}", f"{t2 * 1e3:.1f} ±{s2:.0%}", f"{t1 / t2:.2f}",
                  f"{m1 / 2**20:.1f}", f"{m2 / 2**20:.1f}", f"{m1 / max(m2, 1):.2f}"]
         table.add_row(*cells)
         lines.append("| " + " | ".join(cells) + " |")
     Console(width=160).print(table)
     Path(args.out).write_text(
         "# Runtime on CPU processes\n\nCommand: `python benchmarks/runtime_cpu.py " + " ".join(argv) + "` "
-        f"({args.nproc} gloo ranks on a 2-core machine; median of {args.steps - args.warmup} steps after "
-        f"{args.warmup} warm-up steps; peak = growth of each rank-0 resident set during the steps).\n\n"
+        f"({args.nproc} gloo ranks on a 2-core machine shared with other jobs, so the figures are noisy; median of "
+        f"{args.steps - args.warmup} steps after {args.warmup} warm-up steps, ± half the 25th-75th percentile range "
+        f"relative to the median; gradient buckets of {args.bucket_mib:g} MiB in both DP runs; peak = growth of each "
+        "rank-0 resident set during the steps).\n\n"
         + "\n".join(lines) + "\n\n" + NOTE + "\n")
     return 0
 

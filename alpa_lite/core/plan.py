@@ -157,8 +157,24 @@ class Plan:
 
     @property
     def step_seconds(self) -> float:
-        """Predicted time of one training step, seconds."""
-        return self.compute_seconds + self.comm_seconds
+        """Predicted time of one training step, seconds: compute and communication, less the
+        gradient synchronization hidden behind backward (``overlap_seconds``)."""
+        return self.compute_seconds + self.comm_seconds - self.overlap_seconds
+
+    @property
+    def overlap_seconds(self) -> float:
+        """Predicted gradient-bucket all-reduce time hidden behind backward compute, seconds.
+
+        The runtime starts each bucket's all-reduce as soon as backward has produced its
+        gradients, last layers first (``runtime/grad_sync.py``, as DDP: Li et al., VLDB 2020,
+        section 3.2.3). Every bucket but bucket 0 (the first layers' gradients, ready only when
+        backward ends) can run under the remaining backward compute, which is 2/3 of the step's
+        compute (backward is 2x forward FLOPs): hidden = min(buckets' time - bucket 0's,
+        2/3 compute). ZeRO-2's reduce-scatter buckets run after backward and hide nothing.
+        """
+        buckets = [c.seconds for c in self.collectives
+                   if c.node.startswith("gradient bucket") and c.kind == "all-reduce"]  # ZeRO-2's run after
+        return min(sum(buckets[1:]), 2 / 3 * self.compute_seconds) if buckets else 0.0
 
     def collective_counts(self) -> dict[tuple[str, str], int]:
         """``(kind, phase) -> count`` over one training step."""

@@ -130,16 +130,16 @@ def gather_full(x: torch.Tensor, spec: ShardingSpec, shape: tuple[int, ...], mes
     return x
 
 
-def all_reduce_bucket(tensors: list[torch.Tensor], axes: tuple[int, ...], mesh: MeshGroups) -> None:
-    """Sum ``tensors`` in place over the devices of ``axes`` with one all-reduce of their
-    concatenation (a gradient bucket, as DDP does)."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
+def all_reduce_async(flat: torch.Tensor, axes: tuple[int, ...], mesh: MeshGroups):
+    """Start summing ``flat`` in place over the devices of ``axes`` (a gradient bucket's
+    concatenation, as DDP does); returns the work handle to ``wait()`` on. While timing is on it
+    is waited on here, so ``SECONDS`` holds the all-reduce's own time (and backward does not
+    overlap it)."""
     with _issued("all-reduce", "backward"):
-        dist.all_reduce(flat, group=mesh.group(axes))
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset: offset + t.numel()].view_as(t))
-        offset += t.numel()
+        work = dist.all_reduce(flat, group=mesh.group(axes), async_op=True)
+        if _timing:
+            work.wait()
+    return work
 
 
 def reduce_scatter_bucket(parts: list[torch.Tensor], axes: tuple[int, ...], mesh: MeshGroups) -> torch.Tensor:

@@ -56,9 +56,38 @@ def local_arguments(target, args: tuple, kwargs: dict, in_specs, mesh_shape) -> 
     return args, kwargs
 
 
+class _Dispatch:
+    """What running one node takes, worked out once: the op, its arguments with local shapes
+    written in (graph ``Node`` operands), the operands to reshard, and which variant runs."""
+
+    __slots__ = ("plan", "target", "args", "kwargs", "operands", "getitem", "random", "ratio", "written",
+                 "mutates")
+
+    def __init__(self, node: torch.fx.Node, np_: NodePlan | None, operands: list[tuple], local_shape, device,
+                 mutates: str | None):
+        self.plan, self.operands = np_, operands
+        self.mutates = mutates  # the parameter placeholder whose new value this node computes, if any
+        self.getitem = (node.args[0].name, node.args[1]) if node.target is operator.getitem else None
+        args, kwargs = node.args, {k: (device if k == "device" else v) for k, v in node.kwargs.items()}
+        target = node.target
+        if np_ is not None and target in _SHAPE_ARG:  # (self, size or shape, ...)
+            args, kwargs = with_arg(target, args, kwargs, target._schema.arguments[1].name, local_shape)
+            if target in (aten.view.default, aten._unsafe_view.default):
+                # a view that was valid on the captured layout may not be on a resharded shard
+                # (export drops a no-op .contiguous()): reshape copies only when it must
+                target, args, kwargs = aten.reshape.default, (bind_args(target, args, kwargs)["self"], local_shape), {}
+        if np_ is not None and target is aten.embedding.default:  # a dense gradient, as every synchronized one
+            args, kwargs = with_arg(target, args, kwargs, "sparse", False)
+        self.target, self.args, self.kwargs = target, args, kwargs
+        self.random = is_random(target)
+        self.ratio = is_ratio(target, args, kwargs)
+        self.written = written_args(target)
+
+
 class LocalExecutor:
     """Interprets ``captured``'s graph on this rank's shards under ``plan``; ``seed`` seeds the
-    random ops (module docstring).
+    random ops (module docstring). Everything about a node that does not depend on the values
+    (local shapes, operand specs, which variant runs) is worked out once, here.
 
     Attributes:
         denominators: mean cross-entropy / nll node -> the denominator of its last run (count or
@@ -72,7 +101,6 @@ class LocalExecutor:
         # per node, per operand: (producer, producer's spec, wanted spec, gradient partial axes, global shape)
         self.denominators: dict[str, torch.Tensor] = {}
         self.operands: dict[str, list[tuple]] = {}
-        self.local_shapes: dict[str, list[int]] = {}
         for name, np_ in plan.nodes.items():
             ops = []
             for i, (src, r) in enumerate(zip(np_.inputs, np_.input_results)):
@@ -80,9 +108,17 @@ class LocalExecutor:
                 shape = tuple((val[r] if isinstance(val, (tuple, list)) else val).shape)
                 ops.append((src, specs[src][r], np_.in_specs[i], np_.grad_partial[i], shape))
             self.operands[name] = ops
-            node = captured.node(name)
-            if node.target in _SHAPE_ARG:
-                self.local_shapes[name] = list(specs[name][0].local_shape(tuple(node.meta["val"].shape), mesh.shape))
+        self.dispatch: dict[str, _Dispatch] = {}
+        for node in captured.graph.nodes:
+            if node.op != "call_function":
+                continue
+            np_ = plan.nodes.get(node.name)
+            local_shape = (list(specs[node.name][0].local_shape(tuple(node.meta["val"].shape), mesh.shape))
+                           if np_ is not None and node.target in _SHAPE_ARG else None)
+            self.dispatch[node.name] = _Dispatch(node, np_, self.operands.get(node.name, []), local_shape, device,
+                                                 captured.param_mutations.get(node.name))
+        gen = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" else torch.default_generator
+        self._generator = gen  # the one random ops on this device draw from (seeded per op, below)
 
     def run(self, env: dict[str, torch.Tensor]) -> dict[str, object]:
         """Run the graph; ``env`` maps placeholder names to local shards. Returns every value."""
@@ -96,43 +132,35 @@ class LocalExecutor:
         return values
 
     def _call(self, node: torch.fx.Node, values):
-        np_ = self.plan.nodes.get(node.name)
-        if node.target is operator.getitem:
-            return values[node.args[0].name][node.args[1]]
+        d = self.dispatch[node.name]
+        if d.getitem is not None:
+            return values[d.getitem[0]][d.getitem[1]]
         local = {}
-        for src, src_spec, dst_spec, grad_partial, shape in self.operands.get(node.name, ()):
+        for src, src_spec, dst_spec, grad_partial, shape in d.operands:
             try:
                 local[src] = reshard(values[src], src_spec, dst_spec, grad_partial, shape, self.mesh)
             except RuntimeError as e:
                 raise RuntimeError(f"node {node.name} ({node.target}), operand {src}: {e}") from e
-        lookup = lambda n: local[n.name] if n.name in local else values[n.name]  # noqa: E731
-        args = torch.fx.node.map_arg(node.args, lookup)
-        kwargs = {k: (self.device if k == "device" else v) for k, v in torch.fx.node.map_arg(node.kwargs, lookup).items()}
+        lookup = (lambda n: local[n.name] if n.name in local else values[n.name]) if local else (lambda n: values[n.name])
+        args = torch.fx.node.map_arg(d.args, lookup)
+        kwargs = torch.fx.node.map_arg(d.kwargs, lookup) if d.kwargs else {}
+        np_ = d.plan
         if np_ is None:
-            return node.target(*args, **kwargs)
-        target = node.target
-        if target in _SHAPE_ARG:  # (self, size or shape, ...)
-            local_shape = self.local_shapes[node.name]
-            args, kwargs = with_arg(target, args, kwargs, target._schema.arguments[1].name, local_shape)
-            if target in (aten.view.default, aten._unsafe_view.default):
-                # a view that was valid on the captured layout may not be on a resharded shard
-                # (export drops a no-op .contiguous()): reshape copies only when it must
-                target, args, kwargs = aten.reshape.default, (bind_args(target, args, kwargs)["self"], local_shape), {}
-        if target is aten.embedding.default:  # a dense gradient, as every synchronized gradient is
-            args, kwargs = with_arg(target, args, kwargs, "sparse", False)
-        if is_random(target):
+            return d.target(*args, **kwargs)
+        if d.random:
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                torch.manual_seed(self._shard_seed(node, np_))
-                out = self._local(node, np_, target, args, kwargs)
+                self._generator.manual_seed(self._shard_seed(node, np_))
+                out = self._local(node, d, args, kwargs)
         else:
-            out = self._local(node, np_, target, args, kwargs)
-        for name in written_args(target):
+            out = self._local(node, d, args, kwargs)
+        for name in d.written:
             self._write_back(node, name, out, values)
-        if node.name in self.cg.param_mutations:  # the new value of a parameter (a functionalized in-place op)
-            self._store(node.name, np_.out_specs[0], out, self.cg.param_mutations[node.name], values)
+        if d.mutates is not None:  # the new value of a parameter (a functionalized in-place op)
+            self._store(node.name, np_.out_specs[0], out, d.mutates, values)
         return out
 
-    def _local(self, node, np_: NodePlan, target, args, kwargs):
+    def _local(self, node, d: _Dispatch, args, kwargs):
+        np_, target = d.plan, d.target
         args, kwargs = local_arguments(target, args, kwargs, np_.in_specs, self.mesh.shape)
         if target is aten._native_batch_norm_legit_functional.default and np_.in_specs[0].dims[0]:
             return self._sync_batch_norm(np_, **bind_args(target, args, kwargs))
@@ -144,8 +172,8 @@ class LocalExecutor:
             if a["reduction"] == SUM:
                 return AllReducePartial.apply(loss.sum(), np_.partial_axes, self.mesh)
             return loss
-        if is_ratio(target, args, kwargs):
-            return self._ratio(node, np_, *ratio_parts(node.target, args, kwargs))
+        if d.ratio:
+            return self._ratio(node, np_, *ratio_parts(target, args, kwargs))
         return self._partial(node, np_, args, kwargs) if np_.partial_axes else target(*args, **kwargs)
 
     def _shard_seed(self, node, np_: NodePlan) -> int:

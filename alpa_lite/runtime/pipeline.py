@@ -13,8 +13,9 @@ A step: the batch is cut into ``B`` microbatches (dim 0); the schedule (``core/s
 each stage its order of forwards and backwards; gradients accumulate over microbatches. A schedule
 that splits the backward (ZB-H1, Qi et al., ICLR'24) runs the input-gradient pass as
 ``torch.autograd.grad`` w.r.t. the received values only (the graph retained), sends those
-gradients, and later the weight pass as ``torch.autograd.backward(..., inputs=parameters)``. Then the
-deferred data-parallel gradient buckets of each stage are all-reduced, a weight used by several
+gradients, and later the weight pass as ``torch.autograd.backward(..., inputs=parameters)``. The
+deferred data-parallel gradient buckets of each stage are all-reduced, each started during the
+stage's last backward (or weight pass) once its gradients are ready (``grad_sync.py``), a weight used by several
 stages (tied embeddings) gets the sum of their gradients, and one optimizer step runs.
 
 Under interleaved 1F1B (Narayanan et al., SC'21, section 2.2.2) a rank holds ``v`` stages
@@ -31,7 +32,7 @@ over the batch (``PipelinePlan.loss_reduction``, ``core/losses.py``): a sum adds
 valid targets weighs each by its count (``w_m = D_m``, its denominator, ``Z = sum_m D_m``), so
 it is the ratio of the summed numerators and denominators. The last stage back-propagates
 ``w_m L_m``; ``Z`` is known only after the last microbatch, so every rank divides its
-accumulated gradients by it before the optimizer step (one broadcast carries loss and ``Z``).
+synchronized gradients by it before the optimizer step (one broadcast carries loss and ``Z``).
 
 ``torch.distributed.pipelining`` is not used: its stages are one module per rank with one
 process group, and its schedules drive ``PipelineStage`` objects that exchange tensors of fixed
@@ -57,7 +58,7 @@ from .init import store_buffer_mutations
 from .trainer import Trainer
 
 _CHUNK_STATE = ("stage", "sp", "index", "groups", "view", "_written", "executor", "constants", "buckets", "zero",
-                "_placeholders")
+                "_placeholders", "bucket_sync")
 
 
 class _ActivationMeter:
@@ -328,9 +329,14 @@ class PipelineTrainer(Trainer):
         deferred: dict[tuple[int, int], tuple] = {}
         received: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._terms = []
-        for action in self.schedule.actions(self.device_group, self.num_devices, self.num_microbatches):
+        actions = list(self.schedule.actions(self.device_group, self.num_devices, self.num_microbatches))
+        completes = "weight" if self.schedule.split_backward else "backward"
+        last = {a.chunk: i for i, a in enumerate(actions) if a.kind == completes}  # a chunk's gradients complete
+        for i, action in enumerate(actions):
             self._enter(self.stages[action.chunk])
             mb, key = action.microbatch, (self.stage, action.microbatch)
+            if self.overlap and last.get(action.chunk) == i:
+                self.bucket_sync.arm()
             if action.kind == "recv_act":
                 received[key] = self._recv_acts(mb)
             elif action.kind == "forward":
@@ -369,11 +375,11 @@ class PipelineTrainer(Trainer):
         self._pending = []
         self.peak_activation_bytes = meter.peak
         loss, z = self._broadcast_loss()
+        self._sync_gradients()
         if z not in (0.0, 1.0):
             for p in self.params.values():
                 if p.grad is not None:
                     p.grad.div_(z)
-        self._sync_gradients()
         return loss
 
     def _backward_roots(self, sent: list[torch.Tensor], term, grads=None) -> tuple[list, list]:

@@ -6,7 +6,10 @@ trainer time its steps after ``report_warmup`` warm-up steps with a :class:`Step
 table beside the plan's predictions:
 
 - the step: predicted ``compute_seconds + comm_seconds`` vs the measured wall time of one
-  training step (forward, backward, optimizer), and ``relative_error = predicted / measured - 1``;
+  training step (forward, backward, optimizer), and ``relative_error = predicted / measured - 1``.
+  While timing, every collective is waited on where it is issued (so each is timed alone), the
+  gradient buckets included: backward hides none of them, so the overlap an untimed step gains
+  (``Plan.overlap_seconds``, recorded as ``predicted_overlap_s``) is not subtracted here;
 - per collective kind and phase: the plan's count and predicted seconds (its ``collectives``
   list) vs the count issued and the seconds spent inside those calls per step (the timing
   hook of :mod:`alpa_lite.runtime.collectives`).
@@ -128,6 +131,13 @@ def _order(key: tuple[str, str]) -> tuple:
     return (PHASES.index(phase) if phase in PHASES else 9, COLLECTIVES.index(kind) if kind in COLLECTIVES else 9, kind)
 
 
+def timed_prediction(plan: Plan | PipelinePlan) -> float:
+    """The predicted time of a step timed by ``report=True``, seconds: ``step_seconds``, with the
+    gradient buckets backward would hide (``Plan.overlap_seconds``) added back, as the timed step
+    waits on every collective where it is issued."""
+    return plan.step_seconds if isinstance(plan, PipelinePlan) else plan.compute_seconds + plan.comm_seconds
+
+
 def make_record(plan: Plan, step_seconds: Sequence[float], collective_seconds: dict[tuple[str, str], float],
                 collective_counts: dict[tuple[str, str], float], *, warmup_steps: int, world_size: int,
                 backend: str = "", name: str = "") -> dict:
@@ -145,7 +155,7 @@ def make_record(plan: Plan, step_seconds: Sequence[float], collective_seconds: d
         ``{"name", "mesh", "world_size", "backend", "warmup_steps", "timed_steps", "step": {...},
         "collectives": [{"kind", "phase", "predicted_count", "measured_count", "predicted_s",
         "measured_s"}, ...]}``; the step has ``predicted_s``, ``predicted_compute_s``,
-        ``predicted_comm_s``, ``measured_s`` (median of ``samples_s``), ``fastest_s``, ``samples_s``,
+        ``predicted_comm_s``, ``predicted_overlap_s``, ``measured_s`` (median of ``samples_s``), ``fastest_s``, ``samples_s``,
         ``measured_collective_s`` (all kinds), ``relative_error``. A pipelined plan (``stages``)
         predicts only its step (``PipelinePlan.step_seconds``): its compute / comm split is None and its
         collectives rows list what ran inside the stages (predicted counts 0).
@@ -157,6 +167,7 @@ def make_record(plan: Plan, step_seconds: Sequence[float], collective_seconds: d
         raise ValueError("no timed step: run more steps than report_warmup before asking for the report")
     measured = statistics.median(step_seconds)
     pipelined = isinstance(plan, PipelinePlan)  # its step is the stage DP's, not compute + comm
+    predicted = timed_prediction(plan)
     pred = predicted_collectives(plan)
     rows = []
     for key in sorted(set(pred) | set(collective_counts) | set(collective_seconds), key=_order):
@@ -171,12 +182,13 @@ def make_record(plan: Plan, step_seconds: Sequence[float], collective_seconds: d
         "backend": backend,
         "warmup_steps": warmup_steps,
         "timed_steps": len(step_seconds),
-        "step": {"predicted_s": plan.step_seconds,
+        "step": {"predicted_s": predicted,
+                 "predicted_overlap_s": None if pipelined else plan.overlap_seconds,
                  "predicted_compute_s": None if pipelined else plan.compute_seconds,
                  "predicted_comm_s": None if pipelined else plan.comm_seconds,
                  "measured_s": measured, "fastest_s": min(step_seconds), "samples_s": list(step_seconds),
                  "measured_collective_s": sum(collective_seconds.values()),
-                 "relative_error": relative_error(plan.step_seconds, measured)},
+                 "relative_error": relative_error(predicted, measured)},
         "collectives": rows,
     }
 

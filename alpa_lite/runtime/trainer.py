@@ -5,7 +5,8 @@
 they share; ``ParallelTrainer`` runs an SPMD ``Plan``:
 each rank builds only its own parameter shards, runs the captured graph on local shards with the
 planned collectives (``executor.py``), back-propagates through them (each collective's dual is
-explicit, ``collectives.py``), synchronizes the deferred data-parallel gradients in buckets and
+explicit, ``collectives.py``), synchronizes the deferred data-parallel gradients in buckets (each started during backward once
+its gradients are ready, ``grad_sync.py``) and
 updates its shards with a standard ``torch.optim`` optimizer. ``PipelineTrainer``
 (``pipeline.py``) runs a ``PipelinePlan``. Launch with ``torchrun`` (or ``alpa-lite run``); gloo
 on CPU, NCCL on CUDA, same code.
@@ -26,8 +27,9 @@ from ..core.capture import CapturedGraph
 from ..core.plan import Plan, PlanError, gradient_buckets
 from ..core.spec import ShardingSpec
 from . import checkpoint
-from .collectives import COUNTS, MeshGroups, all_reduce_bucket, gather_full, local_slice
+from .collectives import COUNTS, MeshGroups, gather_full, local_slice
 from .executor import LocalExecutor
+from .grad_sync import BucketSync
 from .init import local_constants, local_shards, store_buffer_mutations
 from .launch import default_device
 from .report import REPORT_JSON_ENV, StepTimer, print_report, write_record
@@ -70,8 +72,11 @@ class Trainer:
         params: parameter FQN -> this rank's shard (an ``nn.Parameter``); buffers: the same for
             buffers and frozen parameters.
         optimizer: the ``torch.optim`` optimizer over the local shards (None: nothing to train here).
-        groups: this rank's ``MeshGroups``; buckets: its deferred gradient buckets.
+        groups: this rank's ``MeshGroups``; buckets: its deferred gradient buckets;
+            bucket_sync: their all-reduces (``grad_sync.BucketSync``).
         zero: its ``ZeroPartition`` (the optimizer's slices of ZeRO-1/2 parameters).
+        overlap: start each bucket's all-reduce during backward as soon as its gradients are
+            ready (default); False: all of them after backward (the plain step, for debugging).
         timer: a ``StepTimer`` when the trainer reports (``parallelize(..., report=True)``).
         max_grad_norm: when set, ``step`` clips the gradients to this global norm
             (``clip_grad_norm_``) before the optimizer update; last_grad_norm: then the global
@@ -88,6 +93,7 @@ class Trainer:
     timer: StepTimer | None = None
     max_grad_norm: float | None = None
     last_grad_norm: float | None = None
+    overlap: bool = True
 
     def _build(self, model, plan: Plan, optimizer: Callable, seed: int, init_fn) -> None:
         """The state of this rank for the SPMD ``plan`` of ``self.view``: shards, constants,
@@ -97,6 +103,8 @@ class Trainer:
         self.params, self.buffers = local_shards(model, self.view, plan, self.groups, self.device, seed, init_fn)
         self.constants = local_constants(self.cg, plan, self.groups, self.device)
         self.buckets = gradient_buckets(self.view, plan.nodes, plan.grad_sync, self.groups.shape, plan.bucket_bytes)
+        self.bucket_sync = BucketSync([(axes, members) for kind, axes, members in self.buckets if kind == "all-reduce"],
+                                      {ph: self.params[fqn] for ph, fqn in self.view.param_fqns.items()}, self.groups)
         self.zero = ZeroPartition(self.view, plan, self.params, self.groups)
         self.optimizer = optimizer(self.zero.optimizer_params()) if self.params else None
         self._placeholders = {fqn: ph for ph, fqn in {**self.view.param_fqns, **self.view.buffer_fqns}.items()}
@@ -168,17 +176,17 @@ class Trainer:
         return self.executor.denominators.get(name, values.get(name)).detach()
 
     def _sync_buckets(self) -> None:
-        """All-reduce (ZeRO-2: reduce-scatter) the deferred data-parallel gradients, one bucket at
-        a time (``Plan.grad_sync``)."""
+        """Finish the deferred data-parallel gradients' synchronization (``Plan.grad_sync``): the
+        all-reduces the hooks started during backward, then the rest (``grad_sync.BucketSync``);
+        then the ZeRO-2 reduce-scatters, one per bucket, after backward."""
+        self.bucket_sync.finish()
         for kind, axes, members in self.buckets:
-            fqns = [self.view.param_fqns[ph] for ph in members]
-            for f in fqns:
-                if self.params[f].grad is None:
-                    self.params[f].grad = torch.zeros_like(self.params[f])
             if kind == "reduce-scatter":
+                fqns = [self.view.param_fqns[ph] for ph in members]
+                for f in fqns:
+                    if self.params[f].grad is None:
+                        self.params[f].grad = torch.zeros_like(self.params[f])
                 self.zero.reduce_scatter(fqns, axes)
-            else:
-                all_reduce_bucket([self.params[f].grad for f in fqns], axes, self.groups)
         self.zero.slice_gradients()
 
     def _full(self, x: torch.Tensor, placeholder: str) -> torch.Tensor:
@@ -402,20 +410,21 @@ class ParallelTrainer(Trainer):
     def loss(self, *batch, **kwargs) -> torch.Tensor:
         """The (replicated) loss of a global batch, with the autograd graph for backward (no
         update; buffers such as batch-norm statistics are updated as in a forward)."""
-        return self._accumulate(self._flat_batch(batch, kwargs), backward=False)
+        return self._accumulate(self._flat_batch(batch, kwargs), backward=False)[0]
 
     def _run(self, flat: list[torch.Tensor]) -> dict[str, object]:
         values = self.executor.run(self.placeholder_values(flat))
         store_buffer_mutations(self.cg, self.plan, values, self.buffers, self.groups)
         return values
 
-    def _accumulate(self, flat: list[torch.Tensor], backward: bool) -> torch.Tensor:
-        """The loss of the whole batch over its ``K`` microbatches, ``sum_m w_m L_m / Z``, as a
-        pipeline combines its microbatches (``pipeline.py``'s module docstring): a mean
-        averages them, a sum adds them, a token mean over valid targets weighs each by its
-        count. With ``backward``, each ``w_m L_m`` is back-propagated as soon as it is computed
-        (one microbatch's activations live at a time) and the gradients are divided by ``Z``;
-        then the loss is detached. ``K = 1`` is the plain loss."""
+    def _accumulate(self, flat: list[torch.Tensor], backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss, Z)``: the loss of the whole batch over its ``K`` microbatches,
+        ``sum_m w_m L_m / Z``, as a pipeline combines its microbatches (``pipeline.py``'s module
+        docstring): a mean averages them, a sum adds them, a token mean over valid targets weighs
+        each by its count. With ``backward``, each ``w_m L_m`` is back-propagated as soon as it is
+        computed (one microbatch's activations live at a time; the gradient buckets are armed for
+        the last one, ``overlap``), the gradients are left to be divided by ``Z`` after their
+        synchronization, and the loss is detached. ``K = 1`` is the plain loss."""
         losses, weights = [], []
         for mb in range(self.num_microbatches):
             values = self._run(self._microbatch(flat, mb))
@@ -423,19 +432,21 @@ class ParallelTrainer(Trainer):
             weight = (self._loss_weight(values) if self.num_microbatches > 1 else torch.ones(())).to(loss)
             term = loss * weight if weight else torch.zeros_like(loss)  # w_m = 0: no valid target, L_m is 0/0
             if backward and weight:
+                if self.overlap and mb == self.num_microbatches - 1:
+                    self.bucket_sync.arm()
                 term.backward()
             losses.append(term.detach() if backward else term)
             weights.append(weight)
         z = torch.ones_like(weights[0]) if self.plan.loss_reduction.kind == "sum" else torch.stack(weights).sum()
-        if backward and float(z) not in (0.0, 1.0):
-            for p in self.params.values():
-                if p.grad is not None:
-                    p.grad.div_(z)
-        return torch.stack(losses).sum() / z
+        return torch.stack(losses).sum() / z, z
 
     def _train_step(self, flat: list[torch.Tensor]) -> float:
-        loss = self._accumulate(flat, backward=True)
+        loss, z = self._accumulate(flat, backward=True)
         self._sync_buckets()
+        if float(z) not in (0.0, 1.0):  # after the sync: both are linear, and no all-reduce is in flight
+            for _, holder, _ in self._gradient_holders():
+                if holder.grad is not None:
+                    holder.grad.div_(z)
         return float(loss)
 
     def _gather(self, local: dict[str, torch.Tensor], placeholders: dict[str, str]) -> dict[str, torch.Tensor]:

@@ -57,7 +57,8 @@ def summary_table(plan: Plan, title: str = "plan") -> Table:
                                        f"{st.get('cache_hits')} answers reused, {st.get('layers')} layers)")
         return t
     t.add_row("step time (predicted)", f"{_seconds(plan.step_seconds)} = compute {_seconds(plan.compute_seconds)}"
-                                       f" + communication {_seconds(plan.comm_seconds)}")
+                                       f" + communication {_seconds(plan.comm_seconds)}"
+                                       f" - hidden behind backward {_seconds(plan.overlap_seconds)}")
     t.add_row("memory per device", f"{_bytes(plan.memory_bytes)} of a {_bytes(budget)} budget")
     t.add_row("collectives per step", str(len(plan.collectives)))
     if st:

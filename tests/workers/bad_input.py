@@ -34,6 +34,13 @@ def main():
             os._exit(3)  # dies between steps; the others block in the next step's collectives
         trainer.step(*example)
         return
+    if args.case == "dead-in-backward":  # rank 1 dies in backward while bucket all-reduces are in flight
+        trainer = parallelize(model, (2, 2), example, force_data_parallel=True, bucket_bytes=8192)
+        trainer.step(*example)
+        if rank == 1:
+            trainer.params["blocks.0.attn.qkv.weight"].register_post_accumulate_grad_hook(lambda p: os._exit(3))
+        trainer.step(*example)
+        return
     other_model, other_example = build_model("gpt-tiny", 4, 16, device="meta")
     other_plan = plan(other_model, other_example, LogicalMesh((2, 2), cluster="cpu-gloo")).to_json()
     wrong_mesh = plan(model, example, LogicalMesh((1, 4), cluster="cpu-gloo")).to_json()
