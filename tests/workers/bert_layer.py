@@ -1,7 +1,7 @@
 """A BERT-like encoder with separate q, k and v ``Linear`` modules (as HuggingFace's BertSelfAttention
 has): ``build(batch, seq)`` gives ``(model, (x, y))`` for ``alpa_lite.zoo.build_model("bert_layer:build")``
 with this folder on ``sys.path``. Post-LN layers (BERT), an input projection so the first layer's
-input needs a gradient, loss MSE against ``y``.
+input needs a gradient, no key bias (see ``Layer``), loss MSE against ``y``.
 
 ``megatron_specs(layers)`` are Megatron-LM's specs for its weights on mesh axis 1 (Shoeybi et al.
 2019, section 3): q, k, v and the first FFN linear column-parallel, the attention output and the
@@ -17,7 +17,9 @@ class Layer(nn.Module):
     def __init__(self, hidden: int, heads: int):
         super().__init__()
         self.heads = heads
-        self.query, self.key, self.value = (nn.Linear(hidden, hidden) for _ in range(3))
+        # no key bias: it shifts every score of a query equally, so its gradient is 0 up to
+        # rounding, which AdamW's normalization turns into updates of size lr
+        self.query, self.key, self.value = (nn.Linear(hidden, hidden, bias=m != "key") for m in ("query", "key", "value"))
         self.out = nn.Linear(hidden, hidden)
         self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
         self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
