@@ -2,8 +2,8 @@
 
 For every node: reshard each operand from its producer's spec to the spec the node's strategy
 wants (``Reshard``, autograd-aware; once per value and wanted spec in a run, shared by its
-readers, so their gradients are summed before the move's backward), run the aten op on the local shards, and reduce a partial
-result (``AllReducePartial``) unless its spec leaves it partial (``ShardingSpec.partial``: a
+readers, so their gradients are summed before the move's one backward), run the aten op on the
+local shards, and reduce a partial result (``AllReducePartial``) unless its spec leaves it partial (``ShardingSpec.partial``: a
 consumer's edge reduces it, or a linear consumer runs on it as is). Most ops run unchanged on shards; a few need a local variant:
 shape arguments become local shapes, a mean over a split dim of equal shards is scaled by
 1/shards before the all-reduce, a mean cross-entropy / nll is the all-reduced sum of its losses
@@ -73,29 +73,30 @@ class LocalExecutor:
     def run(self, env: dict[str, torch.Tensor]) -> dict[str, object]:
         """Run the graph; ``env`` maps placeholder names to local shards. Returns every value."""
         values: dict[str, object] = {}
-        self.moved: dict[tuple, torch.Tensor] = {}  # (value, its spec, wanted spec, grad partial) -> moved
+        moved: dict[tuple, torch.Tensor] = {}
         self.calls += 1
         for node in self.cg.graph.nodes:
             if node.op == "placeholder":
                 values[node.name] = env.get(node.name)
             elif node.op == "call_function":
-                values[node.name] = self._call(node, values)
-        self.moved = {}
+                values[node.name] = self._call(node, values, moved)
         return values
 
-    def _call(self, node: torch.fx.Node, values):
+    def _call(self, node: torch.fx.Node, values, moved: dict):
+        """Run ``node`` on ``values``; ``moved`` holds this run's resharded operands, keyed by
+        (value, its spec, wanted spec, gradient partial axes): each is moved once per run."""
         np_ = self.plan.nodes.get(node.name)
         if node.target is operator.getitem:
             return values[node.args[0].name][node.args[1]]
         local = {}
         for src, src_spec, dst_spec, grad_partial, shape in self.operands.get(node.name, ()):
             key = (src, src_spec, dst_spec, grad_partial)
-            if key not in self.moved:  # once per value and wanted spec (docs/runtime.md)
+            if key not in moved:
                 try:
-                    self.moved[key] = reshard(values[src], src_spec, dst_spec, grad_partial, shape, self.mesh)
+                    moved[key] = reshard(values[src], src_spec, dst_spec, grad_partial, shape, self.mesh)
                 except RuntimeError as e:
                     raise RuntimeError(f"node {node.name} ({node.target}), operand {src}: {e}") from e
-            local[src] = self.moved[key]
+            local[src] = moved[key]
         lookup = lambda n: local[n.name] if n.name in local else values[n.name]  # noqa: E731
         args = torch.fx.node.map_arg(node.args, lookup)
         kwargs = {k: (self.device if k == "device" else v) for k, v in torch.fx.node.map_arg(node.kwargs, lookup).items()}
