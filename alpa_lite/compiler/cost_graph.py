@@ -9,17 +9,22 @@ Building the cost graph shrinks the ILP two ways (docs/planner.md, "The ILP ... 
   variable, so every block gets the same solution.
 Both restrict the search space, never the accounting: each node's costs and each edge's
 resharding matrix still enter the objective and the memory sum once per node.
+
+A value read by several consumers is moved once per spec they want (the runtime reshards it
+once and sums the readers' gradients before the move's backward): a target spec two or more
+of its reader edges can want is priced by one shared move (``CostGraph.moves``), not per edge.
 """
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from ..core.capture import CapturedGraph
 from ..core.mesh import LogicalMesh
-from ..core.resharding import reshard_costs
+from ..core.resharding import ReshardCosts, is_gradient_sync, reshard_costs
 from ..core.spec import ShardingSpec
 from .ilp import CostGraph
 from .strategies import NodeStrategies
@@ -84,6 +89,7 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         if layer is not None:
             sizes[layer[:2]] = sizes.get(layer[:2], 0) + 1
     reshard = reshard_costs(mesh)
+    readers: dict[tuple[str, int], list[tuple[int, tuple]]] = {}  # value -> reader edges (var, wanted per strategy)
 
     def new_var(name, ns):
         graph.costs.append([0.0] * len(ns.strategies))
@@ -127,15 +133,40 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
             for kind in ("all-gather", "reduce-scatter")[:s.zero_stage]:
                 graph.add_fixed((kind, s.zero_axes), mesh.collective_cost(kind, 0, s.zero_axes), (placed.var, p))
         for i, (src_name, r) in enumerate(zip(ns.inputs, ns.input_results)):
-            if src_name not in where:  # produced outside ``nodes``
-                continue
-            src, src_ns = where[src_name], table[src_name]
-            val = cg.node(src_name).meta["val"]
-            val = val[r] if isinstance(val, (tuple, list)) else val
-            shape, itemsize = tuple(val.shape), val.element_size()
-            outs = tuple(src_ns.strategies[p].out_specs[r] for p in src.index)
-            zeros = tuple((src_ns.strategies[p].zero_stage, src_ns.strategies[p].zero_axes) for p in src.index)
-            ins = tuple((ns.strategies[q].in_specs[i], ns.strategies[q].grad_partial[i]) for q in placed.index)
-            graph.add_edge(src.var, placed.var,
-                           reshard.matrix(outs, ins, shape, itemsize, src_name in cg.param_fqns, zeros))
+            if src_name in where:  # else produced outside ``nodes``
+                ins = tuple((ns.strategies[q].in_specs[i], ns.strategies[q].grad_partial[i]) for q in placed.index)
+                readers.setdefault((src_name, r), []).append((placed.var, ins))
+    for (src_name, r), edges in readers.items():
+        src, src_ns = where[src_name], table[src_name]
+        val = cg.node(src_name).meta["val"]
+        val = val[r] if isinstance(val, (tuple, list)) else val
+        outs = tuple(src_ns.strategies[p].out_specs[r] for p in src.index)
+        zeros = tuple((src_ns.strategies[p].zero_stage, src_ns.strategies[p].zero_axes) for p in src.index)
+        _price_value(graph, reshard, src.var, outs, zeros, edges, tuple(val.shape), val.element_size(),
+                     src_name in cg.param_fqns)
     return graph, where
+
+
+def _price_value(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple, zeros: tuple, edges: list, shape,
+                 itemsize: int, parameter: bool) -> None:
+    """Price the moves of one value (variable ``u``, ``outs[p]`` its spec under u's strategy p,
+    ``zeros[p]`` its ZeRO ``(stage, axes)`` when it is a parameter) to
+    its reader ``edges`` (``(v, ins)``, ``ins[q] = (spec, grad_partial)`` wanted under v's strategy
+    q): a target two or more edges can want, where moving to it costs something, by one shared
+    move; every other entry on its edge. A parameter's gradient sync stays on its edge (bucketed
+    per use; ``ReshardCosts``)."""
+    wanted = Counter(t for _, ins in edges for t in set(ins))
+
+    def once(o, t):  # the seconds of moving to t once, or 0 where it stays on the edge
+        return 0.0 if parameter and is_gradient_sync(o, *t) else reshard(o, *t, shape, itemsize, parameter)
+
+    shared = [t for t, k in wanted.items() if k > 1 and any(once(o, t) for o in outs)]
+    index = {t: k for k, t in enumerate(shared)}
+    for v, ins in edges:
+        matrix = reshard.matrix(outs, ins, shape, itemsize, parameter, zeros)
+        if any(t in index for t in ins):
+            matrix = [[c - once(o, t) if t in index else c for t, c in zip(ins, row)] for o, row in zip(outs, matrix)]
+        graph.add_edge(u, v, matrix)
+    if shared:
+        graph.add_move(u, [(v, [index.get(t, -1) for t in ins]) for v, ins in edges if any(t in index for t in ins)],
+                       [[once(o, t) for t in shared] for o in outs])

@@ -21,6 +21,18 @@ strategies of ``v`` with equal columns (the same input spec), need not be told a
 linear in the other end's ``s``: no ``e`` at all. The optimum is unchanged; on GPT-3 39B's
 per-layer stage ILPs the columns drop by about a quarter.
 
+A *shared move* prices one value's resharding once however many readers want it in the same
+spec (docs/planner.md, "One move per value"). Move ``g`` has a source variable ``u``, targets
+``t`` with costs ``R_g[p, t]``, and readers ``c`` (a variable ``v_c`` and, per strategy of
+``v_c``, the target it wants or none); ``y_c[t]`` is the sum of ``s_{v_c}[q]`` over the ``q``
+wanting ``t``. Over the row classes ``a`` of ``R_g``:
+
+    f_c[a, t] >= 0,   sum_a f_c[a, t] = y_c[t],   sum_t f_c[a, t] <= s_u[a]   (f_c = s_u y_c^T)
+    m_g[a, t] >= f_c[a, t]  for every reader c                  (m_g = s_u OR_c y_c)
+    minimize    ... + sum_g <m_g, R_g>
+
+With one row class ``f_c`` is ``y_c`` itself (no ``f``).
+
 This module knows nothing about torch: the planner builds the ``CostGraph``. Memory has no
 edge terms, so the least memory any solution needs is ``sum_v min_p m_v[p]``; a budget below
 it is reported with that figure instead of trusting a solver's "infeasible".
@@ -58,6 +70,10 @@ class CostGraph:
         names: per variable, a readable name (for LP files and debugging).
         fixed: ``key -> (seconds, {(variable, strategy), ...})``: paid once when any member is
             chosen.
+        moves: shared moves, ``(u, readers) -> matrix`` with ``matrix[p][t]`` seconds of moving
+            u's value, when u picks p, to target ``t``, paid once if any reader wants ``t``;
+            ``readers`` is a tuple of ``(v, wants)``, ``wants[q]`` the target v's strategy ``q``
+            wants (-1: none of them).
     """
 
     costs: list[list[float]]
@@ -69,6 +85,8 @@ class CostGraph:
     def add_fixed(self, key, seconds: float, member: tuple[int, int]) -> None:
         """Make strategy ``member = (variable, index)`` a member of the fixed charge ``key``."""
         self.fixed.setdefault(key, (seconds, set()))[1].add(member)
+
+    moves: dict[tuple, list[list[float]]] = field(default_factory=dict)
 
     def add_edge(self, u: int, v: int, matrix: list[list[float]]) -> None:
         """Add (or accumulate into) the edge ``u -> v``; a self edge adds its diagonal to ``u``."""
@@ -83,11 +101,21 @@ class CostGraph:
             matrix = [[a + b for a, b in zip(r1, r2)] for r1, r2 in zip(old, matrix)]
         self.edges[(u, v)] = matrix
 
+    def add_move(self, u: int, readers, matrix: list[list[float]]) -> None:
+        """Add (or accumulate into) the shared move of ``u``'s value to ``readers``' targets
+        (``moves``); equal moves of repeated blocks accumulate into one."""
+        key = (u, tuple(sorted({(v, tuple(wants)) for v, wants in readers})))
+        if key in self.moves:
+            matrix = [[a + b for a, b in zip(r1, r2)] for r1, r2 in zip(self.moves[key], matrix)]
+        self.moves[key] = matrix
+
     def objective(self, choice: list[int]) -> float:
         """Seconds of a full assignment (one strategy index per variable)."""
         return sum(c[p] for c, p in zip(self.costs, choice)) + sum(
             m[choice[u]][choice[v]] for (u, v), m in self.edges.items()) + sum(
-            f for f, members in self.fixed.values() if any(choice[v] == p for v, p in members))
+            f for f, members in self.fixed.values() if any(choice[v] == p for v, p in members)) + sum(
+            m[choice[u]][t] for (u, readers), m in self.moves.items()
+            for t in {wants[choice[v]] for v, wants in readers} if t >= 0)
 
     def memory_of(self, choice: list[int]) -> float:
         return sum(m[p] for m, p in zip(self.memory, choice))
@@ -197,6 +225,8 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
             prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression([(y, 1), (s[v][p], -1)]),
                                                  pulp.LpConstraintGE, rhs=0), f"fixed_{k}_{v}_{p}")
         add(y, seconds)
+    for g, ((u, readers), matrix) in enumerate(sorted(graph.moves.items())):
+        _shared_move(prob, g, s, u, readers, matrix, add)
     prob.setObjective(pulp.LpAffineExpression(list(objective.items()), constant=constant))
     if math.isfinite(memory_budget):
         # in units of the budget: byte counts near 1e10 leave the solver's tolerances meaningless
@@ -217,6 +247,38 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
                           f"{len(graph.edges)} edges); try a longer time_limit")
     choice = [0 if xs is None else max(range(len(xs)), key=lambda p: xs[p].value() or 0.0) for xs in s]
     return Solution(choice, graph.objective(choice), graph.memory_of(choice), pulp.LpStatus[status])
+
+
+def _shared_move(prob, g: int, s, u: int, readers, matrix, add) -> None:
+    """The variables and rows of shared move ``g`` (module docstring)."""
+    targets = [t for t in range(len(matrix[0])) if any(row[t] for row in matrix)]
+    rows = _identical(matrix)
+    m = {(a, t): pulp.LpVariable(f"m_{g}_{a}_{t}", lowBound=0, upBound=1) for a in range(len(rows)) for t in targets}
+    for (a, t), x in m.items():
+        add(x, matrix[rows[a][0]][t])
+
+    def row(terms, sense, rhs, name):
+        prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(terms), sense, rhs=rhs), name)
+
+    for c, (v, wants) in enumerate(readers):
+        per_class = [[] for _ in rows]  # f_c[a, t] over t
+        for t in targets:
+            # y_c[t] = sum(y) + always
+            y = [] if s[v] is None else [(s[v][q], -1) for q, w in enumerate(wants) if w == t]
+            always = int(s[v] is None and wants[0] == t)
+            if not y and not always:
+                continue
+            if len(rows) == 1:  # f_c = y_c
+                row([(m[0, t], 1)] + y, pulp.LpConstraintGE, always, f"or_{g}_{c}_{t}")
+                continue
+            f = [pulp.LpVariable(f"f_{g}_{c}_{a}_{t}", lowBound=0) for a in range(len(rows))]
+            row([(x, 1) for x in f] + y, pulp.LpConstraintEQ, always, f"y_{g}_{c}_{t}")
+            for a, x in enumerate(f):
+                row([(m[a, t], 1), (x, -1)], pulp.LpConstraintGE, 0, f"or_{g}_{c}_{a}_{t}")
+                per_class[a].append((x, 1))
+        for a, terms in enumerate(per_class):
+            if terms:
+                row(terms + [(s[u][p], -1) for p in rows[a]], pulp.LpConstraintLE, 0, f"x_{g}_{c}_{a}")
 
 
 def brute_force(graph: CostGraph, memory_budget: float = math.inf) -> Solution:

@@ -51,11 +51,13 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
     stats["ilp_edges"] = len(graph.edges)
     stats["ilp_strategy_vars"] = sum(len(c) for c in graph.costs if len(c) > 1)
     stats["ilp_edge_vars"] = sum(len(m) * len(m[0]) for m in graph.edges.values())
+    stats["ilp_moves"] = len(graph.moves)
     t2 = time.perf_counter()
     say("ilp")
     budget = mesh.memory_bytes if options.memory_budget is None else options.memory_budget
     sol = solve(graph, budget, time_limit=options.time_limit, solver=options.solver)
     stats["ilp_s"] = time.perf_counter() - t2
+    stats["ilp_objective"] = sol.objective
     chosen = {name: table[name].strategies[w.index[sol.choice[w.var]]] for name, w in where.items()}
     nodes, grad_sync, collectives = training_step(cg, {name: node_plan(s, table[name]) for name, s in chosen.items()},
                                                   mesh, options.bucket_bytes)

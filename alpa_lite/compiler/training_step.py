@@ -64,19 +64,23 @@ def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Logica
                      bucket_bytes: float = 25 * 2**20) -> list[Collective]:
     """Every collective of one training step for the chosen strategies: partial-sum all-reduces
     inside ops (not of a result left partial: its edges reduce it), the all-reduces of shared
-    statistics (``ops.stat_reductions``), the resharding of every edge (forward, then backward in
+    statistics (``ops.stat_reductions``), the resharding of every value to each (spec, gradient
+    partial axes) its readers want, once however many read it there (forward, then backward in
     reverse), the bucketed gradient all-reduces (reduce-scatters for ZeRO-2), then the bucketed
     all-gathers of the ZeRO-1/2 parameters after the update."""
     forward, backward = [], []
+    moved = set()
     for name, np_ in nodes.items():
         node = cg.node(name)
         for i, (src_name, r) in enumerate(zip(np_.inputs, np_.input_results)):
+            dst, gp = np_.in_specs[i], np_.grad_partial[i]
+            if (src_name, r, dst, gp) in moved:
+                continue
+            moved.add((src_name, r, dst, gp))
             val = cg.node(src_name).meta["val"]
             val = val[r] if isinstance(val, (tuple, list)) else val
             src = nodes[src_name].out_specs[r]
-            dst = np_.in_specs[i]
             args = (tuple(val.shape), val.element_size(), mesh.shape)
-            gp = np_.grad_partial[i]
             for phase, steps, out in (("forward", forward_steps(src, dst, *args), forward),
                                       ("backward", [] if gp is None else backward_steps(src, dst, gp, *args), backward)):
                 out.extend(Collective(s.kind, (s.axis,), s.nbytes, phase, name, src_name, step_cost(s, mesh))

@@ -1,8 +1,9 @@
 """Run a captured graph on local shards under a ``Plan``.
 
 For every node: reshard each operand from its producer's spec to the spec the node's strategy
-wants (``Reshard``, autograd-aware), run the aten op on the local shards, and reduce a partial
-result (``AllReducePartial``) unless its spec leaves it partial (``ShardingSpec.partial``: a
+wants (``Reshard``, autograd-aware; once per value and wanted spec in a run, shared by its
+readers, so their gradients are summed before the move's one backward), run the aten op on the
+local shards, and reduce a partial result (``AllReducePartial``) unless its spec leaves it partial (``ShardingSpec.partial``: a
 consumer's edge reduces it, or a linear consumer runs on it as is). Most ops run unchanged on shards; a few need a local variant:
 shape arguments become local shapes, a mean over a split dim of equal shards is scaled by
 1/shards before the all-reduce, a mean cross-entropy / nll is the all-reduced sum of its losses
@@ -123,24 +124,30 @@ class LocalExecutor:
     def run(self, env: dict[str, torch.Tensor]) -> dict[str, object]:
         """Run the graph; ``env`` maps placeholder names to local shards. Returns every value."""
         values: dict[str, object] = {}
+        moved: dict[tuple, torch.Tensor] = {}
         self.calls += 1
         for node in self.cg.graph.nodes:
             if node.op == "placeholder":
                 values[node.name] = env.get(node.name)
             elif node.op == "call_function":
-                values[node.name] = self._call(node, values)
+                values[node.name] = self._call(node, values, moved)
         return values
 
-    def _call(self, node: torch.fx.Node, values):
+    def _call(self, node: torch.fx.Node, values, moved: dict):
+        """Run ``node`` on ``values``; ``moved`` holds this run's resharded operands, keyed by
+        (value, its spec, wanted spec, gradient partial axes): each is moved once per run."""
         d = self.dispatch[node.name]
         if d.getitem is not None:
             return values[d.getitem[0]][d.getitem[1]]
         local = {}
         for src, src_spec, dst_spec, grad_partial, shape in d.operands:
-            try:
-                local[src] = reshard(values[src], src_spec, dst_spec, grad_partial, shape, self.mesh)
-            except RuntimeError as e:
-                raise RuntimeError(f"node {node.name} ({node.target}), operand {src}: {e}") from e
+            key = (src, src_spec, dst_spec, grad_partial)
+            if key not in moved:
+                try:
+                    moved[key] = reshard(values[src], src_spec, dst_spec, grad_partial, shape, self.mesh)
+                except RuntimeError as e:
+                    raise RuntimeError(f"node {node.name} ({node.target}), operand {src}: {e}") from e
+            local[src] = moved[key]
         lookup = (lambda n: local[n.name] if n.name in local else values[n.name]) if local else (lambda n: values[n.name])
         args = torch.fx.node.map_arg(d.args, lookup)
         kwargs = torch.fx.node.map_arg(d.kwargs, lookup) if d.kwargs else {}

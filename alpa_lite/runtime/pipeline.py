@@ -289,8 +289,9 @@ class PipelineTrainer(Trainer):
         # a received activation is an autograd leaf, which no op may write in place (relu_, +=):
         # the stage's in-place ops write a copy of it
         values |= {n: t.clone() if n in self._written else t for n, t in received.items()}
+        moved = {}  # operands resharded for this microbatch, once per value and wanted spec
         for name in self.sp.nodes:
-            values[name] = self.executor._call(self.cg.node(name), values)
+            values[name] = self.executor._call(self.cg.node(name), values, moved)
         store_buffer_mutations(self.view, self.sp.plan, values, self.buffers, self.groups)
         sent = []
         for name in self.sp.send:
