@@ -84,6 +84,7 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         if layer is not None:
             sizes[layer[:2]] = sizes.get(layer[:2], 0) + 1
     reshard = reshard_costs(mesh)
+    casts = cg.param_casts  # a parameter's low-precision copy: its gradient sync is bucketed too
 
     def new_var(name, ns):
         graph.costs.append([0.0] * len(ns.strategies))
@@ -131,5 +132,6 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
             shape, itemsize = tuple(val.shape), val.element_size()
             outs = tuple(src_ns.strategies[p].out_specs[r] for p in src.index)
             ins = tuple((ns.strategies[q].in_specs[i], ns.strategies[q].grad_partial[i]) for q in placed.index)
-            graph.add_edge(src.var, placed.var, reshard.matrix(outs, ins, shape, itemsize, src_name in cg.param_fqns))
+            graph.add_edge(src.var, placed.var, reshard.matrix(outs, ins, shape, itemsize,
+                                                                  src_name in cg.param_fqns or src_name in casts))
     return graph, where

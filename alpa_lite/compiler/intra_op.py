@@ -56,7 +56,8 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
     stats["ilp_s"] = time.perf_counter() - t2
     chosen = {name: table[name].strategies[w.index[sol.choice[w.var]]] for name, w in where.items()}
     nodes, grad_sync, collectives = training_step(cg, {name: node_plan(s, table[name]) for name, s in chosen.items()},
-                                                  mesh, options.bucket_bytes)
+                                                  mesh, options.bucket_bytes,
+                                                  options.gradient_reduce_dtype)
     result = Plan(mesh=mesh, param_specs=param_specs_of(cg, nodes),
                   input_specs={n: nodes[n].out_specs[0] for n in cg.input_names}, nodes=nodes,
                   collectives=collectives, compute_seconds=sum(s.compute for s in chosen.values()),

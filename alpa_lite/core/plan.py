@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from .losses import LossReduction
 from .mesh import LogicalMesh
 from .spec import ShardingSpec
@@ -429,6 +431,8 @@ def gradient_buckets(cg, nodes: dict[str, NodePlan], grad_sync: dict[str, tuple[
     return buckets
 
 
-def local_bytes(val, spec: ShardingSpec, mesh_shape) -> int:
-    """Bytes of one device's shard of tensor ``val`` (a FakeTensor) stored in ``spec``."""
-    return val.element_size() * math.prod(spec.local_shape(tuple(val.shape), mesh_shape))
+def local_bytes(val, spec: ShardingSpec, mesh_shape, dtype: torch.dtype | None = None) -> int:
+    """Bytes of one device's shard of tensor ``val`` (a FakeTensor) stored in ``spec``, in
+    ``dtype`` (None: its own)."""
+    itemsize = val.element_size() if dtype is None else dtype.itemsize
+    return itemsize * math.prod(spec.local_shape(tuple(val.shape), mesh_shape))

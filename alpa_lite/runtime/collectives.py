@@ -124,10 +124,11 @@ def gather_full(x: torch.Tensor, spec: ShardingSpec, shape: tuple[int, ...], mes
     return x
 
 
-def all_reduce_bucket(tensors: list[torch.Tensor], axes: tuple[int, ...], mesh: MeshGroups) -> None:
+def all_reduce_bucket(tensors: list[torch.Tensor], axes: tuple[int, ...], mesh: MeshGroups,
+                      dtype: torch.dtype | None = None) -> None:
     """Sum ``tensors`` in place over the devices of ``axes`` with one all-reduce of their
-    concatenation (a gradient bucket, as DDP does)."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
+    concatenation (a gradient bucket, as DDP does), in ``dtype`` (None: theirs)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors]).to(dtype or tensors[0].dtype)
     with _issued("all-reduce", "backward"):
         dist.all_reduce(flat, group=mesh.group(axes))
     offset = 0

@@ -266,7 +266,7 @@ class PipelineTrainer(Trainer):
                 sent, term, *grads = saved.pop(mb)
                 if self.stage == self.num_stages - 1:
                     if term is not None:
-                        term.backward()
+                        (term if self.scaler is None else term * self.scaler.scale).backward()
                 else:
                     pairs = [(t, g) for t, g in zip(sent, grads[0]) if t.requires_grad]
                     if pairs:

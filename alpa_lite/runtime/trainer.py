@@ -21,12 +21,14 @@ import torch
 import torch.distributed as dist
 
 from ..core.capture import CapturedGraph
+from ..core.options import compute_dtype_of, reduce_dtype_of
 from ..core.plan import Plan, PlanError, gradient_buckets
 from ..core.spec import ShardingSpec
 from .collectives import COUNTS, MeshGroups, all_reduce_bucket, gather_full, local_slice
 from .executor import LocalExecutor
 from .init import local_constants, local_shards, store_buffer_mutations
 from .launch import default_device
+from .precision import LossScaler
 from .report import REPORT_JSON_ENV, StepTimer, print_report, write_record
 
 
@@ -66,7 +68,9 @@ class Trainer:
         params: parameter FQN -> this rank's shard (an ``nn.Parameter``); buffers: the same for
             buffers and frozen parameters.
         optimizer: the ``torch.optim`` optimizer over the local shards (None: nothing to train here).
-        groups: this rank's ``MeshGroups``; buckets: its deferred gradient buckets.
+        groups: this rank's ``MeshGroups``; buckets: its deferred gradient buckets, all-reduced
+            in ``reduce_dtype`` (the plan's ``PlanOptions.reduce_dtype``; None: fp32).
+        scaler: the fp16 ``LossScaler`` (``mixed_precision="fp16"``), else None.
         timer: a ``StepTimer`` when the trainer reports (``parallelize(..., report=True)``).
     """
 
@@ -86,6 +90,8 @@ class Trainer:
         self.constants = local_constants(self.cg, plan, self.groups, self.device)
         self.buckets = gradient_buckets(self.view, plan.nodes, plan.grad_sync, self.groups.shape, plan.bucket_bytes)
         self.optimizer = optimizer(list(self.params.values())) if self.params else None
+        self.reduce_dtype = reduce_dtype_of(self.plan.options)
+        self.scaler = LossScaler() if compute_dtype_of(self.plan.options) is torch.float16 else None
 
     def _local_plan(self) -> Plan:
         """This rank's SPMD plan (the whole plan, or its stage's)."""
@@ -114,7 +120,9 @@ class Trainer:
             for p in self.params.values():
                 p.grad = None
             loss = self._train_step(flat)
-            if self.optimizer is not None:
+            if self.scaler is not None:  # fp16: every rank skips the step on an inf / nan anywhere
+                finite = self.scaler.unscale([p.grad for p in self.params.values() if p.grad is not None])
+            if self.optimizer is not None and (self.scaler is None or finite):
                 self.optimizer.step()
         if self.timer is not None and self.timer.report_due():
             self.report(os.environ.get(REPORT_JSON_ENV) or None)
@@ -143,7 +151,7 @@ class Trainer:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            all_reduce_bucket([p.grad for p in params], axes, self.groups)
+            all_reduce_bucket([p.grad for p in params], axes, self.groups, self.reduce_dtype)
 
     def _full(self, x: torch.Tensor, placeholder: str) -> torch.Tensor:
         """The full tensor of ``placeholder`` from this rank's shard ``x``."""
@@ -264,7 +272,7 @@ class ParallelTrainer(Trainer):
 
     def _train_step(self, flat: list[torch.Tensor]) -> float:
         loss = self._loss(flat)
-        loss.backward()
+        (loss if self.scaler is None else loss * self.scaler.scale).backward()
         self._sync_buckets()
         return float(loss.detach())
 
