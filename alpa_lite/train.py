@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", default="cpu-gloo", help="cluster preset or JSON file used for planning")
     p.add_argument("--plan", default=None, help="run this plan JSON instead of planning")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mixed-precision", choices=("bf16", "fp16"), default=None,
+                   help="fp32 master weights, compute in this dtype (fp16: dynamic loss scaling)")
     p.add_argument("--report", action="store_true",
                    help="print predicted vs measured step and collective times after 2 warm-up + 5 timed steps")
     p.add_argument("--out", default="runs/train", help="directory for plan.json, log.jsonl, summary.json "
@@ -71,7 +73,8 @@ def _worker(args) -> int:
     shape = parse_mesh_shape(args.mesh)
     t0 = time.perf_counter()
     trainer = parallelize(model, shape, first, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
-                          plan=args.plan, cluster=args.cluster, report=args.report or None)
+                          plan=args.plan, cluster=args.cluster, report=args.report or None,
+                          mixed_precision=args.mixed_precision)
     plan_s = time.perf_counter() - t0
     out = Path(args.out)
     if rank == 0:

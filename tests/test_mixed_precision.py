@@ -65,10 +65,15 @@ def results(tmp_path_factory):
 
 def test_mixed_precision_training_equals_one_process(results):
     for name, r in results.items():
-        # bf16 keeps 8 mantissa bits (relative rounding 2^-9): the ranks reduce partial sums in
-        # another order than one process's matmuls, so values differ by a few bf16 ulps
+        # bf16 keeps 8 mantissa bits (relative rounding 2^-9, a loss near 4 moves in steps of
+        # 2^-5): the ranks compute partial sums over shards and reduce them in bf16 in another
+        # order than one process's matmuls, so values differ by a few bf16 ulps (measured: 1 ulp
+        # of the loss, gradients within ~1% of their largest element)
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=2e-2), name
-        assert r["param_err"] <= 3e-2, (name, r["param_err"])  # AdamW moves each weight <= lr=1e-2 a step
+        assert r["grad_err"] <= 2e-2 * r["grad_scale"], (name, r["grad_err"], r["grad_scale"])
+        # SGD (lr 0.1, momentum 0.9): a parameter moves by lr x its gradients, so the gradient
+        # tolerance carries over (AdamW would turn bf16 noise in near-zero gradients into lr-sized steps)
+        assert r["param_err"] <= 1e-3, (name, r["param_err"])
         assert r["master_dtypes"] == ["torch.float32"] and r["state_dtypes"] == ["torch.float32"], name
 
 

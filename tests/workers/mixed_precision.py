@@ -13,24 +13,26 @@ from alpa_lite.zoo.models import build_model
 from single_process import finish
 
 STEPS = 3
-LR = 1e-2
+LR = 0.1
+OPTIMIZER = lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9)  # noqa: E731 - fp32 state
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def reference(model, batches, dtype):
     """One process: forward and backward with every parameter cast to ``dtype`` (the loss cast
-    to fp32), AdamW on the fp32 parameters; (losses, final parameters)."""
+    to fp32), SGD with momentum on the fp32 parameters; (losses, first-step gradients, final parameters)."""
     model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
+    opt = OPTIMIZER(model.parameters())
+    losses, grads = [], None
     for batch in batches:
         opt.zero_grad()
         low = {n: p.to(dtype) for n, p in model.named_parameters()}
         loss = torch.func.functional_call(model, low, batch).float()
         loss.backward()
+        grads = grads or {k: p.grad.clone() for k, p in model.named_parameters()}
         opt.step()
         losses.append(float(loss.detach()))
-    return losses, {k: v.detach() for k, v in model.named_parameters(remove_duplicate=False)}
+    return losses, grads, {k: v.detach() for k, v in model.named_parameters(remove_duplicate=False)}
 
 
 def recording_all_reduce():
@@ -56,13 +58,12 @@ def main():
     seen = recording_all_reduce()
     results = {}
     for name, options in json.loads(args.plans).items():
-        trainer = parallelize(copy.deepcopy(model), (2, 2), example, optimizer=lambda p: torch.optim.AdamW(p, lr=LR),
+        trainer = parallelize(copy.deepcopy(model), (2, 2), example, optimizer=OPTIMIZER,
                               **options)
         dtype = LOW[options["mixed_precision"]]
         r = {"skipped": []}
         if options["mixed_precision"] == "fp16":  # an inf in one gradient shard of rank 0 only
-            ph = next(ph for ph, fqn in trainer.cg.param_fqns.items() if ph not in trainer.plan.grad_sync
-                      and trainer.plan.param_specs[fqn] != "RR")
+            ph = next(ph for ph, fqn in trainer.cg.param_fqns.items() if trainer.plan.param_specs[fqn] == "S1R")
             p = trainer.params[trainer.cg.param_fqns[ph]]
             before = p.detach().clone()
             hook = p.register_hook(lambda g: g * float("inf")) if dist.get_rank() == 0 else None
@@ -72,14 +73,18 @@ def main():
             if hook is not None:
                 hook.remove()
         seen.clear()
-        losses = [trainer.step(*b) for b in batches]
+        losses = [trainer.step(*batches[0])]
+        first = trainer.gradients()
+        losses += [trainer.step(*b) for b in batches[1:]]
         buckets = [sum(trainer.params[trainer.view.param_fqns[ph]].numel() for ph in members)
                    for _, members in trainer.buckets]
         r["bucket_dtypes"] = sorted({d for d, n in seen if n in buckets})
         r["bucket_bytes_plan"] = sum(c.nbytes for c in trainer.plan.collectives if c.node.startswith("gradient bucket"))
         r["param_bytes"] = sum(4 * trainer.params[trainer.cg.param_fqns[ph]].numel()
                                for ph in trainer.plan.grad_sync)
-        ref_losses, ref_params = reference(model, batches, dtype)
+        ref_losses, ref_grads, ref_params = reference(model, batches, dtype)
+        r["grad_err"] = max(float((first[k] - v).abs().max()) for k, v in ref_grads.items())
+        r["grad_scale"] = max(float(v.abs().max()) for v in ref_grads.values())
         got = trainer.state_dict()
         r["losses"], r["ref_losses"] = losses, ref_losses
         r["param_err"] = max(float((got[k] - v).abs().max()) for k, v in ref_params.items())
