@@ -21,8 +21,8 @@ from ..core.capture import CapturedGraph
 from ..core.mesh import LogicalMesh
 from ..core.resharding import reshard_costs
 from ..core.spec import ShardingSpec
-from .ilp import CostGraph
-from .strategies import NodeStrategies
+from .ilp import CostGraph, RematGroup
+from .strategies import BACKWARD_FLOPS_FACTOR, NodeStrategies
 
 
 @dataclass
@@ -66,11 +66,15 @@ def _strategy_signature(ns: NodeStrategies) -> tuple:
 
 def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: LogicalMesh,
                      share_layers: bool = True, merge_followers: bool = True,
-                     nodes: set[str] | None = None) -> tuple[CostGraph, dict[str, Var]]:
+                     nodes: set[str] | None = None, remat: list[tuple[str, ...]] = (),
+                     remat_forced: bool = False) -> tuple[CostGraph, dict[str, Var]]:
     """The ILP's cost graph and, per node, its variable and strategy mapping.
 
     ``nodes`` restricts the graph to those nodes (a pipeline stage): an operand produced outside
     them arrives free, in whatever spec its consumer wants (the stage DP costs its transfer).
+    ``remat``: layers (node names) that may be recomputed, each a ``RematGroup`` (forced with
+    ``remat_forced``): the activations only the layer reads move from ``memory`` to the group,
+    and recomputing costs each node's forward (a third of its compute) and forward collectives.
     """
     if nodes is not None:
         table = {k: v for k, v in table.items() if k in nodes}
@@ -83,6 +87,8 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         layer = _layer_of(node) if node.name in table else None
         if layer is not None:
             sizes[layer[:2]] = sizes.get(layer[:2], 0) + 1
+    layer_of = {n: i for i, layer in enumerate(remat) for n in layer}
+    graph.remat = [RematGroup(forced=remat_forced) for _ in remat]
     reshard = reshard_costs(mesh)
     casts = cg.param_casts  # a parameter's low-precision copy: its gradient sync is bucketed too
 
@@ -120,9 +126,15 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         if placed is None:
             placed = new_var(node.name, ns)
         where[node.name] = placed
+        group = graph.remat[layer_of[node.name]] if node.name in layer_of else None
+        internal = group is not None and all(layer_of.get(u.name) == layer_of[node.name] for u in node.users)
+        width = len(graph.costs[placed.var])
         for p, q in enumerate(placed.index):
-            graph.costs[placed.var][p] += ns.strategies[q].cost
-            graph.memory[placed.var][p] += ns.strategies[q].memory
+            st = ns.strategies[q]
+            graph.costs[placed.var][p] += st.cost
+            (group.act.setdefault(placed.var, [0.0] * width) if internal else graph.memory[placed.var])[p] += st.memory
+            if group is not None:
+                group.extra.setdefault(placed.var, [0.0] * width)[p] += st.compute / (1 + BACKWARD_FLOPS_FACTOR) + st.comm
         for i, (src_name, r) in enumerate(zip(ns.inputs, ns.input_results)):
             if src_name not in where:  # produced outside ``nodes``
                 continue

@@ -53,6 +53,11 @@ class PlanOptions:
     weights); the model computes with its floating parameters and inputs cast to this dtype, its
     floating outputs cast back to fp32 before ``loss_fn`` (``core/capture.py``, ``TrainingLoss``);
     ``"fp16"`` adds a dynamic loss scaler. None: every tensor in its own dtype."""
+    remat: str | None = None
+    """Activation checkpointing per layer of the layer clustering (``compiler/clustering.py``):
+    ``"auto"``: the ILP chooses per layer to keep its activations or recompute them in backward
+    (extra forward compute against freed memory, ``compiler/ilp.py``); ``"all"``: every layer
+    recomputed; None: every activation kept."""
     reduce_dtype: str | None = None
     """dtype of the deferred data-parallel gradient all-reduces (``"bf16"``, ``"fp16"``,
     ``"fp32"``); None: the compute dtype under ``mixed_precision`` (the dtype the gradient has
@@ -71,6 +76,8 @@ class PlanOptions:
             raise ValueError(f"bucket_bytes must be > 0, got {self.bucket_bytes}")
         if self.mixed_precision not in (None, "bf16", "fp16"):
             raise ValueError(f"mixed_precision must be 'bf16', 'fp16' or None, got {self.mixed_precision!r}")
+        if self.remat not in (None, "auto", "all"):
+            raise ValueError(f"remat must be 'auto', 'all' or None, got {self.remat!r}")
         if self.reduce_dtype not in (None, *DTYPES):
             raise ValueError(f"reduce_dtype must be one of {', '.join(DTYPES)} or None, got {self.reduce_dtype!r}")
         object.__setattr__(self, "param_specs", dict(self.param_specs or {}))

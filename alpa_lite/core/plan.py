@@ -124,6 +124,8 @@ class Plan:
             end of backward and bucketed (data-parallel gradient synchronization, as DDP does).
         bucket_bytes: the largest gradient bucket, bytes.
         loss_reduction: how the loss reduces over the batch (``LossReduction``).
+        remat: the layers (node names, graph order) whose activations are recomputed in backward
+            instead of kept (activation checkpointing, ``PlanOptions.remat``).
         captured: the ``CapturedGraph`` planned (in memory only: the runtime of the planning
             process executes it instead of capturing again; None after ``load_plan``).
     """
@@ -143,6 +145,7 @@ class Plan:
     bucket_bytes: float = 25 * 2**20
     loss_reduction: LossReduction = field(default_factory=lambda: LossReduction("mean", None))
     captured: object = field(default=None, compare=False, repr=False)
+    remat: list[list[str]] = field(default_factory=list)
 
     kind = "spmd"
 
@@ -185,6 +188,7 @@ class Plan:
             "grad_sync": {k: list(v) for k, v in self.grad_sync.items()},
             "bucket_bytes": float(self.bucket_bytes),
             "loss_reduction": self.loss_reduction.to_dict(),
+            "remat": self.remat,
         }
         if stats:
             d["stats"] = self.stats
@@ -198,7 +202,8 @@ class Plan:
                    float(d["compute_seconds"]), float(d["comm_seconds"]), float(d["memory_bytes"]),
                    str(d["fingerprint"]), dict(d.get("options", {})), dict(d.get("stats", {})),
                    {k: tuple(v) for k, v in d["grad_sync"].items()}, float(d["bucket_bytes"]),
-                   LossReduction.from_dict(d["loss_reduction"]) if "loss_reduction" in d else LossReduction("mean", None))
+                   LossReduction.from_dict(d["loss_reduction"]) if "loss_reduction" in d else LossReduction("mean", None),
+                   remat=[list(layer) for layer in d.get("remat", [])])
 
     def to_json(self, path: str | Path | None = None) -> str:
         """The plan as JSON (byte-identical for the same inputs); written to ``path`` if given.
