@@ -49,33 +49,38 @@ def test_remat_ilp_matches_brute_force(seed, forced):
     assert solve(g).remat == ((True, True) if forced else (False, False))  # memory is free: nothing recomputed
 
 
-MODEL = build_model("gpt-tiny", 16, 64, device="meta")
+MODEL = build_model("gpt-tiny", 16, 64, device="cpu")  # the graph the ranks capture
 MESH = LogicalMesh((2, 2), cluster="cpu-gloo")
 
 
 @pytest.fixture(scope="module")
-def refused():
-    """The least memory any plan without remat needs (from the refusal's error)."""
+def plans():
+    """Plans of the GPT: without remat, all layers recomputed, and ``"auto"`` under 90% of the
+    least memory any plan without remat needs (read from the refusal's error)."""
     with pytest.raises(MemoryBudgetError, match="the least any plan needs is") as e:
         alpa_lite.plan(*MODEL, MESH, memory_budget=1e5)
-    return e.value.minimum_bytes
-
-
-def test_gpt_refused_without_remat_is_planned_with_auto(refused):
-    budget = 0.9 * refused
+    budget = 0.9 * e.value.minimum_bytes
     with pytest.raises(MemoryBudgetError):
         alpa_lite.plan(*MODEL, MESH, memory_budget=budget)
-    plan = alpa_lite.plan(*MODEL, MESH, memory_budget=budget, remat="auto")
+    return {"none": alpa_lite.plan(*MODEL, MESH), "all": alpa_lite.plan(*MODEL, MESH, remat="all"),
+            "auto": alpa_lite.plan(*MODEL, MESH, memory_budget=budget, remat="auto")}, budget
+
+
+def test_gpt_refused_without_remat_is_planned_with_auto(plans):
+    (plans, budget) = plans
+    plan = plans["auto"]
     assert plan.remat and plan.memory_bytes <= budget
-    kept = alpa_lite.plan(*MODEL, MESH)
-    assert plan.compute_seconds > kept.compute_seconds  # recomputed forwards are priced
+    assert plan.compute_seconds > plans["none"].compute_seconds  # recomputed forwards are priced
     assert alpa_lite.core.plan.load_plan(plan.to_json()).remat == plan.remat
 
 
-def test_remat_plans_train_as_one_process(refused, tmp_path):
-    plans = {"none": {}, "all": {"remat": "all"}, "auto": {"remat": "auto", "memory_budget": 0.9 * refused}}
+def test_remat_plans_train_as_one_process(plans, tmp_path):
+    files = {}
+    for name, plan in plans[0].items():
+        plan.to_json(tmp_path / f"{name}.json")
+        files[name] = {"plan": str(tmp_path / f"{name}.json")}
     out = tmp_path / "results.json"
-    code = torchrun([WORKER, "--batch", "16", "--plans", json.dumps(plans), "--out", str(out)], nproc=4,
+    code = torchrun([WORKER, "--batch", "16", "--plans", json.dumps(files), "--out", str(out)], nproc=4,
                     timeout_s=600)
     assert code == 0, f"torchrun exited with {code}"
     res = json.loads(out.read_text())
