@@ -36,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mixed-precision", choices=("bf16", "fp16"), default=None,
                    help="fp32 master weights, compute in this dtype (fp16: dynamic loss scaling)")
+    p.add_argument("--remat", choices=("auto", "all"), default=None,
+                   help="activation checkpointing: the planner chooses per layer (auto) or recomputes every layer")
     p.add_argument("--report", action="store_true",
                    help="print predicted vs measured step and collective times after 2 warm-up + 5 timed steps")
     p.add_argument("--out", default="runs/train", help="directory for plan.json, log.jsonl, summary.json "
@@ -74,7 +76,7 @@ def _worker(args) -> int:
     t0 = time.perf_counter()
     trainer = parallelize(model, shape, first, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
                           plan=args.plan, cluster=args.cluster, report=args.report or None,
-                          mixed_precision=args.mixed_precision)
+                          mixed_precision=args.mixed_precision, remat=args.remat)
     plan_s = time.perf_counter() - t0
     out = Path(args.out)
     if rank == 0:
