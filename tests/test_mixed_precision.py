@@ -18,7 +18,8 @@ MEGATRON = {"batch_axis": 0, "param_specs": megatron("blocks.", 2)}
 PLANS = {"dp": {"mixed_precision": "bf16", "force_data_parallel": True},
          "dp-fp32-reduce": {"mixed_precision": "bf16", "force_data_parallel": True, "reduce_dtype": "fp32"},
          "megatron": {"mixed_precision": "bf16", **MEGATRON},
-         "megatron-fp16": {"mixed_precision": "fp16", **MEGATRON}}
+         "megatron-fp16": {"mixed_precision": "fp16", **MEGATRON},
+         "pipeline": {"mixed_precision": "bf16", "pipeline": 2, "num_microbatches": 2}}
 
 
 def test_capture_casts_each_parameter_use_and_keeps_fp32_placeholders():
@@ -78,7 +79,8 @@ def test_mixed_precision_training_equals_one_process(results):
 
 
 def test_gradients_are_reduced_in_the_chosen_dtype(results):
-    assert results["dp"]["bucket_dtypes"] == ["torch.bfloat16"]
+    for name in ("dp", "pipeline"):
+        assert results[name]["bucket_dtypes"] == ["torch.bfloat16"], name
     assert results["dp"]["bucket_bytes_plan"] == results["dp"]["param_bytes"] / 2
     assert results["dp-fp32-reduce"]["bucket_dtypes"] == ["torch.float32"]
     assert results["dp-fp32-reduce"]["bucket_bytes_plan"] == results["dp-fp32-reduce"]["param_bytes"]

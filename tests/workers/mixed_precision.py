@@ -79,9 +79,9 @@ def main():
         buckets = [sum(trainer.params[trainer.view.param_fqns[ph]].numel() for ph in members)
                    for _, members in trainer.buckets]
         r["bucket_dtypes"] = sorted({d for d, n in seen if n in buckets})
-        r["bucket_bytes_plan"] = sum(c.nbytes for c in trainer.plan.collectives if c.node.startswith("gradient bucket"))
-        r["param_bytes"] = sum(4 * trainer.params[trainer.cg.param_fqns[ph]].numel()
-                               for ph in trainer.plan.grad_sync)
+        local = trainer.sp.plan if hasattr(trainer, "sp") else trainer.plan  # this rank's SPMD plan (its stage's)
+        r["bucket_bytes_plan"] = sum(c.nbytes for c in local.collectives if c.node.startswith("gradient bucket"))
+        r["param_bytes"] = sum(4 * trainer.params[trainer.view.param_fqns[ph]].numel() for ph in local.grad_sync)
         ref_losses, ref_grads, ref_params = reference(model, batches, dtype)
         r["grad_err"] = max(float((first[k] - v).abs().max()) for k, v in ref_grads.items())
         r["grad_scale"] = max(float(v.abs().max()) for v in ref_grads.values())
