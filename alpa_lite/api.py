@@ -20,7 +20,7 @@ from .compiler.loss_reduction import loss_reduction
 from .compiler.stage_dp import PipelinePlanError
 from .core.capture import CaptureError, CapturedGraph, batch_size, capture, rows
 from .core.mesh import LogicalMesh
-from .core.options import PipelineOptions, PlanOptions, split_options
+from .core.options import PipelineOptions, PlanOptions, compute_dtype_of, split_options
 from .core.plan import PipelinePlan, Plan, PlanError, load_plan
 from .runtime.launch import init_distributed
 from .runtime.pipeline import PipelineTrainer
@@ -70,11 +70,12 @@ def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None
     if pipe is not None:
         batch = batch_size((inputs, example_kwargs))
 
-        return plan_pipeline(lambda n: _capture_rows(model, inputs, loss_fn, targets, example_kwargs, n), batch, mesh,
+        return plan_pipeline(lambda n: _capture_rows(model, inputs, loss_fn, targets, example_kwargs, n,
+                                                     options.compute_dtype), batch, mesh,
                              options, pipe, progress=progress)
     t0 = time.perf_counter()
     say("capture")
-    cg = capture(model, inputs, loss_fn, targets, example_kwargs)
+    cg = capture(model, inputs, loss_fn, targets, example_kwargs, options.compute_dtype)
     capture_s = time.perf_counter() - t0
     result = plan_intra_op(cg, mesh, options, progress, loss_reduction(cg))
     result.stats |= {"capture_s": capture_s, "total_s": time.perf_counter() - t0}
@@ -145,16 +146,17 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
         plan = _plan_on_rank_zero(model, inputs, shape, loss_fn, targets, example_kwargs, cluster, options, pipeline,
                                   option_fields)
     optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
+    compute_dtype = compute_dtype_of(plan.options)  # what the plan was captured with
     if isinstance(plan, PipelinePlan):
         batch = batch_size((inputs, example_kwargs))
         if batch % plan.num_microbatches:
             raise PlanError(f"the plan splits the batch into {plan.num_microbatches} microbatches; the example "
                             f"batch is {batch}")
         n = batch // plan.num_microbatches
-        captured = plan.captured or _capture_rows(model, inputs, loss_fn, targets, example_kwargs, n)
+        captured = plan.captured or _capture_rows(model, inputs, loss_fn, targets, example_kwargs, n, compute_dtype)
         trainer = PipelineTrainer(model, captured, plan, optimizer, seed, init_fn, timeout_s)
     else:
-        captured = plan.captured or capture(model, inputs, loss_fn, targets, example_kwargs)
+        captured = plan.captured or capture(model, inputs, loss_fn, targets, example_kwargs, compute_dtype)
         trainer = ParallelTrainer(model, dmesh, captured, plan, optimizer, seed, init_fn, accumulate)
     if report_requested(report):
         trainer.timer = StepTimer(report_warmup, report_steps)
@@ -182,9 +184,11 @@ def _accumulation_rows(inputs: tuple, targets: tuple, example_kwargs, accumulate
     return rows(inputs, 0, n), rows(targets, 0, n), rows(example_kwargs, 0, n)
 
 
-def _capture_rows(model, inputs: tuple, loss_fn, targets: tuple, example_kwargs, n: int) -> CapturedGraph:
+def _capture_rows(model, inputs: tuple, loss_fn, targets: tuple, example_kwargs, n: int,
+                  compute_dtype: torch.dtype | None) -> CapturedGraph:
     """The captured graph of a microbatch: the first ``n`` samples of every batched input."""
-    return capture(model, rows(inputs, 0, n), loss_fn, rows(targets, 0, n), rows(example_kwargs, 0, n))
+    return capture(model, rows(inputs, 0, n), loss_fn, rows(targets, 0, n), rows(example_kwargs, 0, n),
+                   compute_dtype)
 
 
 _ERRORS = (ValueError, TypeError, PlanError, CaptureError, MemoryBudgetError, PipelinePlanError)

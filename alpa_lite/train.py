@@ -40,6 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", default="cpu-gloo", help="cluster preset or JSON file used for planning")
     p.add_argument("--plan", default=None, help="run this plan JSON instead of planning")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mixed-precision", choices=("bf16", "fp16"), default=None,
+                   help="fp32 master weights, compute in this dtype (fp16: dynamic loss scaling)")
+    p.add_argument("--remat", choices=("auto", "all"), default=None,
+                   help="activation checkpointing: the planner chooses per layer (auto) or recomputes every layer")
     p.add_argument("--report", action="store_true",
                    help="print predicted vs measured step and collective times after 2 warm-up + 5 timed steps")
     p.add_argument("--accumulate", type=int, default=1, metavar="K",
@@ -85,7 +89,8 @@ def _worker(args) -> int:
     t0 = time.perf_counter()
     trainer = parallelize(model, shape, first, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
                           plan=args.plan, cluster=args.cluster, report=args.report or None,
-                          accumulate=args.accumulate, max_grad_norm=args.max_grad_norm)
+                          accumulate=args.accumulate, max_grad_norm=args.max_grad_norm,
+                          mixed_precision=args.mixed_precision, remat=args.remat)
     plan_s = time.perf_counter() - t0
     start = int(trainer.load(args.resume).get("step", 0)) if args.resume else 0
     if start >= args.steps:

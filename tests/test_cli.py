@@ -57,6 +57,15 @@ def test_train_main_job(tmp_path):
     Plan.from_json(str(tmp_path / "plan.json"))
 
 
+def test_train_mixed_precision_and_remat_flags(tmp_path):
+    r = alpa_lite("train", "--nproc", "4", "--mesh", "2x2", "--steps", "2", "--mixed-precision", "bf16",
+                  "--remat", "all", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    plan = Plan.from_json(str(tmp_path / "plan.json"))
+    assert plan.options["mixed_precision"] == "bf16" and plan.remat  # every layer recomputed
+    assert json.loads((tmp_path / "summary.json").read_text())["first_loss"] == pytest.approx(4.17, abs=0.15)
+
+
 def test_explain_lists_candidates_and_marks_the_choice():
     r = alpa_lite("plan", "mlp", "--mesh", "1x4", "--cluster", "unit", "--memory-budget", "0.002",
                   "--explain", "linear_1")

@@ -26,8 +26,8 @@ from ..core.capture import CapturedGraph
 from ..core.mesh import LogicalMesh
 from ..core.resharding import ReshardCosts, is_gradient_sync, reshard_costs
 from ..core.spec import ShardingSpec
-from .ilp import CostGraph
-from .strategies import NodeStrategies
+from .ilp import CostGraph, RematGroup
+from .strategies import BACKWARD_FLOPS_FACTOR, NodeStrategies
 
 
 @dataclass
@@ -71,11 +71,15 @@ def _strategy_signature(ns: NodeStrategies) -> tuple:
 
 def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: LogicalMesh,
                      share_layers: bool = True, merge_followers: bool = True,
-                     nodes: set[str] | None = None) -> tuple[CostGraph, dict[str, Var]]:
+                     nodes: set[str] | None = None, remat: list[tuple[str, ...]] = (),
+                     remat_forced: bool = False) -> tuple[CostGraph, dict[str, Var]]:
     """The ILP's cost graph and, per node, its variable and strategy mapping.
 
     ``nodes`` restricts the graph to those nodes (a pipeline stage): an operand produced outside
     them arrives free, in whatever spec its consumer wants (the stage DP costs its transfer).
+    ``remat``: layers (node names) that may be recomputed, each a ``RematGroup`` (forced with
+    ``remat_forced``): the activations only the layer reads move from ``memory`` to the group,
+    and recomputing costs each node's forward (a third of its compute) and forward collectives.
     """
     if nodes is not None:
         table = {k: v for k, v in table.items() if k in nodes}
@@ -88,8 +92,11 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         layer = _layer_of(node) if node.name in table else None
         if layer is not None:
             sizes[layer[:2]] = sizes.get(layer[:2], 0) + 1
+    layer_of = {n: i for i, layer in enumerate(remat) for n in layer}
+    graph.remat = [RematGroup(forced=remat_forced) for _ in remat]
     reshard = reshard_costs(mesh)
     readers: dict[tuple[str, int], list[tuple[int, tuple]]] = {}  # value -> reader edges (var, wanted per strategy)
+    casts = cg.param_casts  # a parameter's low-precision copy: its gradient sync is bucketed too
 
     def new_var(name, ns):
         graph.costs.append([0.0] * len(ns.strategies))
@@ -125,10 +132,15 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         if placed is None:
             placed = new_var(node.name, ns)
         where[node.name] = placed
+        group = graph.remat[layer_of[node.name]] if node.name in layer_of else None
+        internal = group is not None and all(layer_of.get(u.name) == layer_of[node.name] for u in node.users)
+        width = len(graph.costs[placed.var])
         for p, q in enumerate(placed.index):
             s = ns.strategies[q]
             graph.costs[placed.var][p] += s.cost
-            graph.memory[placed.var][p] += s.memory
+            (group.act.setdefault(placed.var, [0.0] * width) if internal else graph.memory[placed.var])[p] += s.memory
+            if group is not None:
+                group.extra.setdefault(placed.var, [0.0] * width)[p] += s.compute / (1 + BACKWARD_FLOPS_FACTOR) + s.comm
             # a ZeRO-1/2 parameter joins a bucketed all-gather (and reduce-scatter): its latency, once
             for kind in ("all-gather", "reduce-scatter")[:s.zero_stage]:
                 graph.add_fixed((kind, s.zero_axes), mesh.collective_cost(kind, 0, s.zero_axes), (placed.var, p))
@@ -143,7 +155,7 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         outs = tuple(src_ns.strategies[p].out_specs[r] for p in src.index)
         zeros = tuple((src_ns.strategies[p].zero_stage, src_ns.strategies[p].zero_axes) for p in src.index)
         _price_value(graph, reshard, src.var, outs, zeros, edges, tuple(val.shape), val.element_size(),
-                     src_name in cg.param_fqns)
+                     src_name in cg.param_fqns or src_name in casts)
     return graph, where
 
 

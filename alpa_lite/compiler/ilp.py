@@ -36,6 +36,20 @@ With one row class ``f_c`` is ``y_c`` itself (no ``f``).
 This module knows nothing about torch: the planner builds the ``CostGraph``. Memory has no
 edge terms, so the least memory any solution needs is ``sum_v min_p m_v[p]``; a budget below
 it is reported with that figure instead of trusting a solver's "infeasible".
+
+Activation checkpointing (rematerialization; Chen et al. 2016, "Training Deep Nets with
+Sublinear Memory Cost"; Alpa's remat): a ``RematGroup`` ``l`` (a layer) holds the bytes
+``A_l(s) = sum_v a_lv^T s_v`` of the activations only the layer reads, which are left out of
+``m``, and the seconds ``E_l(s)`` of recomputing its forward. A binary ``r_l`` (fixed to 1 when
+the group is forced) chooses: kept, ``A_l`` stays in memory; recomputed, ``A_l`` is freed and
+only the largest recomputed layer is live at once (during its backward), at ``E_l`` seconds:
+
+    memory      sum_v m_v^T s_v + sum_l k_l + z <= M
+                k_l >= A_l(s) - U_l r_l,   z >= A_l(s) - U_l (1 - r_l),   k_l, z >= 0
+    minimize    ... + sum_l w_l,           w_l >= E_l(s) - V_l (1 - r_l), w_l >= 0
+
+with ``U_l`` / ``V_l`` the largest ``A_l`` / ``E_l`` over strategies (big-M linearization of
+``r_l A_l(s)`` and ``r_l E_l(s)``).
 """
 from __future__ import annotations
 
@@ -60,6 +74,29 @@ class SolverError(RuntimeError):
 
 
 @dataclass
+class RematGroup:
+    """A layer that may be recomputed (module docstring).
+
+    Attributes:
+        act: variable -> bytes per strategy of the activations only this layer reads (left out
+            of ``CostGraph.memory``).
+        extra: variable -> seconds per strategy of recomputing the layer's forward.
+        forced: recomputed whatever it costs (``remat="all"``); else the ILP chooses.
+    """
+
+    act: dict[int, list[float]] = field(default_factory=dict)
+    extra: dict[int, list[float]] = field(default_factory=dict)
+    forced: bool = False
+
+    def at(self, terms: dict[int, list[float]], choice) -> float:
+        return sum(vec[choice[v]] for v, vec in terms.items())
+
+    @staticmethod
+    def bound(terms: dict[int, list[float]]) -> float:
+        return sum(max(vec) for vec in terms.values())
+
+
+@dataclass
 class CostGraph:
     """Variables with per-strategy costs and memory, and edges with cost matrices.
 
@@ -74,6 +111,7 @@ class CostGraph:
             u's value, when u picks p, to target ``t``, paid once if any reader wants ``t``;
             ``readers`` is a tuple of ``(v, wants)``, ``wants[q]`` the target v's strategy ``q``
             wants (-1: none of them).
+        remat: the layers that may be recomputed (``RematGroup``).
     """
 
     costs: list[list[float]]
@@ -87,6 +125,7 @@ class CostGraph:
         self.fixed.setdefault(key, (seconds, set()))[1].add(member)
 
     moves: dict[tuple, list[list[float]]] = field(default_factory=dict)
+    remat: list[RematGroup] = field(default_factory=list)
 
     def add_edge(self, u: int, v: int, matrix: list[list[float]]) -> None:
         """Add (or accumulate into) the edge ``u -> v``; a self edge adds its diagonal to ``u``."""
@@ -109,19 +148,27 @@ class CostGraph:
             matrix = [[a + b for a, b in zip(r1, r2)] for r1, r2 in zip(self.moves[key], matrix)]
         self.moves[key] = matrix
 
-    def objective(self, choice: list[int]) -> float:
-        """Seconds of a full assignment (one strategy index per variable)."""
-        return sum(c[p] for c, p in zip(self.costs, choice)) + sum(
-            m[choice[u]][choice[v]] for (u, v), m in self.edges.items()) + sum(
-            f for f, members in self.fixed.values() if any(choice[v] == p for v, p in members)) + sum(
-            m[choice[u]][t] for (u, readers), m in self.moves.items()
-            for t in {wants[choice[v]] for v, wants in readers} if t >= 0)
+    def objective(self, choice: list[int], remat=()) -> float:
+        """Seconds of a full assignment (one strategy index per variable; ``remat[l]``: group
+        ``l`` recomputed, default none)."""
+        return (sum(c[p] for c, p in zip(self.costs, choice))
+                + sum(m[choice[u]][choice[v]] for (u, v), m in self.edges.items())
+                + sum(f for f, members in self.fixed.values() if any(choice[v] == p for v, p in members))
+                + sum(m[choice[u]][t] for (u, readers), m in self.moves.items()
+                      for t in {wants[choice[v]] for v, wants in readers} if t >= 0)
+                + sum(g.at(g.extra, choice) for g, r in zip(self.remat, remat) if r))
 
-    def memory_of(self, choice: list[int]) -> float:
-        return sum(m[p] for m, p in zip(self.memory, choice))
+    def memory_of(self, choice: list[int], remat=()) -> float:
+        """Bytes per device: kept activations, plus the largest recomputed layer's."""
+        flags = list(remat) + [False] * (len(self.remat) - len(remat))
+        acts = [(g.at(g.act, choice), r) for g, r in zip(self.remat, flags)]
+        return (sum(m[p] for m, p in zip(self.memory, choice)) + sum(a for a, r in acts if not r)
+                + max((a for a, r in acts if r), default=0.0))
 
     def min_memory(self) -> float:
-        return sum(min(m) for m in self.memory)
+        """The least memory of any assignment (a lower bound with remat groups: each at its least)."""
+        least = [sum(min(vec) for vec in g.act.values()) for g in self.remat]
+        return sum(min(m) for m in self.memory) + max(least, default=0.0)
 
 
 @dataclass
@@ -130,6 +177,7 @@ class Solution:
     objective: float
     memory: float
     status: str
+    remat: tuple[bool, ...] = ()
 
 
 def _identical(vectors) -> list[list[int]]:
@@ -227,26 +275,74 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
         add(y, seconds)
     for g, ((u, readers), matrix) in enumerate(sorted(graph.moves.items())):
         _shared_move(prob, g, s, u, readers, matrix, add)
+    unit = max(memory_budget, 1.0) if math.isfinite(memory_budget) else 1.0
+    r, mem_terms = _remat_terms(prob, graph, s, add, unit)
     prob.setObjective(pulp.LpAffineExpression(list(objective.items()), constant=constant))
     if math.isfinite(memory_budget):
         # in units of the budget: byte counts near 1e10 leave the solver's tolerances meaningless
-        unit = max(memory_budget, 1.0)
         fixed = sum(mem[0] for mem, xs in zip(graph.memory, s) if xs is None)
         terms = [(x, m / unit) for mem, xs in zip(graph.memory, s) if xs is not None for x, m in zip(xs, mem) if m]
+        terms += mem_terms
         prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(terms), pulp.LpConstraintLE,
                                              rhs=(memory_budget - fixed) / unit), "memory")
-        # a feasible start: each variable's least-memory strategy (memory has no edge terms)
-        for mem, xs in zip(graph.memory, s):
+        # a feasible start: each variable's least-memory strategy (memory has no edge terms),
+        # every layer recomputed
+        for v, (mem, xs) in enumerate(zip(graph.memory, s)):
             if xs is not None:
-                least = min((p for p in range(len(xs)) if xs[p].upBound != 0), key=mem.__getitem__, default=None)
+                least = min((p for p in range(len(xs)) if xs[p].upBound != 0),
+                            key=lambda p: mem[p] + sum(g.act[v][p] for g in graph.remat if v in g.act), default=None)
                 for p, x in enumerate(xs):
                     x.setInitialValue(1 if p == least else 0)
+        for x in r:
+            if x is not True:
+                x.setInitialValue(1)
     status = prob.solve(_solver(time_limit, solver))
     if pulp.LpStatus[status] not in ("Optimal",) and prob.sol_status not in (pulp.LpSolutionIntegerFeasible,):
         raise SolverError(f"ILP solver status {pulp.LpStatus[status]} ({len(graph.costs)} variables, "
                           f"{len(graph.edges)} edges); try a longer time_limit")
     choice = [0 if xs is None else max(range(len(xs)), key=lambda p: xs[p].value() or 0.0) for xs in s]
-    return Solution(choice, graph.objective(choice), graph.memory_of(choice), pulp.LpStatus[status])
+    remat = tuple(x is True or (x is not True and (x.value() or 0.0) > 0.5) for x in r)
+    return Solution(choice, graph.objective(choice, remat), graph.memory_of(choice, remat), pulp.LpStatus[status],
+                    remat)
+
+
+def _remat_terms(prob, graph: CostGraph, s, add, unit: float):
+    """The remat variables and constraints of the module docstring: returns (per group ``r_l``,
+    ``True`` when forced), and the memory constraint's extra terms (``k_l``, ``z``), in ``unit``."""
+    if not graph.remat:
+        return [], []
+    z = pulp.LpVariable("remat_peak", lowBound=0)
+    rs, terms = [], [(z, 1.0)]
+
+    def expr(vectors: dict[int, list[float]], scale: float) -> list:
+        out = []
+        for v, vec in vectors.items():
+            out += [(None, vec[0] / scale)] if s[v] is None else [(x, c / scale) for x, c in zip(s[v], vec) if c]
+        return out
+
+    def at_least(lhs, rhs_terms, name):  # lhs >= sum(rhs_terms) (None: a constant)
+        const = sum(c for x, c in rhs_terms if x is None)
+        prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression([(lhs, 1.0)] + [(x, -c) for x, c in rhs_terms
+                                                                                     if x is not None]),
+                                             pulp.LpConstraintGE, rhs=const), name)
+
+    for i, g in enumerate(graph.remat):
+        r = True if g.forced else pulp.LpVariable(f"r_{i}", cat=pulp.LpBinary)
+        rs.append(r)
+        big_a, big_e = RematGroup.bound(g.act) / unit, RematGroup.bound(g.extra)
+        a, e = expr(g.act, unit), expr(g.extra, 1.0)
+        w = pulp.LpVariable(f"remat_w_{i}", lowBound=0)
+        add(w, 1.0)
+        if r is True:
+            at_least(z, a, f"remat_peak_{i}")
+            at_least(w, e, f"remat_cost_{i}")
+            continue
+        k = pulp.LpVariable(f"remat_keep_{i}", lowBound=0)
+        terms.append((k, 1.0))
+        at_least(k, a + [(r, -big_a)], f"remat_keep_{i}")
+        at_least(z, a + [(r, big_a), (None, -big_a)], f"remat_peak_{i}")
+        at_least(w, e + [(r, big_e), (None, -big_e)], f"remat_cost_{i}")
+    return rs, terms
 
 
 def _shared_move(prob, g: int, s, u: int, readers, matrix, add) -> None:
@@ -284,14 +380,16 @@ def _shared_move(prob, g: int, s, u: int, readers, matrix, add) -> None:
 def brute_force(graph: CostGraph, memory_budget: float = math.inf) -> Solution:
     """Exhaustive enumeration of every assignment (for tests on small graphs)."""
     best = None
+    remats = list(itertools.product(*(((True,) if g.forced else (False, True)) for g in graph.remat)))
     for choice in itertools.product(*(range(len(c)) for c in graph.costs)):
-        if graph.memory_of(choice) > memory_budget:
-            continue
-        obj = graph.objective(list(choice))
-        if math.isinf(obj):
-            continue
-        if best is None or obj < best.objective - 1e-12:
-            best = Solution(list(choice), obj, graph.memory_of(choice), "Optimal")
+        for remat in remats:
+            if graph.memory_of(choice, remat) > memory_budget:
+                continue
+            obj = graph.objective(list(choice), remat)
+            if math.isinf(obj):
+                continue
+            if best is None or obj < best.objective - 1e-12:
+                best = Solution(list(choice), obj, graph.memory_of(choice, remat), "Optimal", remat)
     if best is None:
         raise MemoryBudgetError(memory_budget, graph.min_memory())
     return best

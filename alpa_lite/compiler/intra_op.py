@@ -6,17 +6,28 @@ import math
 import time
 import warnings
 
+from ..core.aten import written_args
 from ..core.capture import CapturedGraph
 from ..core.losses import LossReduction
 from ..core.mesh import LogicalMesh
 from ..core.options import PlanOptions
 from ..core.plan import Plan
+from .clustering import cluster_layers
 from .constraints import apply_constraints
 from .cost_graph import build_cost_graph
 from .ilp import solve
 from .strategies import build_strategies
 from .training_step import node_plan, param_specs_of, training_step
 from .zero import add_zero_strategies, zero_stages
+
+
+def remat_candidates(cg: CapturedGraph) -> list[tuple[str, ...]]:
+    """The layers of the layer clustering (``clustering.cluster_layers``) that may be recomputed:
+    those without an in-place write (recomputing would write twice)."""
+    def writes(name: str) -> bool:
+        return name in cg.param_mutations or bool(written_args(cg.node(name).target))
+
+    return [layer.nodes for layer in cluster_layers(cg) if not any(map(writes, layer.nodes))]
 
 
 def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, progress=None,
@@ -44,7 +55,9 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
     table = build_strategies(cg, mesh, warn=lambda msg: warnings.warn(msg, stacklevel=4))
     add_zero_strategies(cg, table, mesh)
     apply_constraints(cg, table, mesh, options)
-    graph, where = build_cost_graph(cg, table, mesh, share_layers=options.share_layers)
+    layers = remat_candidates(cg) if options.remat else []
+    graph, where = build_cost_graph(cg, table, mesh, share_layers=options.share_layers, remat=layers,
+                                    remat_forced=options.remat == "all")
     stats["strategy_s"] = time.perf_counter() - t1
     stats["nodes"] = len(table)
     stats["ilp_variables"] = len(graph.costs)
@@ -60,14 +73,18 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
     stats["ilp_objective"] = sol.objective
     chosen = {name: table[name].strategies[w.index[sol.choice[w.var]]] for name, w in where.items()}
     nodes, grad_sync, collectives = training_step(cg, {name: node_plan(s, table[name]) for name, s in chosen.items()},
-                                                  mesh, options.bucket_bytes)
+                                                  mesh, options.bucket_bytes,
+                                                  options.gradient_reduce_dtype)
     result = Plan(mesh=mesh, param_specs=param_specs_of(cg, nodes),
                   input_specs={n: nodes[n].out_specs[0] for n in cg.input_names}, nodes=nodes,
-                  collectives=collectives, compute_seconds=sum(s.compute for s in chosen.values()),
+                  collectives=collectives,
+                  compute_seconds=sum(s.compute for s in chosen.values()) + graph.objective(sol.choice, sol.remat)
+                  - graph.objective(sol.choice),  # + recomputed forwards
                   comm_seconds=sum(c.seconds for c in collectives), memory_bytes=sol.memory,
                   fingerprint=cg.fingerprint(), options=options.to_dict() | {"memory_budget": budget if math.isfinite(budget) else None},
                   stats=stats, grad_sync=grad_sync, bucket_bytes=options.bucket_bytes,
                   loss_reduction=loss_reduction or LossReduction("mean", None),
-                  zero_stages=zero_stages(cg, nodes), captured=cg)
+                  zero_stages=zero_stages(cg, nodes), captured=cg,
+                  remat=[list(layer) for layer, r in zip(layers, sol.remat) if r])
     stats["total_s"] = time.perf_counter() - t1
     return result

@@ -422,6 +422,7 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
         raise _Infeasible(str(e)) from None
     graph, where = build_cost_graph(cg, table, mesh, share_layers=options.share_layers, nodes=subset)
     reshard = reshard_costs(mesh)
+    casts = cg.param_casts
     for n in names:  # operands produced in a known spec by an earlier layer: charge their resharding
         if n not in where:
             continue
@@ -435,7 +436,7 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
             for p, q in enumerate(where[n].index):
                 s = ns.strategies[q]
                 graph.costs[where[n].var][p] += reshard(have, s.in_specs[i], s.grad_partial[i], tuple(val.shape),
-                                                        val.element_size(), src in cg.param_fqns)
+                                                        val.element_size(), src in cg.param_fqns or src in casts)
     for n in sends:
         for p, q in enumerate(where[n].index):
             graph.costs[where[n].var][p] += send_gather_seconds(cg, n, table[n].strategies[q].out_specs[0], mesh)
@@ -458,7 +459,8 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
         for src in nodes[n].inputs:
             if src not in nodes:
                 nodes[src] = boundary_node_plan(cg, src, fixed.get(src))
-    _, grad_sync, collectives = training_step(stage_view(cg, subset), nodes, mesh, options.bucket_bytes)
+    _, grad_sync, collectives = training_step(stage_view(cg, subset), nodes, mesh, options.bucket_bytes,
+                                            options.gradient_reduce_dtype)
     # the objective holds sync_weight x every gradient sync; per microbatch the deferred ones
     # (bucketed, once per step) do not run and the others run in full
     sync_all = sync_deferred = 0.0

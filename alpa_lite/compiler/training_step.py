@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from ..core.capture import CapturedGraph
 from ..core.mesh import LogicalMesh
 from ..core.plan import Collective, NodePlan, gradient_buckets, local_bytes, update_buckets
@@ -24,13 +26,21 @@ def defer_gradient_sync(cg: CapturedGraph, nodes: dict[str, NodePlan]
     Deciding on the whole program at once is what makes it right: a parameter used by two layers
     is deferred only if both uses are syncs over the same axes.
 
+    Under mixed precision a parameter's uses are those of its low-precision casts
+    (``CapturedGraph.param_casts``): the fp32 gradient is what the bucket reduces.
+
     Returns:
         ``(nodes with those uses' grad_partial emptied, parameter placeholder -> axes)``.
     """
     uses: dict[str, list[tuple[str, int]]] = {ph: [] for ph in cg.param_fqns}
+    casts = cg.param_casts  # a cast that keeps the spec passes the gradient through: its uses are the parameter's
+    through = {c: ph for c, ph in casts.items() if c in nodes and nodes[c].in_specs[0] == nodes[c].out_specs[0]
+               and not nodes[c].grad_partial[0]}
     for name, np_ in nodes.items():
         for i, src in enumerate(np_.inputs):
-            if src in uses:
+            if src in through:
+                uses[through[src]].append((name, i))
+            elif src in uses and name not in through:
                 uses[src].append((name, i))
     out, deferred = dict(nodes), {}
     for ph, edges in uses.items():
@@ -48,26 +58,27 @@ def defer_gradient_sync(cg: CapturedGraph, nodes: dict[str, NodePlan]
     return out, deferred
 
 
-def training_step(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: LogicalMesh, bucket_bytes: float = 25 * 2**20
-                  ) -> tuple[dict[str, NodePlan], dict[str, tuple[int, ...]], list[Collective]]:
+def training_step(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: LogicalMesh, bucket_bytes: float = 25 * 2**20,
+                  reduce_dtype: torch.dtype | None = None) -> tuple[dict[str, NodePlan], dict[str, tuple[int, ...]], list[Collective]]:
     """What a ``Plan`` (an SPMD plan or one pipeline stage's) stores for the chosen strategies
     ``nodes`` (gradient syncs on their edges): ``(nodes, grad_sync, collectives)`` with the
     data-parallel gradient syncs deferred to buckets (``defer_gradient_sync``) and every
     collective of one training step (``plan_collectives``). The one place both plan kinds derive
     their gradient synchronization."""
     nodes, grad_sync = defer_gradient_sync(cg, nodes)
-    return nodes, grad_sync, plan_collectives(cg, nodes, mesh, grad_sync, bucket_bytes)
+    return nodes, grad_sync, plan_collectives(cg, nodes, mesh, grad_sync, bucket_bytes, reduce_dtype)
 
 
 def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: LogicalMesh,
                      grad_sync: dict[str, tuple[int, ...]] | None = None,
-                     bucket_bytes: float = 25 * 2**20) -> list[Collective]:
+                     bucket_bytes: float = 25 * 2**20, reduce_dtype: torch.dtype | None = None) -> list[Collective]:
     """Every collective of one training step for the chosen strategies: partial-sum all-reduces
     inside ops (not of a result left partial: its edges reduce it), the all-reduces of shared
     statistics (``ops.stat_reductions``), the resharding of every value to each (spec, gradient
     partial axes) its readers want, once however many read it there (forward, then backward in
     reverse), the bucketed gradient all-reduces (reduce-scatters for ZeRO-2), then the bucketed
-    all-gathers of the ZeRO-1/2 parameters after the update."""
+    all-gathers of the ZeRO-1/2 parameters after the update; gradient buckets in ``reduce_dtype``
+    (None: the parameter's dtype)."""
     forward, backward = [], []
     moved = set()
     for name, np_ in nodes.items():
@@ -101,7 +112,8 @@ def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Logica
                                               mesh.all_reduce_cost(local, (axis,))))
     buckets = []
     for k, (kind, axes, members) in enumerate(gradient_buckets(cg, nodes, grad_sync or {}, mesh.shape, bucket_bytes)):
-        nbytes = float(sum(local_bytes(cg.node(ph).meta["val"], nodes[ph].out_specs[0], mesh.shape) for ph in members))
+        nbytes = float(sum(local_bytes(cg.node(ph).meta["val"], nodes[ph].out_specs[0], mesh.shape, reduce_dtype)
+                           for ph in members))
         buckets.append(Collective(kind, axes, nbytes, "backward", f"gradient bucket {k}",
                                   f"{len(members)} parameters", mesh.collective_cost(kind, nbytes, axes)))
     for k, (axes, members) in enumerate(update_buckets(cg, nodes, mesh.shape, bucket_bytes)):

@@ -108,12 +108,22 @@ class CapturedGraph:
                                  f"captured (and specialized) with {value!r}")
         return [x for i, x in enumerate(leaves) if i not in self.static_inputs]
 
+    @property
+    def param_casts(self) -> dict[str, str]:
+        """Node name -> parameter placeholder, for every dtype cast (``_to_copy``) of a trainable
+        parameter (mixed precision's low-precision copy: its uses are the parameter's uses)."""
+        return {n.name: n.args[0].name for n in self.graph.nodes
+                if n.target in _CASTS and getattr(n.args[0], "name", None) in self.param_fqns}
+
     def fingerprint(self) -> str:
         """Hash of the graph's ops and shapes; a plan records it to detect another model."""
         h = hashlib.sha256()
         for n in self.graph.nodes:
             h.update(f"{n.name}|{n.op}|{n.target}|{tuple(shape_of(n) or ())}\n".encode())
         return h.hexdigest()[:16]
+
+
+_CASTS = (torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default)
 
 
 def shape_of(node: torch.fx.Node) -> tuple[int, ...] | None:
@@ -162,21 +172,42 @@ def _describe(spec: pytree.TreeSpec) -> str:
 
 class TrainingLoss(torch.nn.Module):
     """``forward(*inputs, *targets, **kwargs) -> scalar loss`` around the user's model and loss_fn
-    (``kwargs`` go to the model)."""
+    (``kwargs`` go to the model).
 
-    def __init__(self, model: torch.nn.Module, loss_fn, num_inputs: int):
+    With ``compute_dtype`` (mixed precision, as FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``
+    and Micikevicius et al. 2018, "Mixed Precision Training", section 3.1): the model runs on its
+    floating parameters and floating inputs cast to ``compute_dtype`` (the casts are ``_to_copy``
+    ops of the graph reading the fp32 parameter placeholders, so gradients reach the fp32 master
+    parameters), every op computes in the dtype of its operands, and the model's floating outputs
+    are cast to fp32 before ``loss_fn`` (a loss the model returns itself is cast after it).
+    Targets and buffers keep their dtypes."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn, num_inputs: int, compute_dtype: torch.dtype | None = None):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
         self.num_inputs = num_inputs
+        self.compute_dtype = compute_dtype
 
     def forward(self, *args, **kwargs):
-        out = self.model(*args[: self.num_inputs], **kwargs)
+        inputs, targets = args[: self.num_inputs], args[self.num_inputs:]
+        if self.compute_dtype is None:
+            out = self.model(*inputs, **kwargs)
+        else:
+            low = lambda x: _cast_floating(x, self.compute_dtype)  # noqa: E731
+            params = {name: low(p) for name, p in self.model.named_parameters()}
+            out = torch.func.functional_call(self.model, params, pytree.tree_map(low, inputs),
+                                             pytree.tree_map(low, kwargs))
+            out = pytree.tree_map(lambda x: _cast_floating(x, torch.float32), out)
         if self.loss_fn is not None:
-            return self.loss_fn(out, *args[self.num_inputs:])
+            return self.loss_fn(out, *targets)
         if isinstance(out, dict) or hasattr(out, "loss"):
             out = out["loss"] if isinstance(out, dict) else out.loss
-        return out
+        return out if self.compute_dtype is None else _cast_floating(out, torch.float32)
+
+
+def _cast_floating(x, dtype: torch.dtype):
+    return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
 
 def _first_line(e: BaseException) -> str:
@@ -200,7 +231,7 @@ def _check_loss_fn_arity(loss_fn, targets: tuple) -> None:
 
 
 def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets: tuple = (),
-            example_kwargs: dict | None = None) -> CapturedGraph:
+            example_kwargs: dict | None = None, compute_dtype: torch.dtype | None = None) -> CapturedGraph:
     """Capture ``loss_fn(model(*example_inputs, **example_kwargs), *targets)`` (or the model's own
     scalar loss).
 
@@ -212,6 +243,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets
             (a scalar tensor, or an output with ``.loss`` such as HuggingFace models with labels).
         targets: extra tensors passed to ``loss_fn``.
         example_kwargs: keyword inputs of the model (``input_ids=``, ``labels=`` ...).
+        compute_dtype: mixed precision: the model computes in this dtype on fp32 parameters
+            (``TrainingLoss``); None: as it is.
 
     Raises:
         CaptureError: ``loss_fn`` cannot take ``(output, *targets)`` (the message says to pass
@@ -224,7 +257,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets
     _check_loss_fn_arity(loss_fn, tuple(targets))
     args = tuple(example_inputs) + tuple(targets)
     kwargs = dict(example_kwargs or {})
-    wrapper = TrainingLoss(model, loss_fn, len(example_inputs))
+    wrapper = TrainingLoss(model, loss_fn, len(example_inputs), compute_dtype)
     with _reentrant_checkpoint_as_function():
         try:
             ep = torch.export.export(wrapper, args, kwargs, strict=False)
@@ -235,6 +268,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets
             except Exception:  # noqa: BLE001
                 raise CaptureError(f"cannot capture {type(model).__name__}: {_first_line(first)}") from first
     _inline_regions(ep.graph_module)
+    if compute_dtype is not None:
+        _cast_per_use(ep.graph_module)
     if _mutated_placeholders(ep.graph_module):  # export's training IR writes buffers in place: functionalize
         ep = ep.run_decompositions({})  # (keeps the ops; mutations become outputs, ``buffers_to_mutate``)
     gm = ep.graph_module
@@ -281,6 +316,28 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets
     param_mutations = _parameters_read_in_place(gm, sig.parameters_to_mutate, placeholder_of, strip)
     return CapturedGraph(gm, param_fqns, buffer_fqns, input_names, loss.name, tied, mutations, param_mutations,
                          _tracked_by_autograd(gm, set(param_fqns)), constants, ep.call_spec.in_spec, static)
+
+
+def _cast_per_use(gm: torch.fx.GraphModule) -> None:
+    """Mixed precision's casts of placeholders (parameters, inputs), which ``TrainingLoss`` makes
+    before the model runs: one cast per use, placed right before it and in its module, so the
+    graph is the fp32 graph with a cast on each use (layer clustering and repeated-layer sharing
+    see the same layers; a parameter used by two pipeline stages is cast in each). Export's
+    ``_assert_tensor_metadata`` checks of the placeholders go (nothing reads them)."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.target is torch.ops.aten._assert_tensor_metadata.default and node.args[0].op == "placeholder":
+            graph.erase_node(node)
+        elif node.target in _CASTS and node.args[0].op == "placeholder":
+            for user in list(node.users):
+                with graph.inserting_before(user):
+                    cast = graph.node_copy(node)
+                cast.meta = {**node.meta, "nn_module_stack": user.meta.get("nn_module_stack"),
+                             "stack_trace": user.meta.get("stack_trace")}
+                user.replace_input_with(node, cast)
+            graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
 
 
 def _one_placeholder_per_tensor(gm: torch.fx.GraphModule, model: torch.nn.Module, param_fqns: dict[str, str],

@@ -11,8 +11,12 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from .schedules import SCHEDULES
 SOLVERS = ("cbc", "highs")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+"""The dtype names of ``mixed_precision`` and ``reduce_dtype``."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,20 @@ class PlanOptions:
     every mesh axis of more than one device, never computing the same product twice (Alpa's
     default, Zheng et al. 2022, section 4.2); an op whose shapes allow no such strategy keeps all
     of its strategies."""
+    mixed_precision: str | None = None
+    """``"bf16"`` / ``"fp16"``: parameters, gradients and optimizer states stay fp32 (master
+    weights); the model computes with its floating parameters and inputs cast to this dtype, its
+    floating outputs cast back to fp32 before ``loss_fn`` (``core/capture.py``, ``TrainingLoss``);
+    ``"fp16"`` adds a dynamic loss scaler. None: every tensor in its own dtype."""
+    remat: str | None = None
+    """Activation checkpointing per layer of the layer clustering (``compiler/clustering.py``):
+    ``"auto"``: the ILP chooses per layer to keep its activations or recompute them in backward
+    (extra forward compute against freed memory, ``compiler/ilp.py``); ``"all"``: every layer
+    recomputed; None: every activation kept."""
+    reduce_dtype: str | None = None
+    """dtype of the deferred data-parallel gradient all-reduces (``"bf16"``, ``"fp16"``,
+    ``"fp32"``); None: the compute dtype under ``mixed_precision`` (the dtype the gradient has
+    where autograd produces it), else the parameter's."""
 
     def __post_init__(self):
         if self.memory_budget is not None and not self.memory_budget > 0:
@@ -72,8 +90,24 @@ class PlanOptions:
             raise ValueError("zero_stage needs the data-parallel mesh axes: give force_data_parallel=True or batch_axis")
         if not self.bucket_bytes > 0:
             raise ValueError(f"bucket_bytes must be > 0, got {self.bucket_bytes}")
+        if self.mixed_precision not in (None, "bf16", "fp16"):
+            raise ValueError(f"mixed_precision must be 'bf16', 'fp16' or None, got {self.mixed_precision!r}")
+        if self.remat not in (None, "auto", "all"):
+            raise ValueError(f"remat must be 'auto', 'all' or None, got {self.remat!r}")
+        if self.reduce_dtype not in (None, *DTYPES):
+            raise ValueError(f"reduce_dtype must be one of {', '.join(DTYPES)} or None, got {self.reduce_dtype!r}")
         object.__setattr__(self, "param_specs", dict(self.param_specs or {}))
         object.__setattr__(self, "input_specs", {str(k): v for k, v in (self.input_specs or {}).items()})
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype the model computes in under ``mixed_precision`` (None without)."""
+        return DTYPES.get(self.mixed_precision)
+
+    @property
+    def gradient_reduce_dtype(self) -> torch.dtype | None:
+        """The dtype of the deferred gradient all-reduces (None: the gradient's own, fp32)."""
+        return reduce_dtype_of(self.to_dict())
 
     def to_dict(self) -> dict:
         """JSON-able fields (an infinite budget as None)."""
@@ -153,6 +187,20 @@ class PipelineOptions:
         d = dataclasses.asdict(self)
         d["microbatch_candidates"] = list(d["microbatch_candidates"])
         return d
+
+
+def compute_dtype_of(options: dict) -> torch.dtype | None:
+    """The compute dtype recorded in a plan's ``options`` (``PlanOptions.to_dict``, or a
+    pipelined plan's ``{"plan": ...}``); None: no mixed precision."""
+    return DTYPES.get(options.get("plan", options).get("mixed_precision"))
+
+
+def reduce_dtype_of(options: dict) -> torch.dtype | None:
+    """The dtype of the deferred gradient all-reduces recorded in a plan's ``options``
+    (``PlanOptions.to_dict``, or a pipelined plan's ``{"plan": ...}``); None: the gradient's own."""
+    options = options.get("plan", options)
+    name = options.get("reduce_dtype") or options.get("mixed_precision")
+    return DTYPES.get(name)
 
 
 def split_options(options: PlanOptions | None, pipeline, keywords: dict) -> tuple[PlanOptions, PipelineOptions | None]:

@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from .losses import LossReduction
 from .mesh import LogicalMesh
 from .spec import ShardingSpec
@@ -132,6 +134,8 @@ class Plan:
         loss_reduction: how the loss reduces over the batch (``LossReduction``).
         zero_stages: parameter FQN -> ``(ZeRO stage, mesh axes)``, every trainable parameter
             (``(0, ())``: replicated over the data-parallel axes, or split for tensor parallelism).
+        remat: the layers (node names, graph order) whose activations are recomputed in backward
+            instead of kept (activation checkpointing, ``PlanOptions.remat``).
         captured: the ``CapturedGraph`` planned (in memory only: the runtime of the planning
             process executes it instead of capturing again; None after ``load_plan``).
     """
@@ -152,6 +156,7 @@ class Plan:
     loss_reduction: LossReduction = field(default_factory=lambda: LossReduction("mean", None))
     zero_stages: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
     captured: object = field(default=None, compare=False, repr=False)
+    remat: list[list[str]] = field(default_factory=list)
 
     kind = "spmd"
 
@@ -211,6 +216,7 @@ class Plan:
             "bucket_bytes": float(self.bucket_bytes),
             "loss_reduction": self.loss_reduction.to_dict(),
             "zero_stages": {k: {"stage": z, "axes": list(a)} for k, (z, a) in sorted(self.zero_stages.items())},
+            "remat": self.remat,
         }
         if stats:
             d["stats"] = self.stats
@@ -225,7 +231,8 @@ class Plan:
                    str(d["fingerprint"]), dict(d.get("options", {})), dict(d.get("stats", {})),
                    {k: tuple(v) for k, v in d["grad_sync"].items()}, float(d["bucket_bytes"]),
                    LossReduction.from_dict(d["loss_reduction"]) if "loss_reduction" in d else LossReduction("mean", None),
-                   {k: (int(v["stage"]), tuple(v["axes"])) for k, v in d.get("zero_stages", {}).items()})
+                   {k: (int(v["stage"]), tuple(v["axes"])) for k, v in d.get("zero_stages", {}).items()},
+                   remat=[list(layer) for layer in d.get("remat", [])])
 
     def to_json(self, path: str | Path | None = None) -> str:
         """The plan as JSON (byte-identical for the same inputs); written to ``path`` if given.
@@ -480,6 +487,8 @@ def _buckets(cg, nodes, keys: dict, mesh_shape, bucket_bytes: float) -> list[tup
     return buckets
 
 
-def local_bytes(val, spec: ShardingSpec, mesh_shape) -> int:
-    """Bytes of one device's shard of tensor ``val`` (a FakeTensor) stored in ``spec``."""
-    return val.element_size() * math.prod(spec.local_shape(tuple(val.shape), mesh_shape))
+def local_bytes(val, spec: ShardingSpec, mesh_shape, dtype: torch.dtype | None = None) -> int:
+    """Bytes of one device's shard of tensor ``val`` (a FakeTensor) stored in ``spec``, in
+    ``dtype`` (None: its own)."""
+    itemsize = val.element_size() if dtype is None else dtype.itemsize
+    return itemsize * math.prod(spec.local_shape(tuple(val.shape), mesh_shape))

@@ -21,17 +21,24 @@ mesh axes that split the op's result. Shards of a split value draw independent n
 holding the same (replicated) values draw the same ones (Megatron-LM's model-parallel RNG tracker,
 Shoeybi et al. 2019, section 3; Korthikanti et al. 2022, section 4.2).
 
+The layers of ``plan.remat`` run under ``torch.utils.checkpoint`` (non-reentrant): their
+activations are not kept but recomputed on the local shards during backward, collectives and
+random draws included (the same seeds: the run counter has not moved); activation checkpointing,
+Chen et al. 2016.
+
 An in-place op on a stored tensor (``embedding_renorm_`` of ``max_norm`` on a detached weight)
 that ran on a resharded copy is written back to the stored shard.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 import zlib
 
 import torch
 import torch.fx
+from torch.utils.checkpoint import checkpoint
 
 from ..core.aten import alias_root, bind_args, is_random, op_args, with_arg, written_args
 from ..core.capture import CapturedGraph
@@ -98,6 +105,7 @@ class LocalExecutor:
     def __init__(self, captured: CapturedGraph, plan: Plan, mesh: MeshGroups, device: torch.device, seed: int = 0):
         self.cg, self.plan, self.mesh, self.device, self.seed = captured, plan, mesh, device, seed
         self.calls = 0  # runs so far: every run draws new random numbers
+        self.remat = {n: i for i, layer in enumerate(plan.remat) for n in layer}  # node -> recomputed layer
         self.specs = specs = {name: np_.out_specs for name, np_ in plan.nodes.items()}
         # per node, per operand: (producer, producer's spec, wanted spec, gradient partial axes, global shape)
         self.denominators: dict[str, torch.Tensor] = {}
@@ -123,15 +131,30 @@ class LocalExecutor:
 
     def run(self, env: dict[str, torch.Tensor]) -> dict[str, object]:
         """Run the graph; ``env`` maps placeholder names to local shards. Returns every value."""
-        values: dict[str, object] = {}
+        values: dict[str, object] = {n.name: env.get(n.name) for n in self.cg.graph.nodes if n.op == "placeholder"}
         moved: dict[tuple, torch.Tensor] = {}
         self.calls += 1
-        for node in self.cg.graph.nodes:
-            if node.op == "placeholder":
-                values[node.name] = env.get(node.name)
-            elif node.op == "call_function":
-                values[node.name] = self._call(node, values, moved)
+        ops = (n for n in self.cg.graph.nodes if n.op == "call_function")
+        for layer, nodes in itertools.groupby(ops, key=lambda n: self.remat.get(n.name)):
+            if layer is not None and torch.is_grad_enabled():
+                checkpoint(self._run_layer, list(nodes), values, self.calls, use_reentrant=False)
+            else:
+                self._run_nodes(nodes, values, moved)
         return values
+
+    def _run_layer(self, nodes, values: dict[str, object], calls: int) -> None:
+        """A recomputed layer: it moves its operands itself, again when it is recomputed (the
+        recomputation must run the same ops), and seeds its random ops with the run count of its
+        forward (``calls``: a recomputation after later runs draws the same dropout masks)."""
+        current, self.calls = self.calls, calls
+        try:
+            self._run_nodes(nodes, values, {})
+        finally:
+            self.calls = current
+
+    def _run_nodes(self, nodes, values: dict[str, object], moved: dict) -> None:
+        for node in nodes:
+            values[node.name] = self._call(node, values, moved)
 
     def _call(self, node: torch.fx.Node, values, moved: dict):
         """Run ``node`` on ``values``; ``moved`` holds this run's resharded operands, keyed by

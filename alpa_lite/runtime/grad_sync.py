@@ -29,6 +29,8 @@ class BucketSync:
             (``core.plan.gradient_buckets``).
         params: placeholder -> this rank's parameter shard (an ``nn.Parameter``).
         mesh: this rank's ``MeshGroups``.
+        dtype: the dtype the buckets are all-reduced in (None: the gradients'; the sums are cast
+            back into the gradients).
 
     Attributes:
         launched_in_backward: buckets of the last synchronization whose all-reduce started from a
@@ -36,8 +38,8 @@ class BucketSync:
     """
 
     def __init__(self, buckets: list[tuple[tuple[int, ...], list[str]]], params: dict[str, torch.Tensor],
-                 mesh: MeshGroups):
-        self.mesh = mesh
+                 mesh: MeshGroups, dtype: torch.dtype | None = None):
+        self.mesh, self.dtype = mesh, dtype
         self.buckets = [(axes, [params[ph] for ph in members]) for axes, members in reversed(buckets)]
         self.armed = False
         self.launched_in_backward = 0
@@ -70,6 +72,7 @@ class BucketSync:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         flat = torch.cat([p.grad.reshape(-1) for p in members])
+        flat = flat.to(self.dtype) if self.dtype is not None else flat
         self._works.append((k, all_reduce_async(flat, axes, self.mesh), flat))
         self._next += 1
 

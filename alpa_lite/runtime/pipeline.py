@@ -387,7 +387,9 @@ class PipelineTrainer(Trainer):
         """``(tensors, their gradients)`` a microbatch's backward starts from: the weighted loss on
         the last stage (none when it adds nothing), else the sent values that need a gradient."""
         if self.stage == self.num_stages - 1:
-            return ([term], [None]) if term is not None else ([], [])
+            if term is None:
+                return [], []
+            return [term if self.scaler is None else term * self.scaler.scale], [None]
         pairs = [(t, g) for t, g in zip(sent, grads) if t.requires_grad]
         return [t for t, _ in pairs], [g for _, g in pairs]
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.capture import CapturedGraph
+from ..core.options import compute_dtype_of, reduce_dtype_of
 from ..core.plan import Plan, PlanError, gradient_buckets
 from ..core.spec import ShardingSpec
 from . import checkpoint
@@ -32,6 +33,7 @@ from .executor import LocalExecutor
 from .grad_sync import BucketSync
 from .init import local_constants, local_shards, store_buffer_mutations
 from .launch import default_device
+from .precision import LossScaler
 from .report import REPORT_JSON_ENV, StepTimer, print_report, write_record
 from .zero import ZeroPartition
 
@@ -72,11 +74,13 @@ class Trainer:
         params: parameter FQN -> this rank's shard (an ``nn.Parameter``); buffers: the same for
             buffers and frozen parameters.
         optimizer: the ``torch.optim`` optimizer over the local shards (None: nothing to train here).
-        groups: this rank's ``MeshGroups``; buckets: its deferred gradient buckets;
+        groups: this rank's ``MeshGroups``; buckets: its deferred gradient buckets, all-reduced
+            in ``reduce_dtype`` (the plan's ``PlanOptions.reduce_dtype``; None: fp32);
             bucket_sync: their all-reduces (``grad_sync.BucketSync``).
         zero: its ``ZeroPartition`` (the optimizer's slices of ZeRO-1/2 parameters).
         overlap: start each bucket's all-reduce during backward as soon as its gradients are
             ready (default); False: all of them after backward (the plain step, for debugging).
+        scaler: the fp16 ``LossScaler`` (``mixed_precision="fp16"``), else None.
         timer: a ``StepTimer`` when the trainer reports (``parallelize(..., report=True)``).
         max_grad_norm: when set, ``step`` clips the gradients to this global norm
             (``clip_grad_norm_``) before the optimizer update; last_grad_norm: then the global
@@ -103,8 +107,11 @@ class Trainer:
         self.params, self.buffers = local_shards(model, self.view, plan, self.groups, self.device, seed, init_fn)
         self.constants = local_constants(self.cg, plan, self.groups, self.device)
         self.buckets = gradient_buckets(self.view, plan.nodes, plan.grad_sync, self.groups.shape, plan.bucket_bytes)
+        self.reduce_dtype = reduce_dtype_of(self.plan.options)
+        self.scaler = LossScaler() if compute_dtype_of(self.plan.options) is torch.float16 else None
         self.bucket_sync = BucketSync([(axes, members) for kind, axes, members in self.buckets if kind == "all-reduce"],
-                                      {ph: self.params[fqn] for ph, fqn in self.view.param_fqns.items()}, self.groups)
+                                      {ph: self.params[fqn] for ph, fqn in self.view.param_fqns.items()}, self.groups,
+                                      self.reduce_dtype)
         self.zero = ZeroPartition(self.view, plan, self.params, self.groups)
         self.optimizer = optimizer(self.zero.optimizer_params()) if self.params else None
         self._placeholders = {fqn: ph for ph, fqn in {**self.view.param_fqns, **self.view.buffer_fqns}.items()}
@@ -136,9 +143,12 @@ class Trainer:
             for p in self.params.values():
                 p.grad = None
             loss = self._train_step(flat)
+            finite = True
+            if self.scaler is not None:  # fp16: every rank skips the step on an inf / nan anywhere
+                finite = self.scaler.unscale([h.grad for _, h, _ in self._gradient_holders() if h.grad is not None])
             if self.max_grad_norm is not None:
                 self.last_grad_norm = float(self.clip_grad_norm_(self.max_grad_norm))
-            if self.optimizer is not None:
+            if self.optimizer is not None and finite:
                 self.optimizer.step()
                 self.zero.gather()
         if self.timer is not None and self.timer.report_due():
@@ -434,7 +444,7 @@ class ParallelTrainer(Trainer):
             if backward and weight:
                 if self.overlap and mb == self.num_microbatches - 1:
                     self.bucket_sync.arm()
-                term.backward()
+                (term if self.scaler is None else term * self.scaler.scale).backward()
             losses.append(term.detach() if backward else term)
             weights.append(weight)
         z = torch.ones_like(weights[0]) if self.plan.loss_reduction.kind == "sum" else torch.stack(weights).sum()

@@ -1,0 +1,99 @@
+"""Run on every rank by torchrun: mixed-precision training (fp32 master parameters, bf16 / fp16
+compute) under several plans vs a single-process run of the same recipe; rank 0 writes JSON."""
+import argparse
+import copy
+import json
+
+import torch
+import torch.distributed as dist
+
+from alpa_lite import parallelize
+from alpa_lite.runtime.launch import init_distributed
+from alpa_lite.zoo.models import build_model
+from single_process import finish
+
+STEPS = 3
+LR = 0.1
+OPTIMIZER = lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9)  # noqa: E731 - fp32 state
+LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def reference(model, batches, dtype):
+    """One process: forward and backward with every parameter cast to ``dtype`` (the loss cast
+    to fp32), SGD with momentum on the fp32 parameters; (losses, first-step gradients, final parameters)."""
+    model = copy.deepcopy(model)
+    opt = OPTIMIZER(model.parameters())
+    losses, grads = [], None
+    for batch in batches:
+        opt.zero_grad()
+        low = {n: p.to(dtype) for n, p in model.named_parameters()}
+        loss = torch.func.functional_call(model, low, batch).float()
+        loss.backward()
+        grads = grads or {k: p.grad.clone() for k, p in model.named_parameters()}
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, grads, {k: v.detach() for k, v in model.named_parameters(remove_duplicate=False)}
+
+
+def recording_all_reduce():
+    """Patch ``dist.all_reduce`` to record the (dtype, numel) of every call; returns the list."""
+    seen, original = [], dist.all_reduce
+
+    def all_reduce(tensor, *args, **kwargs):
+        seen.append((str(tensor.dtype), tensor.numel()))
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = all_reduce
+    return seen
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--plans", required=True, help="JSON object: plan name -> parallelize options")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    init_distributed(60)
+    model, example = build_model("gpt-tiny", 8, 16, device="cpu")
+    batches = [build_model("gpt-tiny", 8, 16, device="cpu", seed=100 + s)[1] for s in range(STEPS)]
+    seen = recording_all_reduce()
+    results = {}
+    for name, options in json.loads(args.plans).items():
+        trainer = parallelize(copy.deepcopy(model), (2, 2), example, optimizer=OPTIMIZER,
+                              **options)
+        dtype = LOW[options["mixed_precision"]]
+        r = {"skipped": []}
+        if options["mixed_precision"] == "fp16":  # an inf in one gradient shard of rank 0 only
+            ph = next(ph for ph, fqn in trainer.cg.param_fqns.items() if trainer.plan.param_specs[fqn] == "S1R")
+            p = trainer.params[trainer.cg.param_fqns[ph]]
+            before = p.detach().clone()
+            hook = p.register_hook(lambda g: g * float("inf")) if dist.get_rank() == 0 else None
+            trainer.step(*batches[0])
+            r["skipped"].append(bool(torch.equal(p.detach(), before)))
+            r["scale_after_skip"] = trainer.scaler.scale
+            if hook is not None:
+                hook.remove()
+        seen.clear()
+        losses = [trainer.step(*batches[0])]
+        first = trainer.gradients()
+        losses += [trainer.step(*b) for b in batches[1:]]
+        buckets = [sum(trainer.params[trainer.view.param_fqns[ph]].numel() for ph in members)
+                   for _, members in trainer.buckets]
+        r["bucket_dtypes"] = sorted({d for d, n in seen if n in buckets})
+        local = trainer.sp.plan if hasattr(trainer, "sp") else trainer.plan  # this rank's SPMD plan (its stage's)
+        r["bucket_bytes_plan"] = sum(c.nbytes for c in local.collectives if c.node.startswith("gradient bucket"))
+        r["param_bytes"] = sum(4 * trainer.params[trainer.view.param_fqns[ph]].numel() for ph in local.grad_sync)
+        ref_losses, ref_grads, ref_params = reference(model, batches, dtype)
+        r["grad_err"] = max(float((first[k] - v).abs().max()) for k, v in ref_grads.items())
+        r["grad_scale"] = max(float(v.abs().max()) for v in ref_grads.values())
+        got = trainer.state_dict()
+        r["losses"], r["ref_losses"] = losses, ref_losses
+        r["param_err"] = max(float((got[k] - v).abs().max()) for k, v in ref_params.items())
+        r["master_dtypes"] = sorted({str(p.dtype) for p in trainer.params.values()})
+        r["state_dtypes"] = sorted({str(v.dtype) for s in trainer.optimizer.state.values() for v in s.values()
+                                   if torch.is_tensor(v) and v.dim() > 0})
+        results[name] = r
+    finish(results, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Run on every rank by torchrun: plans with activation checkpointing (``remat``) train as one
+process does; the bytes autograd keeps from the forward are measured. Rank 0 writes JSON."""
+import argparse
+import copy
+import json
+
+import torch
+
+from alpa_lite import parallelize
+from alpa_lite.runtime.launch import init_distributed
+from alpa_lite.zoo.models import build_model
+from single_process import finish, reference
+
+STEPS = 3
+LR = 1e-2
+
+
+def saved_bytes(trainer, batch) -> int:
+    """Bytes of the distinct tensors autograd saves in the forward of ``batch``, parameters left out
+    (a recomputed layer saves nothing here: ``torch.utils.checkpoint`` holds only its inputs)."""
+    params = {p.untyped_storage().data_ptr() for p in trainer.params.values()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = trainer.loss(*batch)
+    loss.backward()  # recomputes the checkpointed layers: every rank runs their collectives again
+    return sum(seen.values())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--plans", required=True, help="JSON object: plan name -> parallelize options")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    init_distributed(60)
+    model, example = build_model("gpt-tiny", args.batch, args.seq, device="cpu")
+    batches = [build_model("gpt-tiny", args.batch, args.seq, device="cpu", seed=100 + s)[1] for s in range(STEPS)]
+    ref_losses, _, ref_params = reference(model, batches, LR)
+    results = {}
+    for name, options in json.loads(args.plans).items():
+        trainer = parallelize(copy.deepcopy(model), (2, 2), example, optimizer=lambda p: torch.optim.AdamW(p, lr=LR),
+                              **options)
+        acts = saved_bytes(trainer, batches[0])
+        losses = [trainer.step(*b) for b in batches]
+        got = trainer.state_dict()
+        state = sum(16 * p.numel() for p in trainer.params.values())  # fp32 parameter, gradient, 2 Adam moments
+        results[name] = {"losses": losses, "ref_losses": ref_losses,
+                         "param_err": max(float((got[k] - v).abs().max()) for k, v in ref_params.items()),
+                         "remat_layers": len(trainer.plan.remat), "predicted": trainer.plan.memory_bytes,
+                         "measured": state + acts, "saved_activations": acts}
+    finish(results, args.out)
+
+
+if __name__ == "__main__":
+    main()
