@@ -19,6 +19,7 @@ import torch
 
 from ..core.capture import CapturedGraph
 from ..core.mesh import LogicalMesh
+from ..core.options import PlanOptions
 from ..core.resharding import reshard_costs
 from ..core.spec import ShardingSpec
 from .ilp import CostGraph
@@ -64,13 +65,24 @@ def _strategy_signature(ns: NodeStrategies) -> tuple:
                   s.zero_stage, s.zero_axes) for s in ns.strategies)
 
 
+def _reduced_in_op(ns: NodeStrategies, q: int, r: int) -> tuple[int, ...]:
+    """The mesh axes along which strategy ``q`` all-reduces its result ``r`` while another
+    strategy of the same inputs leaves it partial there (``PlanOptions.prefer_reduce_scatter``)."""
+    s = ns.strategies[q]
+    axes = tuple(a for a in s.partial_axes if a not in s.out_specs[r].partial)
+    twin = axes and any(t.in_specs == s.in_specs and t.out_specs[r].dims == s.out_specs[r].dims
+                        and set(axes) <= set(t.out_specs[r].partial) for t in ns.strategies)
+    return axes if twin else ()
+
+
 def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: LogicalMesh,
                      share_layers: bool = True, merge_followers: bool = True,
-                     nodes: set[str] | None = None) -> tuple[CostGraph, dict[str, Var]]:
+                     nodes: set[str] | None = None, options: PlanOptions | None = None) -> tuple[CostGraph, dict[str, Var]]:
     """The ILP's cost graph and, per node, its variable and strategy mapping.
 
     ``nodes`` restricts the graph to those nodes (a pipeline stage): an operand produced outside
     them arrives free, in whatever spec its consumer wants (the stage DP costs its transfer).
+    ``options``: its switches forbid moves (``resharding.ReshardCosts``).
     """
     if nodes is not None:
         table = {k: v for k, v in table.items() if k in nodes}
@@ -83,7 +95,8 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         layer = _layer_of(node) if node.name in table else None
         if layer is not None:
             sizes[layer[:2]] = sizes.get(layer[:2], 0) + 1
-    reshard = reshard_costs(mesh)
+    reshard = reshard_costs(mesh, options)
+    prefer_rs = options is not None and options.prefer_reduce_scatter
 
     def new_var(name, ns):
         graph.costs.append([0.0] * len(ns.strategies))
@@ -136,6 +149,7 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
             outs = tuple(src_ns.strategies[p].out_specs[r] for p in src.index)
             zeros = tuple((src_ns.strategies[p].zero_stage, src_ns.strategies[p].zero_axes) for p in src.index)
             ins = tuple((ns.strategies[q].in_specs[i], ns.strategies[q].grad_partial[i]) for q in placed.index)
+            reduced = tuple(_reduced_in_op(src_ns, p, r) for p in src.index) if prefer_rs else None
             graph.add_edge(src.var, placed.var,
-                           reshard.matrix(outs, ins, shape, itemsize, src_name in cg.param_fqns, zeros))
+                           reshard.matrix(outs, ins, shape, itemsize, src_name in cg.param_fqns, zeros, reduced))
     return graph, where

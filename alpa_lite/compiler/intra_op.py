@@ -44,7 +44,7 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
     table = build_strategies(cg, mesh, warn=lambda msg: warnings.warn(msg, stacklevel=4))
     add_zero_strategies(cg, table, mesh)
     apply_constraints(cg, table, mesh, options)
-    graph, where = build_cost_graph(cg, table, mesh, share_layers=options.share_layers)
+    graph, where = build_cost_graph(cg, table, mesh, share_layers=options.share_layers, options=options)
     stats["strategy_s"] = time.perf_counter() - t1
     stats["nodes"] = len(table)
     stats["ilp_variables"] = len(graph.costs)
@@ -54,7 +54,7 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
     t2 = time.perf_counter()
     say("ilp")
     budget = mesh.memory_bytes if options.memory_budget is None else options.memory_budget
-    sol = solve(graph, budget, time_limit=options.time_limit, solver=options.solver)
+    sol = solve(graph, budget, time_limit=options.time_limit, solver=options.solver, switches=tuple(options.restrictions()))
     stats["ilp_s"] = time.perf_counter() - t2
     chosen = {name: table[name].strategies[w.index[sol.choice[w.var]]] for name, w in where.items()}
     nodes, grad_sync, collectives = training_step(cg, {name: node_plan(s, table[name]) for name, s in chosen.items()},

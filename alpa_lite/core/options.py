@@ -56,6 +56,16 @@ class PlanOptions:
     every mesh axis of more than one device, never computing the same product twice (Alpa's
     default, Zheng et al. 2022, section 4.2); an op whose shapes allow no such strategy keeps all
     of its strategies."""
+    allow_all_gather: bool = True
+    """False: no resharding may all-gather (forward, or backward as a reduce-scatter's dual), and
+    no parameter takes ZeRO-1/2 (the all-gather of its update); Alpa's ``allow_all_gather``."""
+    allow_all_to_all: bool = True
+    """False: no resharding may move a mesh axis between dims by an all-to-all (so no Ulysses
+    attention); Alpa's ``allow_all_to_all``."""
+    prefer_reduce_scatter: bool = False
+    """True: a partial sum that reaches a split along its mesh axis is reduce-scattered there,
+    never all-reduced by its op and then sliced, whenever the op can leave it partial (Alpa's
+    ``prefer_reduce_scatter``; Megatron-SP's pattern, Korthikanti et al. 2022)."""
 
     def __post_init__(self):
         if self.memory_budget is not None and not self.memory_budget > 0:
@@ -74,6 +84,13 @@ class PlanOptions:
             raise ValueError(f"bucket_bytes must be > 0, got {self.bucket_bytes}")
         object.__setattr__(self, "param_specs", dict(self.param_specs or {}))
         object.__setattr__(self, "input_specs", {str(k): v for k, v in (self.input_specs or {}).items()})
+
+    def restrictions(self) -> list[str]:
+        """The switches set to forbid plans, as ``name=value`` (``["allow_all_gather=False"]``)."""
+        defaults = PlanOptions()
+        return [f"{name}={getattr(self, name)}" for name in ("allow_replicated_heavy_ops", "allow_all_gather",
+                                                             "allow_all_to_all", "prefer_reduce_scatter")
+                if getattr(self, name) != getattr(defaults, name)]
 
     def to_dict(self) -> dict:
         """JSON-able fields (an infinite budget as None)."""
