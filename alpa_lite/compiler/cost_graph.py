@@ -77,7 +77,8 @@ def _reduced_in_op(ns: NodeStrategies, q: int, r: int) -> tuple[int, ...]:
 
 def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: LogicalMesh,
                      share_layers: bool = True, merge_followers: bool = True,
-                     nodes: set[str] | None = None, options: PlanOptions | None = None) -> tuple[CostGraph, dict[str, Var]]:
+                     nodes: set[str] | None = None,
+                     options: PlanOptions | None = None) -> tuple[CostGraph, dict[str, Var]]:
     """The ILP's cost graph and, per node, its variable and strategy mapping.
 
     ``nodes`` restricts the graph to those nodes (a pipeline stage): an operand produced outside

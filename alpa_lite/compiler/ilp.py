@@ -151,7 +151,8 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
         nonlocal constant
         if math.isinf(coef):  # forbidden
             if x is None:
-                raise SolverError(f"the only strategy of an ILP variable is forbidden ({len(graph.costs)} variables){blame}")
+                raise SolverError(f"the only strategy of an ILP variable is forbidden "
+                                  f"({len(graph.costs)} variables){blame}")
             x.upBound = 0
         elif x is None:
             constant += coef

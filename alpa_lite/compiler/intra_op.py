@@ -54,7 +54,8 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
     t2 = time.perf_counter()
     say("ilp")
     budget = mesh.memory_bytes if options.memory_budget is None else options.memory_budget
-    sol = solve(graph, budget, time_limit=options.time_limit, solver=options.solver, switches=tuple(options.restrictions()))
+    sol = solve(graph, budget, time_limit=options.time_limit, solver=options.solver,
+                switches=tuple(options.restrictions()))
     stats["ilp_s"] = time.perf_counter() - t2
     chosen = {name: table[name].strategies[w.index[sol.choice[w.var]]] for name, w in where.items()}
     nodes, grad_sync, collectives = training_step(cg, {name: node_plan(s, table[name]) for name, s in chosen.items()},

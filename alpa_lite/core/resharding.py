@@ -155,7 +155,8 @@ class ReshardCosts:
     ``prefer_reduce_scatter`` so does a move that slices a result its op all-reduced where the
     op could leave it partial and the move reduce-scatter it instead."""
 
-    def __init__(self, mesh: LogicalMesh, forbid: frozenset[str] = frozenset(), prefer_reduce_scatter: bool = False):
+    def __init__(self, mesh: LogicalMesh, forbid: frozenset[str] = frozenset(),
+                 prefer_reduce_scatter: bool = False):
         self.mesh = mesh
         self.forbid = forbid
         self.prefer_reduce_scatter = prefer_reduce_scatter
