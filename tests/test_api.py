@@ -43,32 +43,33 @@ def test_unknown_param_spec_name_raises_on_both_paths(pipeline):
 
 
 def test_options_reach_every_stage(monkeypatch):
-    """``solver``, ``input_specs``, ``share_layers`` and ``bucket_bytes`` (dropped by the pipeline
-    path before) reach every stage's ILP and plan."""
+    """``solver``, ``input_specs``, ``share_layers``, ``bucket_bytes`` (dropped by the pipeline
+    path before) and the switches reach every stage's ILP and plan."""
     import alpa_lite.compiler.stage_costs as stage_costs
 
     seen = []
     real = stage_costs.build_cost_graph
 
     def spy(*args, **kwargs):
-        seen.append(kwargs["share_layers"])
+        seen.append((kwargs["share_layers"], kwargs["options"].allow_all_to_all))
         return real(*args, **kwargs)
 
     solvers = []
     real_solve = stage_costs.solve
 
-    def solve_spy(graph, budget, time_limit, solver):
-        solvers.append(solver)
-        return real_solve(graph, budget, time_limit=time_limit, solver="cbc")
+    def solve_spy(graph, budget, time_limit, solver, switches):
+        solvers.append((solver, switches))
+        return real_solve(graph, budget, time_limit=time_limit, solver="cbc", switches=switches)
 
     monkeypatch.setattr(stage_costs, "build_cost_graph", spy)
     monkeypatch.setattr(stage_costs, "solve", solve_spy)
     model, example = mlp()
     p = plan(model, example, LogicalMesh((1, 4), cluster="cpu-gloo"), share_layers=False, solver="highs",
-             bucket_bytes=1024.0, input_specs={"0": "S1R"},
+             bucket_bytes=1024.0, input_specs={"0": "S1R"}, allow_all_to_all=False,
              pipeline=PipelineOptions(num_stages=2, num_microbatches=2, workers=1))
     assert isinstance(p, PipelinePlan) and len(p.stages) == 2
-    assert seen and not any(seen) and solvers and set(solvers) == {"highs"}
+    assert seen and set(seen) == {(False, False)}
+    assert solvers and set(solvers) == {("highs", ("allow_all_to_all=False",))}
     assert all(s.plan.bucket_bytes == 1024.0 for s in p.stages)
     first = p.stages[0].plan
     assert first.input_specs == {p.captured.input_names[0]: "S1R"}  # S1R on the stage's 1x2 mesh

@@ -47,3 +47,29 @@ def test_attention_is_head_split_between_sequence_splits(ulysses):
 def test_ulysses_beats_megatron_tensor_parallelism(ulysses):
     megatron = _plan(param_specs=MEGATRON)
     assert ulysses.step_seconds < megatron.step_seconds
+
+
+@pytest.fixture(scope="module")
+def without_all_to_all():
+    return _plan(allow_all_to_all=False)
+
+
+def _kinds(p):
+    return {(c.kind, c.phase) for c in p.collectives}
+
+
+def test_forbidding_all_to_all_gives_up_ulysses(ulysses, without_all_to_all):
+    assert ("all-to-all", "forward") in _kinds(ulysses)
+    assert not [c for c in without_all_to_all.collectives if c.kind == "all-to-all"]
+    # the sequence split now leaves attention by gathering: all-gathers forward and backward
+    assert {("all-gather", "forward"), ("all-gather", "backward")} <= _kinds(without_all_to_all)
+    assert without_all_to_all.step_seconds > ulysses.step_seconds
+    assert without_all_to_all.options["allow_all_to_all"] is False
+
+
+def test_forbidding_all_gather_too_leaves_all_reduces_only(without_all_to_all):
+    neither = _plan(allow_all_to_all=False, allow_all_gather=False)
+    assert ("all-gather", "update") in _kinds(without_all_to_all)  # a ZeRO-1/2 parameter's update
+    assert {kind for kind, _ in _kinds(neither)} == {"all-reduce"}
+    assert {stage for stage, _ in neither.zero_stages.values()} == {0}  # replicated optimizer states
+    assert neither.step_seconds > without_all_to_all.step_seconds

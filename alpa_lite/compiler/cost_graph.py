@@ -16,6 +16,8 @@ of its reader edges can want is priced by one shared move (``CostGraph.moves``),
 """
 from __future__ import annotations
 
+import math
+
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ import torch
 
 from ..core.capture import CapturedGraph
 from ..core.mesh import LogicalMesh
+from ..core.options import PlanOptions
 from ..core.resharding import ReshardCosts, is_gradient_sync, reshard_costs
 from ..core.spec import ShardingSpec
 from .ilp import CostGraph, RematGroup
@@ -69,10 +72,20 @@ def _strategy_signature(ns: NodeStrategies) -> tuple:
                   s.zero_stage, s.zero_axes) for s in ns.strategies)
 
 
+def _reduced_in_op(ns: NodeStrategies, q: int, r: int) -> tuple[int, ...]:
+    """The mesh axes along which strategy ``q`` all-reduces its result ``r`` while another
+    strategy of the same inputs leaves it partial there (``PlanOptions.prefer_reduce_scatter``)."""
+    s = ns.strategies[q]
+    axes = tuple(a for a in s.partial_axes if a not in s.out_specs[r].partial)
+    twin = axes and any(t.in_specs == s.in_specs and t.out_specs[r].dims == s.out_specs[r].dims
+                        and set(axes) <= set(t.out_specs[r].partial) for t in ns.strategies)
+    return axes if twin else ()
+
+
 def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: LogicalMesh,
                      share_layers: bool = True, merge_followers: bool = True,
                      nodes: set[str] | None = None, remat: list[tuple[str, ...]] = (),
-                     remat_forced: bool = False) -> tuple[CostGraph, dict[str, Var]]:
+                     remat_forced: bool = False, options: PlanOptions | None = None) -> tuple[CostGraph, dict[str, Var]]:
     """The ILP's cost graph and, per node, its variable and strategy mapping.
 
     ``nodes`` restricts the graph to those nodes (a pipeline stage): an operand produced outside
@@ -80,6 +93,7 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
     ``remat``: layers (node names) that may be recomputed, each a ``RematGroup`` (forced with
     ``remat_forced``): the activations only the layer reads move from ``memory`` to the group,
     and recomputing costs each node's forward (a third of its compute) and forward collectives.
+    ``options``: its switches forbid moves (``resharding.ReshardCosts``).
     """
     if nodes is not None:
         table = {k: v for k, v in table.items() if k in nodes}
@@ -94,7 +108,8 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
             sizes[layer[:2]] = sizes.get(layer[:2], 0) + 1
     layer_of = {n: i for i, layer in enumerate(remat) for n in layer}
     graph.remat = [RematGroup(forced=remat_forced) for _ in remat]
-    reshard = reshard_costs(mesh)
+    reshard = reshard_costs(mesh, options)
+    prefer_rs = options is not None and options.prefer_reduce_scatter
     readers: dict[tuple[str, int], list[tuple[int, tuple]]] = {}  # value -> reader edges (var, wanted per strategy)
     casts = cg.param_casts  # a parameter's low-precision copy: its gradient sync is bucketed too
 
@@ -154,28 +169,33 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         val = val[r] if isinstance(val, (tuple, list)) else val
         outs = tuple(src_ns.strategies[p].out_specs[r] for p in src.index)
         zeros = tuple((src_ns.strategies[p].zero_stage, src_ns.strategies[p].zero_axes) for p in src.index)
-        _price_value(graph, reshard, src.var, outs, zeros, edges, tuple(val.shape), val.element_size(),
+        reduced = tuple(_reduced_in_op(src_ns, p, r) for p in src.index) if prefer_rs else None
+        _price_value(graph, reshard, src.var, outs, zeros, reduced, edges, tuple(val.shape), val.element_size(),
                      src_name in cg.param_fqns or src_name in casts)
     return graph, where
 
 
-def _price_value(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple, zeros: tuple, edges: list, shape,
-                 itemsize: int, parameter: bool) -> None:
+def _price_value(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple, zeros: tuple, reduced: tuple | None,
+                 edges: list, shape, itemsize: int, parameter: bool) -> None:
     """Price the moves of one value (variable ``u``, ``outs[p]`` its spec under u's strategy p,
-    ``zeros[p]`` its ZeRO ``(stage, axes)`` when it is a parameter) to
-    its reader ``edges`` (``(v, ins)``, ``ins[q] = (spec, grad_partial)`` wanted under v's strategy
-    q): a target two or more edges can want, where moving to it costs something, by one shared
-    move; every other entry on its edge. A parameter's gradient sync stays on its edge (bucketed
-    per use; ``ReshardCosts``)."""
+    ``zeros[p]`` its ZeRO ``(stage, axes)`` when it is a parameter, ``reduced[p]`` the axes its op
+    all-reduced, ``ReshardCosts.matrix``) to its reader ``edges`` (``(v, ins)``,
+    ``ins[q] = (spec, grad_partial)`` wanted under v's strategy q): a target two or more edges
+    can want, where moving to it costs something, by one shared move; every other entry on its
+    edge. A parameter's gradient sync stays on its edge (bucketed per use; ``ReshardCosts``), and
+    so does a move a switch forbids (``inf``)."""
     wanted = Counter(t for _, ins in edges for t in set(ins))
 
     def once(o, t):  # the seconds of moving to t once, or 0 where it stays on the edge
-        return 0.0 if parameter and is_gradient_sync(o, *t) else reshard(o, *t, shape, itemsize, parameter)
+        if parameter and is_gradient_sync(o, *t):
+            return 0.0
+        cost = reshard(o, *t, shape, itemsize, parameter)
+        return cost if math.isfinite(cost) else 0.0
 
     shared = [t for t, k in wanted.items() if k > 1 and any(once(o, t) for o in outs)]
     index = {t: k for k, t in enumerate(shared)}
     for v, ins in edges:
-        matrix = reshard.matrix(outs, ins, shape, itemsize, parameter, zeros)
+        matrix = reshard.matrix(outs, ins, shape, itemsize, parameter, zeros, reduced)
         if any(t in index for t in ins):
             matrix = [[c - once(o, t) if t in index else c for t, c in zip(ins, row)] for o, row in zip(outs, matrix)]
         graph.add_edge(u, v, matrix)

@@ -198,7 +198,7 @@ def _solver(time_limit: float, name: str):
 
 
 def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float = 60.0,
-          solver: str = "cbc") -> Solution:
+          solver: str = "cbc", switches: tuple[str, ...] = ()) -> Solution:
     """Solve the ILP exactly (up to ``time_limit`` seconds of solver time).
 
     Args:
@@ -206,11 +206,14 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
         memory_budget: bytes per device.
         time_limit: seconds given to the MILP solver; the best incumbent is used when reached.
         solver: ``"cbc"`` (bundled with PuLP), ``"highs"`` (needs highspy) or ``"auto"``.
+        switches: the planning switches that made the forbidden (``inf``) entries
+            (``PlanOptions.restrictions``), named by the error when nothing is feasible.
 
     Raises:
         MemoryBudgetError: the budget is below the least memory any plan needs.
         SolverError: the solver found no feasible assignment.
     """
+    blame = f"; no plan satisfies {', '.join(switches)}: allow what it forbids" if switches else ""
     if graph.min_memory() > memory_budget:
         raise MemoryBudgetError(memory_budget, graph.min_memory())
     prob = pulp.LpProblem("alpa_intra_op", pulp.LpMinimize)
@@ -224,7 +227,8 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
         nonlocal constant
         if math.isinf(coef):  # forbidden
             if x is None:
-                raise SolverError(f"the only strategy of an ILP variable is forbidden ({len(graph.costs)} variables)")
+                raise SolverError(f"the only strategy of an ILP variable is forbidden "
+                                  f"({len(graph.costs)} variables){blame}")
             x.upBound = 0
         elif x is None:
             constant += coef
@@ -299,7 +303,7 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
     status = prob.solve(_solver(time_limit, solver))
     if pulp.LpStatus[status] not in ("Optimal",) and prob.sol_status not in (pulp.LpSolutionIntegerFeasible,):
         raise SolverError(f"ILP solver status {pulp.LpStatus[status]} ({len(graph.costs)} variables, "
-                          f"{len(graph.edges)} edges); try a longer time_limit")
+                          f"{len(graph.edges)} edges){blame or '; try a longer time_limit'}")
     choice = [0 if xs is None else max(range(len(xs)), key=lambda p: xs[p].value() or 0.0) for xs in s]
     remat = tuple(x is True or (x is not True and (x.value() or 0.0) > 0.5) for x in r)
     return Solution(choice, graph.objective(choice, remat), graph.memory_of(choice, remat), pulp.LpStatus[status],

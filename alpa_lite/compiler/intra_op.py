@@ -57,7 +57,7 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
     apply_constraints(cg, table, mesh, options)
     layers = remat_candidates(cg) if options.remat else []
     graph, where = build_cost_graph(cg, table, mesh, share_layers=options.share_layers, remat=layers,
-                                    remat_forced=options.remat == "all")
+                                    remat_forced=options.remat == "all", options=options)
     stats["strategy_s"] = time.perf_counter() - t1
     stats["nodes"] = len(table)
     stats["ilp_variables"] = len(graph.costs)
@@ -68,7 +68,8 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
     t2 = time.perf_counter()
     say("ilp")
     budget = mesh.memory_bytes if options.memory_budget is None else options.memory_budget
-    sol = solve(graph, budget, time_limit=options.time_limit, solver=options.solver)
+    sol = solve(graph, budget, time_limit=options.time_limit, solver=options.solver,
+                switches=tuple(options.restrictions()))
     stats["ilp_s"] = time.perf_counter() - t2
     stats["ilp_objective"] = sol.objective
     chosen = {name: table[name].strategies[w.index[sol.choice[w.var]]] for name, w in where.items()}

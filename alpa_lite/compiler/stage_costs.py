@@ -420,8 +420,8 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
                 restrict(table[n], lambda s, spec=fixed[n][0]: s.out_spec == spec)
     except ValueError as e:
         raise _Infeasible(str(e)) from None
-    graph, where = build_cost_graph(cg, table, mesh, share_layers=options.share_layers, nodes=subset)
-    reshard = reshard_costs(mesh)
+    graph, where = build_cost_graph(cg, table, mesh, share_layers=options.share_layers, nodes=subset, options=options)
+    reshard = reshard_costs(mesh, options)
     casts = cg.param_casts
     for n in names:  # operands produced in a known spec by an earlier layer: charge their resharding
         if n not in where:
@@ -447,7 +447,8 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
     if act_scale != 1:
         graph.memory = [m if v in weight_vars else [x * act_scale for x in m] for v, m in enumerate(graph.memory)]
     try:
-        sol = solve(graph, memory_bytes, time_limit=options.time_limit, solver=options.solver)
+        sol = solve(graph, memory_bytes, time_limit=options.time_limit, solver=options.solver,
+                    switches=tuple(options.restrictions()))
     except (MemoryBudgetError, SolverError) as e:
         raise _Infeasible(str(e)) from None
     chosen = {n: table[n].strategies[w.index[sol.choice[w.var]]] for n, w in where.items()}

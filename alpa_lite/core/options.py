@@ -74,6 +74,16 @@ class PlanOptions:
     """dtype of the deferred data-parallel gradient all-reduces (``"bf16"``, ``"fp16"``,
     ``"fp32"``); None: the compute dtype under ``mixed_precision`` (the dtype the gradient has
     where autograd produces it), else the parameter's."""
+    allow_all_gather: bool = True
+    """False: no resharding may all-gather (forward, or backward as a reduce-scatter's dual), and
+    no parameter takes ZeRO-1/2 (the all-gather of its update); Alpa's ``allow_all_gather``."""
+    allow_all_to_all: bool = True
+    """False: no resharding may move a mesh axis between dims by an all-to-all (so no Ulysses
+    attention); Alpa's ``allow_all_to_all``."""
+    prefer_reduce_scatter: bool = False
+    """True: a partial sum that reaches a split along its mesh axis is reduce-scattered there,
+    never all-reduced by its op and then sliced, whenever the op can leave it partial (Alpa's
+    ``prefer_reduce_scatter``; Megatron-SP's pattern, Korthikanti et al. 2022)."""
 
     def __post_init__(self):
         if self.memory_budget is not None and not self.memory_budget > 0:
@@ -108,6 +118,13 @@ class PlanOptions:
     def gradient_reduce_dtype(self) -> torch.dtype | None:
         """The dtype of the deferred gradient all-reduces (None: the gradient's own, fp32)."""
         return reduce_dtype_of(self.to_dict())
+
+    def restrictions(self) -> list[str]:
+        """The switches set to forbid plans, as ``name=value`` (``["allow_all_gather=False"]``)."""
+        defaults = PlanOptions()
+        return [f"{name}={getattr(self, name)}" for name in ("allow_replicated_heavy_ops", "allow_all_gather",
+                                                             "allow_all_to_all", "prefer_reduce_scatter")
+                if getattr(self, name) != getattr(defaults, name)]
 
     def to_dict(self) -> dict:
         """JSON-able fields (an infinite budget as None)."""

@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass
 
 from .mesh import LogicalMesh
+from .options import PlanOptions
 from .spec import ShardingSpec
 
 
@@ -146,24 +147,41 @@ class ReshardCosts:
     """Memoized cost (seconds, forward + backward) of moving a tensor between specs.
 
     A parameter's gradient synchronization (``is_gradient_sync``) is bucketed: the ILP charges its
-    bandwidth term over the flattened axes, the latency is paid once per bucket (``Plan``)."""
+    bandwidth term over the flattened axes, the latency is paid once per bucket (``Plan``).
 
-    def __init__(self, mesh: LogicalMesh):
+    Alpa's switches (``PlanOptions``, docs/planner.md): a move with a step of a kind in ``forbid``
+    (``"all-gather"``, ``"all-to-all"``; forward or backward, and the once-per-step all-gather of a
+    ZeRO-1/2 parameter) costs ``math.inf``, which the ILP forbids; under
+    ``prefer_reduce_scatter`` so does a move that slices a result its op all-reduced where the
+    op could leave it partial and the move reduce-scatter it instead."""
+
+    def __init__(self, mesh: LogicalMesh, forbid: frozenset[str] = frozenset(),
+                 prefer_reduce_scatter: bool = False):
         self.mesh = mesh
+        self.forbid = forbid
+        self.prefer_reduce_scatter = prefer_reduce_scatter
         self._cache: dict[tuple, float] = {}
         self._matrices: dict[tuple, list[list[float]]] = {}
 
     def __call__(self, src: ShardingSpec, dst: ShardingSpec, grad_partial, shape, itemsize,
-                 parameter: bool = False, zero: tuple[int, tuple[int, ...]] = (0, ())) -> float:
+                 parameter: bool = False, zero: tuple[int, tuple[int, ...]] = (0, ()),
+                 reduced: tuple[int, ...] = ()) -> float:
         """``grad_partial`` None: the tensor needs no gradient, so there is no backward.
         ``zero``: the ``(stage, axes)`` of a ZeRO-1/2 parameter: its use must be a gradient sync
         over exactly those axes (else ``math.inf``: the ILP forbids the pair); ZeRO-2 syncs by a
-        reduce-scatter instead of an all-reduce."""
-        key = (src, dst, grad_partial, tuple(shape), itemsize, parameter, zero)
+        reduce-scatter instead of an all-reduce. ``reduced``: the mesh axes along which the
+        producing op all-reduced ``src`` though it could have left it partial."""
+        key = (src, dst, grad_partial, tuple(shape), itemsize, parameter, zero, reduced)
         cost = self._cache.get(key)
         sync = parameter and is_gradient_sync(src, dst, grad_partial)
-        if cost is None and zero[0] and not (sync and tuple(sorted(grad_partial)) == zero[1]):
+        if cost is None and zero[0] and ("all-gather" in self.forbid
+                                         or not (sync and tuple(sorted(grad_partial)) == zero[1])):
             cost = self._cache[key] = math.inf
+        if cost is None and reduced and self.prefer_reduce_scatter:
+            unreduced = src.with_partial(tuple(sorted(set(src.partial) | set(reduced))))
+            if any(s.kind == "reduce-scatter" and s.axis in reduced
+                   for s in forward_steps(unreduced, dst, shape, itemsize, self.mesh.shape)):
+                cost = self._cache[key] = math.inf
         if cost is None and sync:
             nbytes = itemsize * math.prod(src.local_shape(shape, self.mesh.shape))
             axes = tuple(sorted(grad_partial))
@@ -175,20 +193,22 @@ class ReshardCosts:
             steps = forward_steps(src, dst, shape, itemsize, self.mesh.shape)
             if grad_partial is not None:
                 steps += backward_steps(src, dst, grad_partial, shape, itemsize, self.mesh.shape)
-            cost = self._cache[key] = sum(step_cost(s, self.mesh) for s in steps)
+            forbidden = any(s.kind in self.forbid for s in steps)
+            cost = self._cache[key] = math.inf if forbidden else sum(step_cost(s, self.mesh) for s in steps)
         return cost
 
     def matrix(self, outs: tuple, ins: tuple, shape, itemsize, parameter: bool = False,
-               zeros: tuple | None = None) -> list[list[float]]:
+               zeros: tuple | None = None, reduced: tuple | None = None) -> list[list[float]]:
         """The cost matrix of an edge: ``[p][q]`` moves a tensor of ``shape`` from spec ``outs[p]``
-        (a parameter of ZeRO ``zeros[p]``) to ``ins[q] = (spec, grad_partial)``; memoized
-        (repeated blocks have identical edges)."""
+        (a parameter of ZeRO ``zeros[p]``; all-reduced along ``reduced[p]`` by its op) to
+        ``ins[q] = (spec, grad_partial)``; memoized (repeated blocks have identical edges)."""
         zeros = zeros or ((0, ()),) * len(outs)
-        key = (outs, ins, tuple(shape), itemsize, parameter, zeros)
+        reduced = reduced or ((),) * len(outs)
+        key = (outs, ins, tuple(shape), itemsize, parameter, zeros, reduced)
         m = self._matrices.get(key)
         if m is None:
-            m = self._matrices[key] = [[self(o, spec, gp, shape, itemsize, parameter, z) for spec, gp in ins]
-                                       for o, z in zip(outs, zeros)]
+            m = self._matrices[key] = [[self(o, spec, gp, shape, itemsize, parameter, z, r) for spec, gp in ins]
+                                       for o, z, r in zip(outs, zeros, reduced)]
         return m
 
     def sync_matrix(self, outs: tuple, ins: tuple, shape, itemsize) -> list[list[float]]:
@@ -202,7 +222,15 @@ class ReshardCosts:
         return m
 
 
+def reshard_costs(mesh: LogicalMesh, options: PlanOptions | None = None) -> ReshardCosts:
+    """The ``ReshardCosts`` of ``mesh`` under the switches of ``options``, shared by every cost
+    graph built with them."""
+    options = options or PlanOptions()
+    forbid = frozenset(kind for kind, allowed in (("all-gather", options.allow_all_gather),
+                                                  ("all-to-all", options.allow_all_to_all)) if not allowed)
+    return _reshard_costs(mesh, forbid, options.prefer_reduce_scatter)
+
+
 @functools.lru_cache(maxsize=64)
-def reshard_costs(mesh: LogicalMesh) -> ReshardCosts:
-    """The ``ReshardCosts`` of ``mesh``, shared by every cost graph built on it."""
-    return ReshardCosts(mesh)
+def _reshard_costs(mesh: LogicalMesh, forbid: frozenset[str], prefer_reduce_scatter: bool) -> ReshardCosts:
+    return ReshardCosts(mesh, forbid, prefer_reduce_scatter)

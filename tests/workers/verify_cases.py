@@ -3,8 +3,11 @@
 ``--cases`` is a JSON object ``name -> {"model": zoo name, "batch": B, "seq": T, "overrides": {...},
 "options": {plan options}, "break": how to break the plan (optional), "keywords": true to verify
 the HF model inside the zoo's ``LossWrapper`` itself, called as HF models are: ``model(**batch)``
-with a dict of keyword inputs (``example_kwargs``), the loss its own ``out.loss``}``. A case with ``break``
-plans on rank 0 with its options, breaks the plan JSON and verifies the broken plan:
+with a dict of keyword inputs (``example_kwargs``), the loss its own ``out.loss``, "steps": training
+steps (default 2), "optimizer": ``"sgd"`` (default, lr 1e-2) or ``"adamw"`` (lr 1e-2), "plan_mesh":
+``LogicalMesh`` fields (a cluster description) to plan on instead of the CPU cluster}``. A case with
+``plan_mesh`` or ``break`` plans on rank 0 and verifies that plan (its collectives are recorded as
+``"plan_collectives"``: ``[kind, phase, node]``); a case with ``break`` breaks the plan JSON first:
 
 - ``"drop-grad-sync"``: remove one parameter's deferred gradient all-reduce (``Plan.grad_sync``);
 - ``"drop-partial"``: claim the first node with a pending partial sum is complete (no all-reduce);
@@ -17,6 +20,7 @@ import argparse
 import json
 import sys
 
+import torch
 import torch.distributed as dist
 
 from alpa_lite import LogicalMesh, plan as make_plan, verify
@@ -26,10 +30,15 @@ from alpa_lite.zoo.models import build_model
 from alpa_lite.core.plan import Plan
 
 STEPS = 2
+OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2), "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2)}
 
 
-def broken_plan(model, example, shape, options: dict, how: str) -> str:
-    p = make_plan(model, example, LogicalMesh(shape, cluster="cpu-gloo"), **options)
+def rank0_plan(model, example, shape, options: dict, case: dict) -> str:
+    """The case's plan JSON, planned on its ``plan_mesh`` and broken as its ``break`` says."""
+    p = make_plan(model, example, LogicalMesh(shape, **case.get("plan_mesh", {"cluster": "cpu-gloo"})), **options)
+    how = case.get("break")
+    if how is None:
+        return p.to_json()
     d = json.loads(p.to_json())
     if how == "drop-grad-sync":
         ph = sorted(d["grad_sync"])[0]
@@ -58,19 +67,24 @@ def main() -> int:
         build = lambda seed: build_model(case["model"], case.get("batch", 8), case.get("seq"), device="cpu",  # noqa
                                          seed=seed, **case.get("overrides", {}))
         model, example = build(0)
-        batches = [build(100 + s)[1] for s in range(STEPS)]
+        batches = [build(100 + s)[1] for s in range(case.get("steps", STEPS))]
         options = dict(case.get("options", {}))
         if case.get("keywords"):  # the HF model itself: model(**batch)
             keys, model = model.keys, model.model
             options["example_kwargs"] = dict(zip(keys, example))
             example, batches = (), [dict(zip(keys, b)) for b in batches]
         try:
-            if "break" in case:
-                box = [broken_plan(model, example, shape, options, case["break"]) if dist.get_rank() == 0 else None]
+            if "break" in case or "plan_mesh" in case:
+                box = [rank0_plan(model, example, shape, options, case) if dist.get_rank() == 0 else None]
                 dist.broadcast_object_list(box, src=0)
                 options = {"plan": box[0]}
-            report = verify(model, example, shape, batches=batches, show=False, **options)
+            optimizer = OPTIMIZERS[case.get("optimizer", "sgd")]
+            report = verify(model, example, shape, batches=batches, show=False, optimizer=optimizer,
+                            **options)
             results[name] = report.to_dict()
+            if "plan_mesh" in case:
+                results[name]["plan_collectives"] = [(c.kind, c.phase, c.node)
+                                                     for c in Plan.from_json(options["plan"]).collectives]
         except Exception as e:  # noqa: BLE001 - recorded for the test (the coordinator retests after merges)
             results[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
     if dist.get_rank() == 0:
