@@ -77,7 +77,7 @@ def main():
         first = trainer.gradients()
         losses += [trainer.step(*b) for b in batches[1:]]
         buckets = [sum(trainer.params[trainer.view.param_fqns[ph]].numel() for ph in members)
-                   for _, members in trainer.buckets]
+                   for _, _, members in trainer.buckets]
         r["bucket_dtypes"] = sorted({d for d, n in seen if n in buckets})
         local = trainer.sp.plan if hasattr(trainer, "sp") else trainer.plan  # this rank's SPMD plan (its stage's)
         r["bucket_bytes_plan"] = sum(c.nbytes for c in local.collectives if c.node.startswith("gradient bucket"))
