@@ -19,7 +19,9 @@ Two ways to solve a stage of layers ``[k, i)``:
   2x4 A100s the pipeline's step time came out 0.006% above the exact mode's, in a fifth of
   the planning time). Layer ``j`` may use the whole memory; if the stage then does not fit, every
   layer gets ``M / 2^m`` for ``m = 1 .. ceil(log2 (i - k))`` until it does; when no split fits
-  although every layer fits alone, the stage falls back to one ILP (the exact mode).
+  although every layer fits alone, the stage falls back to one ILP (the exact mode). The stage
+  of all layers also gets that one ILP (the intra-op pass's, identical blocks sharing a
+  variable): with ``B = 1`` the search then holds the plan without pipelining.
 
 Data-parallel gradient all-reduces run once per step: the stage ILP, whose objective is per
 microbatch, weighs them ``1 / B`` and reports them as ``o``.
@@ -183,16 +185,20 @@ class GraphStageCosts:
             found = []
             for shape in self.shapes(submesh):
                 if self.mode == "exact":
-                    opt = self._solve_cached(sig, names, shape, scale, start, end)
+                    tried = [self._solve_cached(sig, names, shape, scale, start, end)]
                 else:
                     opt, layers_fit = self._chained(start, end, shape, scale)
-                    if opt is None and layers_fit:  # the memory split between layers failed: one ILP
+                    tried = [opt]
+                    if opt is None and layers_fit or (start, end) == (0, len(self.layers)):
+                        # one ILP: the memory split between layers failed, or the stage is the whole
+                        # model (the intra-op pass's ILP: the search holds the plan without pipelining)
                         subset = self.subset(start, end)
-                        opt = self._solve_cached(self._signature(subset), subset, shape, scale, start, end)
-                if opt is not None:
-                    found.append(opt)
-                if opt is not None and (best is None or opt.seconds + opt.once_seconds < best.seconds + best.once_seconds):
-                    best = opt
+                        tried.append(self._solve_cached(self._signature(subset), subset, shape, scale, start, end))
+                for opt in tried:
+                    if opt is not None:
+                        found.append(opt)
+                        if best is None or opt.seconds + opt.once_seconds < best.seconds + best.once_seconds:
+                            best = opt
             options += [o for o in found if o not in options]
             need = self.max_in_flight
             if self.schedule == "1f1b":

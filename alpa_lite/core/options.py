@@ -80,8 +80,10 @@ class PipelineOptions:
     ``microbatch_candidates``."""
     num_layers: int | None = None
     """L, layers of the clustering (Alpa section 5.2); None: ``min(module boundaries, 16)``."""
-    microbatch_candidates: tuple[int, ...] = (4, 8, 16, 32, 64)
-    """The B values tried when ``num_microbatches`` is None (those that divide the batch)."""
+    microbatch_candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    """The B values tried when ``num_microbatches`` is None (those that divide the batch). With 1
+    among them the search holds the plan without pipelining (one stage on the whole mesh,
+    ``compiler/stage_costs.py``), so ``pipeline="auto"`` predicts no slower a step than it."""
     imbalance: float = 4.0
     """Skip a (layer range, submesh) pair whose share of the devices differs from its share of the
     FLOPs by more than this factor (both ways); ``math.inf`` keeps all. Retried without when it
