@@ -1,4 +1,4 @@
-r"""The intra-operator ILP (Alpa, OSDI'22, section 4.2), solved with PuLP.
+r"""The intra-operator ILP (Alpa, OSDI'22, section 4.2), solved with PuLP (CBC, or HiGHS in-process).
 
 Given a cost graph with variables ``v`` (each a node, or a group of merged nodes) holding
 ``k_v`` candidate strategies and edges ``(u, v)`` with resharding cost matrices ``R_uv``:
@@ -86,10 +86,15 @@ class CostGraph:
 
 @dataclass
 class Solution:
+    """An assignment and its figures. ``gap``: None when the solver proved it optimal; when the
+    time limit was reached first, the relative gap between it and the solver's lower bound
+    (``math.inf`` where the solver reports none: CBC run as a process)."""
+
     choice: list[int]
     objective: float
     memory: float
     status: str
+    gap: float | None = None
 
 
 def _identical(vectors) -> list[list[int]]:
@@ -100,8 +105,17 @@ def _identical(vectors) -> list[list[int]]:
     return list(groups.values())
 
 
+def highs_available() -> bool:
+    """Whether HiGHS can solve in this process (the ``highspy`` package, ``alpa-lite[highs]``)."""
+    return pulp.HiGHS().available()
+
+
 def _solver(time_limit: float, name: str):
-    if name == "highs" or (name == "auto" and "HiGHS" in pulp.listSolvers(onlyAvailable=True)):
+    if name == "highs" and not highs_available():
+        raise SolverError("solver='highs' needs the highspy package: pip install 'alpa-lite[highs]' "
+                          "(or use solver='auto', which falls back to CBC)")
+    if name == "highs" or (name == "auto" and highs_available()):
+        # in-process: no model file and no solver process per ILP, as CBC needs
         return pulp.HiGHS(msg=False, timeLimit=time_limit, threads=1, random_seed=0)
     # CBC's primal heuristics cost more than they save on these small problems (3x on the
     # per-layer ILPs of GPT-3 39B): branch and bound from the feasible start ``solve`` gives
@@ -117,7 +131,13 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
         graph: the cost graph.
         memory_budget: bytes per device.
         time_limit: seconds given to the MILP solver; the best incumbent is used when reached.
-        solver: ``"cbc"`` (bundled with PuLP), ``"highs"`` (needs highspy) or ``"auto"``.
+        solver: ``"cbc"`` (bundled with PuLP), ``"highs"`` (needs highspy) or ``"auto"`` (HiGHS
+            when highspy is installed, else CBC).
+
+    Returns:
+        the ``Solution``; its ``gap`` says whether the time limit was reached (then the answer
+        depends on the machine's speed and load: ``api.parallelize`` plans on rank 0 only and
+        broadcasts, so the ranks of a job still agree).
 
     Raises:
         MemoryBudgetError: the budget is below the least memory any plan needs.
@@ -191,7 +211,17 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
         raise SolverError(f"ILP solver status {pulp.LpStatus[status]} ({len(graph.costs)} variables, "
                           f"{len(graph.edges)} edges); try a longer time_limit")
     choice = [0 if xs is None else max(range(len(xs)), key=lambda p: xs[p].value() or 0.0) for xs in s]
-    return Solution(choice, graph.objective(choice), graph.memory_of(choice), pulp.LpStatus[status])
+    gap = None
+    if prob.sol_status == pulp.LpSolutionIntegerFeasible:  # stopped by the time limit with an incumbent
+        model = getattr(prob, "solverModel", None)  # HiGHS in-process reports its gap; the CBC process does not
+        gap = float(model.getInfo().mip_gap) if model is not None else math.inf
+    return Solution(choice, graph.objective(choice), graph.memory_of(choice),
+                    "Optimal" if gap is None else "TimeLimit", gap)
+
+
+def solver_limits(ilp: str, gap: float | None) -> list[dict]:
+    """``Plan.solver_limits`` entries of one solve: ``[]`` when it was proven optimal."""
+    return [] if gap is None else [{"ilp": ilp, "gap": gap if math.isfinite(gap) else None}]
 
 
 def brute_force(graph: CostGraph, memory_budget: float = math.inf) -> Solution:

@@ -13,7 +13,7 @@ from ..core.options import PlanOptions
 from ..core.plan import Plan
 from .constraints import apply_constraints
 from .cost_graph import build_cost_graph
-from .ilp import solve
+from .ilp import solve, solver_limits
 from .strategies import build_strategies
 from .training_step import node_plan, param_specs_of, training_step
 
@@ -63,6 +63,7 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
                   comm_seconds=sum(c.seconds for c in collectives), memory_bytes=sol.memory,
                   fingerprint=cg.fingerprint(), options=options.to_dict() | {"memory_budget": budget if math.isfinite(budget) else None},
                   stats=stats, grad_sync=grad_sync, bucket_bytes=options.bucket_bytes,
-                  loss_reduction=loss_reduction or LossReduction("mean", None), captured=cg)
+                  loss_reduction=loss_reduction or LossReduction("mean", None), captured=cg,
+                  solver_limits=solver_limits("intra-op", sol.gap))
     stats["total_s"] = time.perf_counter() - t1
     return result

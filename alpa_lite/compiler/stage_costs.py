@@ -382,7 +382,7 @@ class StageSolution:
     (``training_step.training_step`` defers them once the whole stage is known). ``ilp_memory``: the
     two parts of the ILP's memory constraint at the optimum, ``(w, a)`` with
     ``w + act_scale a <= memory_bytes`` (``w`` includes weights an earlier layer placed, which
-    ``weight_bytes`` leaves out)."""
+    ``weight_bytes`` leaves out). ``gap``: ``ilp.Solution.gap`` (None: proven optimal)."""
 
     seconds: float
     once_seconds: float
@@ -391,6 +391,7 @@ class StageSolution:
     nodes: dict
     compute_seconds: float
     ilp_memory: tuple[float, float]
+    gap: float | None = None
 
 
 def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int = 1, table=None,
@@ -486,8 +487,7 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
     terms = [0.0, 0.0]  # the ILP's memory: sum over weight variables, sum over the others (unscaled)
     for v, m in enumerate(unscaled):
         terms[v not in weight_vars] += m[sol.choice[v]]
-    return StageSolution(max(seconds, 0.0), once, weights, acts, nodes, compute,
-                         tuple(terms))
+    return StageSolution(max(seconds, 0.0), once, weights, acts, nodes, compute, tuple(terms), sol.gap)
 
 
 def _discount_gradient_sync(cg, table, where, graph, names, reshard, weight: float) -> None:

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 SCHEDULES = ("1f1b", "gpipe")
-SOLVERS = ("cbc", "highs")
+SOLVERS = ("auto", "cbc", "highs")
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,9 @@ class PlanOptions:
     layers really are identical)."""
     time_limit: float = 60.0
     """Seconds the ILP solver may take per solve; the best feasible answer found is used after it."""
-    solver: str = "cbc"
-    """``"cbc"`` (ships with PuLP) or ``"highs"`` (needs ``highspy``)."""
+    solver: str = "auto"
+    """``"auto"`` (HiGHS in-process when ``highspy`` is installed, else CBC), ``"cbc"`` (ships
+    with PuLP, one solver process per ILP) or ``"highs"`` (needs ``highspy``)."""
     bucket_bytes: float = 25 * 2**20
     """Largest bucket of deferred data-parallel gradients synchronized together, bytes."""
 

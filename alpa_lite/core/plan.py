@@ -124,6 +124,9 @@ class Plan:
         loss_reduction: how the loss reduces over the batch (``LossReduction``).
         captured: the ``CapturedGraph`` planned (in memory only: the runtime of the planning
             process executes it instead of capturing again; None after ``load_plan``).
+        solver_limits: the ILPs of this plan whose solver stopped at its time limit, each
+            ``{"ilp": which, "gap": relative gap to the solver's bound or None (unknown)}``; such a
+            plan may come out otherwise on a rerun or another machine (empty: every ILP optimal).
     """
 
     mesh: LogicalMesh
@@ -141,6 +144,7 @@ class Plan:
     bucket_bytes: float = 25 * 2**20
     loss_reduction: LossReduction = field(default_factory=lambda: LossReduction("mean", None))
     captured: object = field(default=None, compare=False, repr=False)
+    solver_limits: list[dict] = field(default_factory=list)
 
     kind = "spmd"
 
@@ -184,6 +188,8 @@ class Plan:
             "bucket_bytes": float(self.bucket_bytes),
             "loss_reduction": self.loss_reduction.to_dict(),
         }
+        if self.solver_limits:
+            d["solver_limits"] = self.solver_limits
         if stats:
             d["stats"] = self.stats
         return d
@@ -196,7 +202,8 @@ class Plan:
                    float(d["compute_seconds"]), float(d["comm_seconds"]), float(d["memory_bytes"]),
                    str(d["fingerprint"]), dict(d.get("options", {})), dict(d.get("stats", {})),
                    {k: tuple(v) for k, v in d["grad_sync"].items()}, float(d["bucket_bytes"]),
-                   LossReduction.from_dict(d["loss_reduction"]) if "loss_reduction" in d else LossReduction("mean", None))
+                   LossReduction.from_dict(d["loss_reduction"]) if "loss_reduction" in d else LossReduction("mean", None),
+                   solver_limits=list(d.get("solver_limits", [])))
 
     def to_json(self, path: str | Path | None = None) -> str:
         """The plan as JSON (byte-identical for the same inputs); written to ``path`` if given.
@@ -325,6 +332,11 @@ class PipelinePlan:
         for s in reversed(self.stages):  # earlier stages win
             out |= getattr(s.plan, attribute)
         return out
+
+    @property
+    def solver_limits(self) -> list[dict]:
+        """Every stage's ``Plan.solver_limits``, each with its ``"stage"`` index."""
+        return [{"stage": i} | e for i, s in enumerate(self.stages) for e in s.plan.solver_limits]
 
     def collective_counts(self) -> dict[tuple[str, str], int]:
         """``(kind, phase) -> count`` over one training step, all stages (per microbatch ones x B)."""
