@@ -40,6 +40,7 @@ def cmd_plan(args) -> int:
     from .core.mesh import LogicalMesh, get_cluster, parse_mesh_shape
     from .core.plan import PipelinePlan
     from .tools.explain import collective_table, node_table, param_table, summary_table
+    from .tools.progress import PlanProgress
     from .zoo.models import build_model
 
     console = Console(width=None if sys.stdout.isatty() else 140)
@@ -60,15 +61,12 @@ def cmd_plan(args) -> int:
     for out in (args.json, args.schedule_chart):  # fail before planning, not after
         if out and not Path(out).resolve().parent.is_dir():
             raise ValueError(f"cannot write {out}: the directory {Path(out).parent} does not exist")
-    with console.status("capturing") as status, warnings.catch_warnings(record=True) as caught:
+    with PlanProgress(console) as progress, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
         pipelined = {} if args.pipeline is None else dict(
             pipeline=args.pipeline, schedule=args.schedule, num_microbatches=args.microbatches, num_layers=args.layers)
         result = plan(model, example, mesh, memory_budget=budget, force_data_parallel=args.force_dp,
-                      batch_axis=args.batch_axis, time_limit=args.time_limit, **pipelined,
-                      progress=lambda stage: status.update({"capture": "capturing the model (torch.export)",
-                                                            "strategies": "enumerating sharding strategies",
-                                                            "ilp": "solving the intra-op ILP"}.get(stage, stage)))
+                      batch_axis=args.batch_axis, time_limit=args.time_limit, **pipelined, progress=progress)
     for w in caught:
         if "strateg" in str(w.message):
             console.print(f"[yellow]warning:[/] {w.message}")

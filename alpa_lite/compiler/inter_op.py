@@ -121,7 +121,7 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
         shapes = submesh_shapes(mesh.shape, pipeline.power_of_two)
         say(f"stage costs (B={b}, {len(layers)} layers, {len(shapes)} submesh shapes, {workers} workers)")
         costs.prefetch([(k, i, q) for k in range(len(layers)) for i in range(k + 1, len(layers) + 1) for q in shapes
-                        if pruned.kept(k, i, q)], workers)
+                        if pruned.kept(k, i, q)], workers, say)
         say(f"stage DP (B={b})")
         res = None
         for cost in (pruned, costs):  # the FLOPs-balance pruning may leave no way to make num_stages

@@ -35,7 +35,6 @@ in ~30 s at B = 128 and ~60 s at B = 32 (docs/plan_quality.md).
 """
 from __future__ import annotations
 
-import itertools
 import math
 import multiprocessing
 import time
@@ -150,23 +149,30 @@ class GraphStageCosts:
             self._memo[key] = self._options(start, end, submesh)
         return self._memo[key]
 
-    def prefetch(self, keys: Sequence[tuple[int, int, tuple[int, int]]], workers: int = 1) -> None:
+    def prefetch(self, keys: Sequence[tuple[int, int, tuple[int, int]]], workers: int = 1,
+                 progress: Callable[[str], None] | None = None) -> None:
         """Compute ``self(start, end, submesh)`` for every key of ``keys``, in up to ``workers``
         forked processes, one task per submesh. Submeshes of different sizes have disjoint
-        logical shapes, so the tasks share no ILP and the options equal a serial run's."""
+        logical shapes, so the tasks share no ILP and the options equal a serial run's.
+        ``progress(message)`` is called as each submesh's task starts."""
+        say = progress or (lambda message: None)
         groups: dict[tuple[int, int], list] = {}
         for key in keys:
             if key not in self._memo:
                 groups.setdefault(key[2], []).append(key)
         tasks = sorted(groups.values(), key=len, reverse=True)
         if workers <= 1 or len(tasks) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-            for key in itertools.chain(*tasks):
-                self(*key)
+            for task in tasks:
+                say(f"stage costs on submesh {task[0][2][0]}x{task[0][2][1]} ({len(task)} layer ranges)")
+                for key in task:
+                    self(*key)
             return
         global _PREFETCHING
         _PREFETCHING = self  # what the forked workers inherit
         try:
             with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("fork")) as pool:
+                say(f"stage costs on submeshes {', '.join(f'{t[0][2][0]}x{t[0][2][1]}' for t in tasks)} in "
+                    f"{min(workers, len(tasks))} processes")
                 for memo, stats in pool.map(_prefetch_task, tasks):
                     self._memo.update(memo)
                     for k, v in stats.items():
