@@ -1,4 +1,4 @@
-"""The ``alpa-lite`` command line: plan, train, run, verify, profile."""
+"""The ``alpa-lite`` command line: plan, train, run, verify, profile, diff."""
 from __future__ import annotations
 
 import argparse
@@ -114,6 +114,16 @@ def cmd_verify(args) -> int:
     return verify_main(args)
 
 
+def cmd_diff(args) -> int:
+    from .core.plan import load_plan
+    from .tools.diff import diff_plans, diff_tables
+
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    for table in diff_tables(diff_plans(load_plan(args.a), load_plan(args.b)), (args.a, args.b)):
+        console.print(table)
+    return 0
+
+
 def cmd_profile(args) -> int:
     from .tools.profile import run
 
@@ -129,6 +139,7 @@ EXAMPLES = {
     "train": ["alpa-lite train --model gpt-tiny --nproc 4 --mesh 2x2 --steps 200",
               "alpa-lite train --nproc 1 --mesh 1x1 --cluster cpu.json --steps 10 --report"],
     "verify": ["alpa-lite verify llama --mesh 2x2 --seq 8 --steps 3"],
+    "diff": ["alpa-lite diff free.json tight.json"],
     "profile": ["alpa-lite profile --nproc 4 --mesh 2x2 --out cluster.json",
                 "alpa-lite profile --nproc 1 --out cpu.json"],
 }
@@ -165,6 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
     f = _subparser(sub, "profile", "measure collectives and compute; write a cluster JSON")
     profile_args(f)
     f.set_defaults(func=cmd_profile)
+    d = _subparser(sub, "diff", "compare two plan JSON files: changed parameter specs, collectives added or "
+                                "removed, predicted time and memory")
+    d.add_argument("a", help="the first plan (JSON)")
+    d.add_argument("b", help="the second plan (JSON)")
+    d.set_defaults(func=cmd_diff)
     return parser
 
 
