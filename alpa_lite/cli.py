@@ -1,4 +1,4 @@
-"""The ``alpa-lite`` command line: plan, train, run, verify, profile."""
+"""The ``alpa-lite`` command line: plan, train, run, verify, profile, diff."""
 from __future__ import annotations
 
 import argparse
@@ -45,6 +45,7 @@ def cmd_plan(args) -> int:
     from .core.mesh import LogicalMesh, get_cluster, parse_mesh_shape
     from .core.plan import PipelinePlan
     from .tools.explain import collective_table, node_table, param_table, summary_table
+    from .tools.progress import PlanProgress
     from .zoo.models import build_model
 
     console = Console(width=None if sys.stdout.isatty() else 140)
@@ -65,16 +66,14 @@ def cmd_plan(args) -> int:
     for out in (args.json, args.schedule_chart):  # fail before planning, not after
         if out and not Path(out).resolve().parent.is_dir():
             raise ValueError(f"cannot write {out}: the directory {Path(out).parent} does not exist")
-    with console.status("capturing") as status, warnings.catch_warnings(record=True) as caught:
+    with PlanProgress(console) as progress, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
         pipelined = {} if args.pipeline is None else dict(
             pipeline=args.pipeline, schedule=args.schedule, chunks=args.chunks, num_microbatches=args.microbatches,
             num_layers=args.layers)
         result = plan(model, example, mesh, memory_budget=budget, force_data_parallel=args.force_dp,
                       batch_axis=args.batch_axis, zero_stage=args.zero_stage, time_limit=args.time_limit, **pipelined,
-                      progress=lambda stage: status.update({"capture": "capturing the model (torch.export)",
-                                                            "strategies": "enumerating sharding strategies",
-                                                            "ilp": "solving the intra-op ILP"}.get(stage, stage)))
+                      progress=progress)
     for w in caught:
         if "strateg" in str(w.message):
             console.print(f"[yellow]warning:[/] {w.message}")
@@ -122,6 +121,16 @@ def cmd_verify(args) -> int:
     return verify_main(args)
 
 
+def cmd_diff(args) -> int:
+    from .core.plan import load_plan
+    from .tools.diff import diff_plans, diff_tables
+
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    for table in diff_tables(diff_plans(load_plan(args.a), load_plan(args.b)), (args.a, args.b)):
+        console.print(table)
+    return 0
+
+
 def cmd_profile(args) -> int:
     from .tools.profile import run
 
@@ -137,6 +146,7 @@ EXAMPLES = {
     "train": ["alpa-lite train --model gpt-tiny --nproc 4 --mesh 2x2 --steps 200",
               "alpa-lite train --nproc 1 --mesh 1x1 --cluster cpu.json --steps 10 --report"],
     "verify": ["alpa-lite verify llama --mesh 2x2 --seq 8 --steps 3"],
+    "diff": ["alpa-lite diff free.json tight.json"],
     "profile": ["alpa-lite profile --nproc 4 --mesh 2x2 --out cluster.json",
                 "alpa-lite profile --nproc 1 --out cpu.json"],
 }
@@ -173,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     f = _subparser(sub, "profile", "measure collectives and compute; write a cluster JSON")
     profile_args(f)
     f.set_defaults(func=cmd_profile)
+    d = _subparser(sub, "diff", "compare two plan JSON files: changed parameter specs, collectives added or "
+                                "removed, predicted time and memory")
+    d.add_argument("a", help="the first plan (JSON)")
+    d.add_argument("b", help="the second plan (JSON)")
+    d.set_defaults(func=cmd_diff)
     return parser
 
 

@@ -11,6 +11,8 @@ and ``v100`` cluster presets, the predicted training-step time of
   vocab-parallel weights (Narayanan et al., SC21) and, for MoE, the same plus the experts split
   over their expert dim (expert parallelism, GShard / DeepSpeed-MoE); Wide-ResNet has no tensor
   parallelism (``tp = 1``: Alpa's PP-DP baseline); 1F1B;
+- **no pipeline**: ``alpa_lite.plan`` without ``pipeline`` (the intra-op plan on the whole mesh,
+  one microbatch); the pipelined search holds it (B = 1, one stage), so alpa-lite is never slower;
 - **data parallel**: one stage, batch over every device, weights replicated;
 - **ZeRO-3**: one stage, batch over every device, every weight sharded (dim 0) over every device;
 - **equal-layer pipeline**: the best ``pp`` with equal layer counts per stage and ``D / pp``
@@ -42,6 +44,7 @@ from alpa_lite.core.mesh import LogicalMesh, get_cluster
 from alpa_lite.zoo.models import build_model
 from alpa_lite import plan
 from alpa_lite.compiler.clustering import cluster_layers
+from alpa_lite.compiler.ilp import MemoryBudgetError
 from alpa_lite.compiler.stage_costs import GraphStageCosts
 from alpa_lite.compiler.stage_dp import PipelinePlanError, in_flight
 from alpa_lite.core.options import PipelineOptions, PlanOptions
@@ -189,9 +192,15 @@ def run(suites, models, presets, microbatches, num_layers, time_limit, console, 
                         + f" B={p.num_microbatches}")
                 except PipelinePlanError as e:
                     ours, plan_s, config = math.inf, time.perf_counter() - t0, f"infeasible: {e}"
+                limits = [] if math.isinf(ours) else p.solver_limits
+                try:
+                    spmd = plan(model, example, LogicalMesh(shape, cluster=preset), time_limit=time_limit).step_seconds
+                except MemoryBudgetError:
+                    spmd = math.inf
                 base = baselines(model, example, suite, shape, preset, microbatches, num_layers, time_limit)
                 row = {"suite": key, "preset": preset, "model": name, "devices": shape[0] * shape[1],
-                       "alpa_lite_s": ours, "alpa_lite_config": config, "plan_time_s": plan_s}
+                       "alpa_lite_s": ours, "alpa_lite_config": config, "plan_time_s": plan_s,
+                       "no_pipeline_s": spmd, "solver_limits": limits}
                 for kind, (value, cfg) in base.items():
                     row[kind] = value
                     row[kind + " config"] = cfg
@@ -213,15 +222,17 @@ def table(rows, key: str) -> Table:
     suite = SUITES[key]
     seq = f", seq {suite.seq}" if suite.seq else ""
     t = Table(title=f"{suite.title} suite, global batch {suite.global_batch}{seq}: predicted step time (s)")
-    for col in ("cluster", "model", "GPUs", "alpa-lite", "grid best", "ratio", "data parallel", "ZeRO-3",
-                "equal-layer PP", "plan time"):
+    for col in ("cluster", "model", "GPUs", "alpa-lite", "no pipeline", "grid best", "ratio", "data parallel",
+                "ZeRO-3", "equal-layer PP", "plan time", "ILPs at time limit"):
         t.add_column(col, justify="left" if col in ("cluster", "model") else "right")
     fmt = lambda x: "-" if x is None or not math.isfinite(x) else f"{x:.3f}"
     for r in suite_rows(rows, key):
         ratio = r["alpa_lite_s"] / r["grid"] if math.isfinite(r["grid"]) else math.nan
-        t.add_row(r["preset"], r["model"], str(r["devices"]), fmt(r["alpa_lite_s"]), fmt(r["grid"]),
-                  "-" if math.isnan(ratio) else f"{ratio:.3f}x", fmt(r["data parallel"]), fmt(r["zero-3"]),
-                  fmt(r["equal-layer pipeline"]), f"{r['plan_time_s']:.1f} s")
+        limits = r.get("solver_limits")  # rows measured before it was recorded: "?"
+        t.add_row(r["preset"], r["model"], str(r["devices"]), fmt(r["alpa_lite_s"]), fmt(r.get("no_pipeline_s")),
+                  fmt(r["grid"]), "-" if math.isnan(ratio) else f"{ratio:.3f}x", fmt(r["data parallel"]),
+                  fmt(r["zero-3"]), fmt(r["equal-layer pipeline"]), f"{r['plan_time_s']:.1f} s",
+                  "?" if limits is None else str(len(limits)))
     return t
 
 
@@ -260,7 +271,7 @@ def main():
     ap.add_argument("--suites", default=",".join(SUITES))
     ap.add_argument("--presets", default="a100,v100")
     ap.add_argument("--models", default="", help="only these models of the suites (default: all)")
-    ap.add_argument("--microbatches", default="16,32,64", help="candidate microbatch counts B")
+    ap.add_argument("--microbatches", default="1,2,4,8,16,32,64", help="candidate microbatch counts B")
     ap.add_argument("--layers", type=int, default=8, help="layers L of the clustering")
     ap.add_argument("--time-limit", type=float, default=30.0, help="ILP seconds per solve")
     ap.add_argument("--out", default="docs/plan_quality", help="writes OUT.json (cases done so far: a rerun "

@@ -1,6 +1,7 @@
 """Planning time and ILP size for Alpa's GPT-3 shapes (125M ... 39B) on meshes up to 8x8.
 
     python benchmarks/plan_time.py [--out docs/plan_time.md]
+    python benchmarks/plan_time.py --case gpt3-39b:8x8:32 --pipeline auto [--microbatches 32] [--solver cbc]
 
 For each case: capture (torch.export on meta tensors), strategy enumeration + cost graph, ILP
 solve, with the graph size before and after merging (follower ops, shared repeated blocks).
@@ -30,9 +31,16 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="docs/plan_time.md")
     ap.add_argument("--cluster", default="a100")
+    ap.add_argument("--case", action="append", default=[], metavar="MODEL:NxM:BATCH",
+                    help="time only these plans and print them (the doc is not written)")
+    ap.add_argument("--pipeline", default=None, help="with --case: 'auto' or a stage count")
+    ap.add_argument("--microbatches", type=int, default=None, help="with --case --pipeline: B (default: searched)")
+    ap.add_argument("--solver", default="auto", choices=("auto", "cbc", "highs"))
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     console = Console(width=180)
+    if args.case:
+        return _cases(args, console)
     rows = []
     for name, shape, batch in CASES:
         t0 = time.perf_counter()
@@ -70,6 +78,22 @@ def main() -> int:
         "operand and sharing one variable across identical transformer blocks.\n\n![planning time](plan_time.png)\n")
     _plot(rows, out.with_suffix(".png"))
     console.print(f"written {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+def _cases(args, console) -> int:
+    for case in args.case:
+        name, mesh, batch = case.split(":")
+        shape = tuple(int(x) for x in mesh.split("x"))
+        t0 = time.perf_counter()
+        model, example = build_model(name, int(batch))
+        pipe = {} if args.pipeline is None else {"pipeline": args.pipeline, "num_microbatches": args.microbatches}
+        p = plan(model, example, LogicalMesh(shape, cluster=args.cluster), solver=args.solver, **pipe)
+        wall = time.perf_counter() - t0
+        layout = (f"{len(p.stages)} stages, B={p.num_microbatches}, {p.stats['ilp_solves']} stage ILPs, "
+                  f"{p.stats['ilp_s']:.1f} s in them" if args.pipeline else f"ILP {p.stats['ilp_s']:.2f} s")
+        console.print(f"{case} pipeline={args.pipeline} solver={args.solver}: {wall:.1f} s "
+                      f"(predicted step {p.step_seconds:.4f} s; {layout}; {len(p.solver_limits)} ILPs at the time limit)")
     return 0
 
 

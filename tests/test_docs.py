@@ -129,6 +129,21 @@ def _mlp_budget(d, args):
     assert "step time (predicted)" in r.stdout and "collectives per training step" in r.stdout
 
 
+def _mlp_free(d, args):
+    r = alpa_lite(args, d)
+    assert "step time (predicted)" in r.stdout and (d / "free.json").exists()
+
+
+def _diff(d, args):  # the two plans of the commands above (made here when run alone)
+    for name, budget in (("free.json", []), ("tight.json", ["--memory-budget", "0.002"])):
+        if not (d / name).exists():
+            alpa_lite(["plan", "mlp", "--mesh", "1x4", "--cluster", "unit", *budget, "--json", name], d)
+    r = alpa_lite(args, d)
+    # without a budget the MLP is data parallel; at 2 MB its weights are Megatron-split
+    assert "parameter specs changed" in r.stdout and "RR" in r.stdout and "S1R" in r.stdout
+    assert "step time (predicted)" in r.stdout and "collectives:" in r.stdout
+
+
 def _explain(d, args):
     r = alpa_lite(args, d)
     chosen = [line for line in r.stdout.splitlines() if "│ * │" in line]
@@ -207,7 +222,9 @@ CHECKS = {
     "alpa-lite train --model gpt-tiny --nproc 4 --mesh 2x2 --steps 200": _main_job,
     "python -m pytest -q": None,  # the suite this file belongs to
     "alpa-lite plan gpt3-2.6b --mesh 2x4 --cluster a100 --batch 16 --json plan.json": _plan_json,
-    "alpa-lite plan mlp --mesh 1x4 --cluster unit --memory-budget 0.002": _mlp_budget,
+    "alpa-lite plan mlp --mesh 1x4 --cluster unit --memory-budget 0.002 --json tight.json": _mlp_budget,
+    "alpa-lite plan mlp --mesh 1x4 --cluster unit --json free.json": _mlp_free,
+    "alpa-lite diff free.json tight.json": _diff,
     "alpa-lite plan mlp --mesh 1x4 --cluster unit --memory-budget 0.002 --explain linear_1": _explain,
     "alpa-lite train --model gpt2-hf --nproc 4 --mesh 2x2": _train_gpt2_hf,
     "alpa-lite plan gpt3-2.6b --mesh 1x8 --batch 64 --pipeline auto --schedule-chart step.png": _pipeline_chart,
@@ -373,10 +390,11 @@ def test_setup_and_constraints_match_pyproject():
     project = pytest.importorskip("tomllib").loads((ROOT / "pyproject.toml").read_text())["project"]
     pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines()
                 if line and not line.startswith("#"))
-    tested = {"torch", "pulp", "numpy", "rich", "matplotlib", "transformers", "pytest", "networkx"}  # required + dev
+    tested = {"torch", "pulp", "highspy", "numpy", "rich", "matplotlib", "transformers", "pytest",
+              "networkx"}  # required + dev
     assert set(pins) == tested and all(re.fullmatch(r"\d+(\.\d+)+", v) for v in pins.values())
     dev = project["optional-dependencies"]["dev"]
-    assert "[plot,hf]" in dev[0] and {re.split(r"[<>=]", r)[0] for r in dev[1:]} == {"pytest", "networkx"}
+    assert "[plot,hf,highs]" in dev[0] and {re.split(r"[<>=]", r)[0] for r in dev[1:]} == {"pytest", "networkx"}
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     assert '-c constraints.txt -e ".[dev]"' in setup
     checked = set(re.search(r'import (alpa_lite, [^"]+)"', setup).group(1).split(", "))

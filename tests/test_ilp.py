@@ -1,9 +1,18 @@
-"""The ILP optimum equals exhaustive enumeration on small random cost graphs."""
+"""The ILP optimum equals exhaustive enumeration on small random cost graphs, with CBC and with
+HiGHS (in-process), and both solvers plan Alpa's MLP regimes alike."""
 import random
 
 import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
-from alpa_lite.compiler.ilp import CostGraph, MemoryBudgetError, brute_force, solve
+from alpa_lite import LogicalMesh, load_plan, plan
+from alpa_lite.compiler import intra_op
+from alpa_lite.compiler.ilp import CostGraph, MemoryBudgetError, SolverError, brute_force, highs_available, solve
+from alpa_lite.tools.explain import summary_table
+
+needs_highs = pytest.mark.skipif(not highs_available(), reason="highspy is not installed (alpa-lite[highs])")
 
 
 def random_graph(seed: int, classes: int | None = None) -> CostGraph:
@@ -144,3 +153,71 @@ def test_shared_move_is_paid_once():
     assert len(g.moves) == 1 and g.objective([0, 0, 0, 0, 0]) == pytest.approx(5.0)
     sol = solve(g)
     assert sol.objective == pytest.approx(3.0) and sol.choice[1:4] == [1, 1, 1]
+
+
+@needs_highs
+@pytest.mark.parametrize("seed", range(6))
+def test_highs_and_cbc_find_the_brute_force_optimum(seed):
+    g = random_graph(300 + seed, classes=2 if seed % 2 else None)
+    lo, hi = g.min_memory(), sum(max(m) for m in g.memory)
+    for budget in (float("inf"), lo + 0.3 * (hi - lo)):
+        exact = brute_force(g, budget).objective
+        for solver in ("cbc", "highs", "auto"):
+            sol = solve(g, budget, solver=solver)
+            assert sol.gap is None and sol.status == "Optimal"
+            assert sol.memory <= budget + 1e-9
+            assert sol.objective == pytest.approx(exact, rel=1e-6, abs=1e-6), solver
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden, layers=4):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers))
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = F.relu(layer(x))
+        return F.mse_loss(x, y)
+
+
+def mlp_plan(hidden, batch, **options):
+    with torch.device("meta"):
+        model = MLP(hidden)
+    x, y = torch.zeros(batch, hidden, device="meta"), torch.zeros(batch, hidden, device="meta")
+    return plan(model, (x, y), LogicalMesh((1, 4), mesh_alpha=(1, 1), mesh_beta=(1, 1), cluster="unit"), **options)
+
+
+@needs_highs
+@pytest.mark.parametrize("hidden, batch, budget", [(256, 32, 2e6), (32, 256, 2.4e5)])  # Megatron; data parallel
+def test_highs_and_cbc_plan_the_mlp_regimes_alike(hidden, batch, budget):
+    cbc, highs = (mlp_plan(hidden, batch, memory_budget=budget, solver=s) for s in ("cbc", "highs"))
+    assert highs.step_seconds == pytest.approx(cbc.step_seconds, rel=1e-9)
+    assert highs.param_specs == cbc.param_specs
+
+
+def test_highs_without_highspy_says_how_to_install(monkeypatch):
+    monkeypatch.setattr("alpa_lite.compiler.ilp.highs_available", lambda: False)
+    with pytest.raises(SolverError, match=r"alpa-lite\[highs\]"):
+        solve(random_graph(1), solver="highs")
+    assert solve(random_graph(1), solver="auto").objective == pytest.approx(brute_force(random_graph(1)).objective)
+
+
+def test_a_reached_time_limit_is_in_the_plan_and_its_explanation(monkeypatch):
+    """The solver's gap when it stops at its time limit travels into the plan (JSON included) and
+    the summary table; a proven optimum leaves no entry."""
+    assert mlp_plan(32, 64).solver_limits == []
+    real = intra_op.solve
+
+    def stopped_early(*args, **kwargs):
+        sol = real(*args, **kwargs)
+        sol.status, sol.gap = "TimeLimit", 0.125
+        return sol
+
+    monkeypatch.setattr(intra_op, "solve", stopped_early)
+    p = mlp_plan(32, 64, time_limit=7.0)
+    assert p.solver_limits == [{"ilp": "intra-op", "gap": 0.125}]
+    assert load_plan(p.to_json()).solver_limits == p.solver_limits
+    from rich.console import Console
+    console = Console(width=300, record=True)
+    console.print(summary_table(p))
+    assert "intra-op: gap 12.50% (limit 7.0 s" in console.export_text()

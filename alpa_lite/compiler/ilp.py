@@ -1,4 +1,4 @@
-r"""The intra-operator ILP (Alpa, OSDI'22, section 4.2), solved with PuLP.
+r"""The intra-operator ILP (Alpa, OSDI'22, section 4.2), solved with PuLP (CBC, or HiGHS in-process).
 
 Given a cost graph with variables ``v`` (each a node, or a group of merged nodes) holding
 ``k_v`` candidate strategies and edges ``(u, v)`` with resharding cost matrices ``R_uv``:
@@ -173,11 +173,16 @@ class CostGraph:
 
 @dataclass
 class Solution:
+    """An assignment and its figures. ``gap``: None when the solver proved it optimal; when the
+    time limit was reached first, the relative gap between it and the solver's lower bound
+    (``math.inf`` where the solver reports none: CBC run as a process)."""
+
     choice: list[int]
     objective: float
     memory: float
     status: str
     remat: tuple[bool, ...] = ()
+    gap: float | None = None
 
 
 def _identical(vectors) -> list[list[int]]:
@@ -188,9 +193,20 @@ def _identical(vectors) -> list[list[int]]:
     return list(groups.values())
 
 
+def highs_available() -> bool:
+    """Whether HiGHS can solve in this process (the ``highspy`` package, ``alpa-lite[highs]``)."""
+    return pulp.HiGHS().available()
+
+
 def _solver(time_limit: float, name: str):
-    if name == "highs" or (name == "auto" and "HiGHS" in pulp.listSolvers(onlyAvailable=True)):
-        return pulp.HiGHS(msg=False, timeLimit=time_limit, threads=1, random_seed=0)
+    if name == "highs" and not highs_available():
+        raise SolverError("solver='highs' needs the highspy package: pip install 'alpa-lite[highs]' "
+                          "(or use solver='auto', which falls back to CBC)")
+    if name == "highs" or (name == "auto" and highs_available()):
+        # in-process: no model file and no solver process per ILP, as CBC needs; objectives are
+        # seconds (~1e-3), so HiGHS's default gaps (1e-4 relative, 1e-6 absolute) would stop far
+        # from the optimum CBC proves
+        return pulp.HiGHS(msg=False, timeLimit=time_limit, threads=1, random_seed=0, gapRel=1e-7, gapAbs=1e-12)
     # CBC's primal heuristics cost more than they save on these small problems (3x on the
     # per-layer ILPs of GPT-3 39B): branch and bound from the feasible start ``solve`` gives
     return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, threads=1, warmStart=True,
@@ -205,9 +221,15 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
         graph: the cost graph.
         memory_budget: bytes per device.
         time_limit: seconds given to the MILP solver; the best incumbent is used when reached.
-        solver: ``"cbc"`` (bundled with PuLP), ``"highs"`` (needs highspy) or ``"auto"``.
+        solver: ``"cbc"`` (bundled with PuLP), ``"highs"`` (needs highspy) or ``"auto"`` (HiGHS
+            when highspy is installed, else CBC).
         switches: the planning switches that made the forbidden (``inf``) entries
             (``PlanOptions.restrictions``), named by the error when nothing is feasible.
+
+    Returns:
+        the ``Solution``; its ``gap`` says whether the time limit was reached (then the answer
+        depends on the machine's speed and load: ``api.parallelize`` plans on rank 0 only and
+        broadcasts, so the ranks of a job still agree).
 
     Raises:
         MemoryBudgetError: the budget is below the least memory any plan needs.
@@ -306,8 +328,12 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
                           f"{len(graph.edges)} edges){blame or '; try a longer time_limit'}")
     choice = [0 if xs is None else max(range(len(xs)), key=lambda p: xs[p].value() or 0.0) for xs in s]
     remat = tuple(x is True or (x is not True and (x.value() or 0.0) > 0.5) for x in r)
-    return Solution(choice, graph.objective(choice, remat), graph.memory_of(choice, remat), pulp.LpStatus[status],
-                    remat)
+    gap = None
+    if prob.sol_status == pulp.LpSolutionIntegerFeasible:  # stopped by the time limit with an incumbent
+        model = getattr(prob, "solverModel", None)  # HiGHS in-process reports its gap; the CBC process does not
+        gap = float(model.getInfo().mip_gap) if model is not None else math.inf
+    return Solution(choice, graph.objective(choice, remat), graph.memory_of(choice, remat),
+                    "Optimal" if gap is None else "TimeLimit", remat, gap)
 
 
 def _remat_terms(prob, graph: CostGraph, s, add, unit: float):
@@ -379,6 +405,11 @@ def _shared_move(prob, g: int, s, u: int, readers, matrix, add) -> None:
         for a, terms in enumerate(per_class):
             if terms:
                 row(terms + [(s[u][p], -1) for p in rows[a]], pulp.LpConstraintLE, 0, f"x_{g}_{c}_{a}")
+
+
+def solver_limits(ilp: str, gap: float | None) -> list[dict]:
+    """``Plan.solver_limits`` entries of one solve: ``[]`` when it was proven optimal."""
+    return [] if gap is None else [{"ilp": ilp, "gap": gap if math.isfinite(gap) else None}]
 
 
 def brute_force(graph: CostGraph, memory_budget: float = math.inf) -> Solution:

@@ -27,6 +27,7 @@ from ..core.plan import PipelinePlan, Plan, StagePlan
 from ..core.schedules import SCHEDULES
 from .clustering import cluster_layers
 from .constraints import check_names
+from .ilp import solver_limits
 from .loss_reduction import loss_reduction
 from .stage_costs import GraphStageCosts, solve_stage
 from .stage_dp import CostFn, PipelinePlanError, StageChoice, bubble_fraction, check_stage_count, stage_dp, submesh_shapes
@@ -127,7 +128,7 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
         shapes = submesh_shapes(mesh.shape, pipeline.power_of_two)
         say(f"stage costs (B={b}, {len(layers)} layers, {len(shapes)} submesh shapes, {workers} workers)")
         costs.prefetch([(k, i, q) for k in range(len(layers)) for i in range(k + 1, len(layers) + 1) for q in shapes
-                        if pruned.kept(k, i, q)], workers)
+                        if pruned.kept(k, i, q)], workers, say)
         say(f"stage DP (B={b})")
         res = None
         for schedule in schedules:
@@ -219,16 +220,19 @@ def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budg
         sol = solve_stage(cg, names, mesh, budget, scale, costs.table(shape, st.start, st.end), options,
                           sync_weight=costs.sync_weight, sends=costs.sends(st.start, st.end))
         nodes, compute = sol.nodes, sol.compute_seconds
+        limits = solver_limits(f"layers {st.start}-{st.end - 1}", sol.gap)
     else:  # the chain of per-layer solutions the DP priced, on this stage's own layers
         fixed: dict = {}
         real: dict = {}
         boundary: dict = {}
         compute = 0.0
+        limits = []
         for j in range(st.start, st.end):
             part = costs.subset(j, j + 1)
             sol = solve_stage(cg, part, mesh, st.option.payload[2], scale, costs.table(shape, j, j + 1), options,
                               fixed=dict(fixed), sync_weight=costs.sync_weight)
             compute += sol.compute_seconds
+            limits += solver_limits(f"layer {j}", sol.gap)
             for n, np_ in sol.nodes.items():
                 (boundary if np_.strategy == "boundary" else real)[n] = np_
             fixed.update({n: real[n].out_specs for n in part if n in real})
@@ -239,7 +243,7 @@ def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budg
                 collectives=collectives, compute_seconds=compute, comm_seconds=sum(c.seconds for c in collectives),
                 memory_bytes=st.option.weight_bytes + st.in_flight * st.option.act_bytes, fingerprint=cg.fingerprint(),
                 options={"memory_budget": budget, "activation_scale": scale, "mode": costs.mode}, grad_sync=grad_sync,
-                bucket_bytes=options.bucket_bytes)
+                bucket_bytes=options.bucket_bytes, solver_limits=limits)
     return StagePlan((st.start, st.end), [n for layer in layers[st.start:st.end] for n in layer.nodes],
                      st.submesh, list(ranks), plan, [n for n, _ in costs.crossing[st.start]],
                      [n for n, _ in costs.crossing[st.end]], st.option.seconds, st.option.once_seconds,

@@ -15,7 +15,7 @@ from ..core.plan import Plan
 from .clustering import cluster_layers
 from .constraints import apply_constraints
 from .cost_graph import build_cost_graph
-from .ilp import solve
+from .ilp import solve, solver_limits
 from .strategies import build_strategies
 from .training_step import node_plan, param_specs_of, training_step
 from .zero import add_zero_strategies, zero_stages
@@ -86,6 +86,7 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
                   stats=stats, grad_sync=grad_sync, bucket_bytes=options.bucket_bytes,
                   loss_reduction=loss_reduction or LossReduction("mean", None),
                   zero_stages=zero_stages(cg, nodes), captured=cg,
-                  remat=[list(layer) for layer, r in zip(layers, sol.remat) if r])
+                  remat=[list(layer) for layer, r in zip(layers, sol.remat) if r],
+                  solver_limits=solver_limits("intra-op", sol.gap))
     stats["total_s"] = time.perf_counter() - t1
     return result

@@ -19,7 +19,9 @@ Two ways to solve a stage of layers ``[k, i)``:
   2x4 A100s the pipeline's step time came out 0.006% above the exact mode's, in a fifth of
   the planning time). Layer ``j`` may use the whole memory; if the stage then does not fit, every
   layer gets ``M / 2^m`` for ``m = 1 .. ceil(log2 (i - k))`` until it does; when no split fits
-  although every layer fits alone, the stage falls back to one ILP (the exact mode).
+  although every layer fits alone, the stage falls back to one ILP (the exact mode). The stage
+  of all layers also gets that one ILP (the intra-op pass's, identical blocks sharing a
+  variable): with ``B = 1`` the search then holds the plan without pipelining.
 
 Data-parallel gradient all-reduces run once per step: the stage ILP, whose objective is per
 microbatch, weighs them ``1 / B`` and reports them as ``o``.
@@ -33,7 +35,6 @@ in ~30 s at B = 128 and ~60 s at B = 32 (docs/plan_quality.md).
 """
 from __future__ import annotations
 
-import itertools
 import math
 import multiprocessing
 import time
@@ -148,23 +149,30 @@ class GraphStageCosts:
             self._memo[key] = self._options(start, end, submesh)
         return self._memo[key]
 
-    def prefetch(self, keys: Sequence[tuple[int, int, tuple[int, int]]], workers: int = 1) -> None:
+    def prefetch(self, keys: Sequence[tuple[int, int, tuple[int, int]]], workers: int = 1,
+                 progress: Callable[[str], None] | None = None) -> None:
         """Compute ``self(start, end, submesh)`` for every key of ``keys``, in up to ``workers``
         forked processes, one task per submesh. Submeshes of different sizes have disjoint
-        logical shapes, so the tasks share no ILP and the options equal a serial run's."""
+        logical shapes, so the tasks share no ILP and the options equal a serial run's.
+        ``progress(message)`` is called as each submesh's task starts."""
+        say = progress or (lambda message: None)
         groups: dict[tuple[int, int], list] = {}
         for key in keys:
             if key not in self._memo:
                 groups.setdefault(key[2], []).append(key)
         tasks = sorted(groups.values(), key=len, reverse=True)
         if workers <= 1 or len(tasks) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-            for key in itertools.chain(*tasks):
-                self(*key)
+            for task in tasks:
+                say(f"stage costs on submesh {task[0][2][0]}x{task[0][2][1]} ({len(task)} layer ranges)")
+                for key in task:
+                    self(*key)
             return
         global _PREFETCHING
         _PREFETCHING = self  # what the forked workers inherit
         try:
             with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("fork")) as pool:
+                say(f"stage costs on submeshes {', '.join(f'{t[0][2][0]}x{t[0][2][1]}' for t in tasks)} in "
+                    f"{min(workers, len(tasks))} processes")
                 for memo, stats in pool.map(_prefetch_task, tasks):
                     self._memo.update(memo)
                     for k, v in stats.items():
@@ -183,16 +191,20 @@ class GraphStageCosts:
             found = []
             for shape in self.shapes(submesh):
                 if self.mode == "exact":
-                    opt = self._solve_cached(sig, names, shape, scale, start, end)
+                    tried = [self._solve_cached(sig, names, shape, scale, start, end)]
                 else:
                     opt, layers_fit = self._chained(start, end, shape, scale)
-                    if opt is None and layers_fit:  # the memory split between layers failed: one ILP
+                    tried = [opt]
+                    if opt is None and layers_fit or (start, end) == (0, len(self.layers)):
+                        # one ILP: the memory split between layers failed, or the stage is the whole
+                        # model (the intra-op pass's ILP: the search holds the plan without pipelining)
                         subset = self.subset(start, end)
-                        opt = self._solve_cached(self._signature(subset), subset, shape, scale, start, end)
-                if opt is not None:
-                    found.append(opt)
-                if opt is not None and (best is None or opt.seconds + opt.once_seconds < best.seconds + best.once_seconds):
-                    best = opt
+                        tried.append(self._solve_cached(self._signature(subset), subset, shape, scale, start, end))
+                for opt in tried:
+                    if opt is not None:
+                        found.append(opt)
+                        if best is None or opt.seconds + opt.once_seconds < best.seconds + best.once_seconds:
+                            best = opt
             options += [o for o in found if o not in options]
             need = self.max_in_flight
             if self.schedule == "1f1b":
@@ -376,7 +388,7 @@ class StageSolution:
     (``training_step.training_step`` defers them once the whole stage is known). ``ilp_memory``: the
     two parts of the ILP's memory constraint at the optimum, ``(w, a)`` with
     ``w + act_scale a <= memory_bytes`` (``w`` includes weights an earlier layer placed, which
-    ``weight_bytes`` leaves out)."""
+    ``weight_bytes`` leaves out). ``gap``: ``ilp.Solution.gap`` (None: proven optimal)."""
 
     seconds: float
     once_seconds: float
@@ -385,6 +397,7 @@ class StageSolution:
     nodes: dict
     compute_seconds: float
     ilp_memory: tuple[float, float]
+    gap: float | None = None
 
 
 def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int = 1, table=None,
@@ -483,8 +496,7 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
     terms = [0.0, 0.0]  # the ILP's memory: sum over weight variables, sum over the others (unscaled)
     for v, m in enumerate(unscaled):
         terms[v not in weight_vars] += m[sol.choice[v]]
-    return StageSolution(max(seconds, 0.0), once, weights, acts, nodes, compute,
-                         tuple(terms))
+    return StageSolution(max(seconds, 0.0), once, weights, acts, nodes, compute, tuple(terms), sol.gap)
 
 
 def _discount_gradient_sync(cg, table, where, graph, names, reshard, weight: float) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .schedules import SCHEDULES
-SOLVERS = ("cbc", "highs")
+SOLVERS = ("auto", "cbc", "highs")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """The dtype names of ``mixed_precision`` and ``reduce_dtype``."""
 
@@ -44,8 +44,9 @@ class PlanOptions:
     layers really are identical)."""
     time_limit: float = 60.0
     """Seconds the ILP solver may take per solve; the best feasible answer found is used after it."""
-    solver: str = "cbc"
-    """``"cbc"`` (ships with PuLP) or ``"highs"`` (needs ``highspy``)."""
+    solver: str = "auto"
+    """``"auto"`` (HiGHS in-process when ``highspy`` is installed, else CBC), ``"cbc"`` (ships
+    with PuLP, one solver process per ILP) or ``"highs"`` (needs ``highspy``)."""
     bucket_bytes: float = 25 * 2**20
     """Largest bucket of deferred data-parallel gradients synchronized together, bytes."""
     zero_stage: int | None = None
@@ -154,8 +155,10 @@ class PipelineOptions:
     ``microbatch_candidates``."""
     num_layers: int | None = None
     """L, layers of the clustering (Alpa section 5.2); None: ``min(module boundaries, 16)``."""
-    microbatch_candidates: tuple[int, ...] = (4, 8, 16, 32, 64)
-    """The B values tried when ``num_microbatches`` is None (those that divide the batch)."""
+    microbatch_candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    """The B values tried when ``num_microbatches`` is None (those that divide the batch). With 1
+    among them the search holds the plan without pipelining (one stage on the whole mesh,
+    ``compiler/stage_costs.py``), so ``pipeline="auto"`` predicts no slower a step than it."""
     imbalance: float = 4.0
     """Skip a (layer range, submesh) pair whose share of the devices differs from its share of the
     FLOPs by more than this factor (both ways); ``math.inf`` keeps all. Retried without when it

@@ -138,6 +138,9 @@ class Plan:
             instead of kept (activation checkpointing, ``PlanOptions.remat``).
         captured: the ``CapturedGraph`` planned (in memory only: the runtime of the planning
             process executes it instead of capturing again; None after ``load_plan``).
+        solver_limits: the ILPs of this plan whose solver stopped at its time limit, each
+            ``{"ilp": which, "gap": relative gap to the solver's bound or None (unknown)}``; such a
+            plan may come out otherwise on a rerun or another machine (empty: every ILP optimal).
     """
 
     mesh: LogicalMesh
@@ -157,6 +160,7 @@ class Plan:
     zero_stages: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
     captured: object = field(default=None, compare=False, repr=False)
     remat: list[list[str]] = field(default_factory=list)
+    solver_limits: list[dict] = field(default_factory=list)
 
     kind = "spmd"
 
@@ -218,6 +222,8 @@ class Plan:
             "zero_stages": {k: {"stage": z, "axes": list(a)} for k, (z, a) in sorted(self.zero_stages.items())},
             "remat": self.remat,
         }
+        if self.solver_limits:
+            d["solver_limits"] = self.solver_limits
         if stats:
             d["stats"] = self.stats
         return d
@@ -232,7 +238,8 @@ class Plan:
                    {k: tuple(v) for k, v in d["grad_sync"].items()}, float(d["bucket_bytes"]),
                    LossReduction.from_dict(d["loss_reduction"]) if "loss_reduction" in d else LossReduction("mean", None),
                    {k: (int(v["stage"]), tuple(v["axes"])) for k, v in d.get("zero_stages", {}).items()},
-                   remat=[list(layer) for layer in d.get("remat", [])])
+                   remat=[list(layer) for layer in d.get("remat", [])],
+                   solver_limits=list(d.get("solver_limits", [])))
 
     def to_json(self, path: str | Path | None = None) -> str:
         """The plan as JSON (byte-identical for the same inputs); written to ``path`` if given.
@@ -367,6 +374,11 @@ class PipelinePlan:
         for s in reversed(self.stages):  # earlier stages win
             out |= getattr(s.plan, attribute)
         return out
+
+    @property
+    def solver_limits(self) -> list[dict]:
+        """Every stage's ``Plan.solver_limits``, each with its ``"stage"`` index."""
+        return [{"stage": i} | e for i, s in enumerate(self.stages) for e in s.plan.solver_limits]
 
     def collective_counts(self) -> dict[tuple[str, str], int]:
         """``(kind, phase) -> count`` over one training step, all stages (per microbatch ones x B)."""

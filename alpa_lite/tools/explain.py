@@ -45,6 +45,12 @@ def summary_table(plan: Plan, title: str = "plan") -> Table:
                       f"{', '.join(_rate(1 / b) for b in m.mesh_beta)} (axis 0, axis 1)")
     budget = plan.options.get("memory_budget") or m.memory_bytes
     st = plan.stats
+    if plan.solver_limits:  # never silent: such a plan may differ on a rerun
+        t.add_row("[yellow]solver time limit[/]", "; ".join(
+            ("" if "stage" not in e else f"stage {e['stage']} ") + f"{e['ilp']}: gap "
+            + ("unknown (CBC)" if e["gap"] is None else f"{e['gap']:.2%}") for e in plan.solver_limits)
+            + f" (limit {plan.options.get('plan', plan.options).get('time_limit')} s; not proven optimal, a rerun "
+              "may plan otherwise)")
     if isinstance(plan, PipelinePlan):  # stages overlap in time: the step is the pipeline formula, not a sum
         n = len(plan.stages)
         t.add_row("step time (predicted)", f"{_seconds(plan.step_seconds)}: {n} stage{'s' if n != 1 else ''}, "
