@@ -5,11 +5,22 @@
 - data parallel: alpa-lite's forced DP plan vs ``torch.nn.parallel.DistributedDataParallel``;
 - tensor parallel: alpa-lite's Megatron plan (the FFN's fc column-split ``S1R``, proj row-split
   ``RS1``, the rest replicated) vs DTensor ``parallelize_module`` with ``ColwiseParallel`` /
-  ``RowwiseParallel`` on the same two layers of every block.
-Every rank trains the built-in GPT (``--hidden``, ``--layers``) with AdamW on the same batches;
-the median step time after warm-up (with its spread) and the peak growth of the resident set during the steps
-(sampled every millisecond, after returning freed heap
-pages to the OS) are compared as ratios alpa-lite / PyTorch.
+  ``RowwiseParallel`` on the same two layers of every block;
+- ZeRO-3: alpa-lite's ``zero_stage=3`` DP plan vs FSDP2 ``fully_shard`` on every block and the
+  root, in fp32, in bf16 (``mixed_precision="bf16"`` vs ``MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=bf16)``) and with every block recomputed (``remat="all"`` vs ``checkpoint_wrapper``
+  on every block);
+- the auto plan (nothing forced) vs the fastest of DDP, DTensor TP and FSDP2.
+Every rank trains the built-in GPT (``--hidden``, ``--layers``) with AdamW on the same batches.
+All configurations are built first, then every step index runs each of them once, in an order
+rotated each step, so a change of machine load falls on all of them alike. Per configuration:
+the median step time after warm-up (with its spread) and the peak memory per rank (the largest
+over the ranks), compared as ratios alpa-lite / PyTorch. Peak memory = the parameter and
+optimizer-state bytes the rank holds (local shards of DTensors) + the largest growth of its
+resident set during one step (sampled every millisecond, from a base taken after returning freed
+heap pages to the OS), which holds gradients, activations, gathered parameters and communication
+buffers. torch has no peak-allocation counter on CPU, and ``tracemalloc`` does not see tensor
+storage.
 """
 from __future__ import annotations
 
@@ -24,7 +35,15 @@ import time
 from pathlib import Path
 
 
-NOTE = ('Ratios are alpa-lite / PyTorch (below 1: alpa-lite is faster or smaller). Both data-parallel runs all-reduce the gradients in buckets of the same size, each started during backward once its gradients are ready. The tensor-parallel runs split the same layers; DTensor pays its per-op dispatch and sharding propagation on every call, alpa-lite runs plain aten ops on local shards with the collectives decided at planning time.')
+NOTE = ("Ratios are alpa-lite / PyTorch (below 1: alpa-lite is faster or smaller). Peak MiB per rank (the largest over "
+        "the ranks) = parameters + optimizer states the rank holds (a DTensor's local shard) + the largest resident-set "
+        "growth during one step (gradients, activations, gathered parameters, communication buffers), sampled every "
+        "millisecond; torch keeps no peak-allocation counter on CPU and tracemalloc does not see tensor storage. The "
+        "resident set moves in whole pages and the allocator keeps some freed memory, so small differences (a few MiB) "
+        "are noise; persistent buffers outside parameters and optimizer states (DDP's gradient buckets) are not counted. "
+        "Both data-parallel runs all-reduce the gradients in buckets of the same size, each started during backward "
+        "once its gradients are ready. The tensor-parallel runs split the same layers. The ZeRO-3 rows shard every "
+        "parameter over the 4 ranks on both sides (FSDP2: one group per block and one for the rest).")
 
 
 def _rss() -> int:
@@ -32,11 +51,13 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-class PeakRSS:
-    """Peak resident-set growth (bytes) while the block runs, sampled every millisecond."""
+class StepMemory:
+    """Peak resident-set growth (bytes) of one step over the resident set just before it, sampled
+    every millisecond by one thread for the whole run."""
 
     def __enter__(self):
         self.base = self.peak = _rss()
+        self.lock = threading.Lock()
         self.running = True
         self.thread = threading.Thread(target=self._sample, daemon=True)
         self.thread.start()
@@ -44,17 +65,25 @@ class PeakRSS:
 
     def _sample(self):
         while self.running:
-            self.peak = max(self.peak, _rss())
+            with self.lock:
+                self.peak = max(self.peak, _rss())
             time.sleep(0.001)
+
+    def reset(self):
+        """Start a new step: the current resident set is the new base."""
+        with self.lock:
+            self.base = self.peak = _rss()
+
+    def growth(self) -> int:
+        return max(self.peak, _rss()) - self.base
 
     def __exit__(self, *exc):
         self.running = False
         self.thread.join()
-        self.growth = self.peak - self.base
 
 
 def _release_free_memory():
-    """Return freed heap pages to the OS so each configuration's growth starts from a clean base."""
+    """Return freed heap pages to the OS so each step's growth starts from a clean base."""
     import ctypes
     import gc
 
@@ -62,85 +91,124 @@ def _release_free_memory():
     ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def _time_steps(step, batches, warmup):
+def _local_bytes(tensors) -> int:
+    """Bytes this rank holds of ``tensors`` (a DTensor counts its local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for t in tensors:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _state_bytes(params, optimizer) -> int:
+    """Parameters plus optimizer states held by this rank, bytes."""
+    import torch
+
+    states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+    return _local_bytes(params) + _local_bytes(states)
+
+
+def _run_interleaved(runners, batches, warmup):
+    """Every step index runs every runner once, in an order rotated each step; returns
+    name -> (median step s, spread, peak bytes: state + largest step growth)."""
     import torch.distributed as dist
 
-    _release_free_memory()
-    times = []
-    with PeakRSS() as mem:
+    names = list(runners)
+    times = {k: [] for k in names}
+    growth = dict.fromkeys(names, 0)
+    with StepMemory() as mem:
         for i, b in enumerate(batches):
-            dist.barrier()
-            t = time.perf_counter()
-            step(b)
-            dt = time.perf_counter() - t
-            if i >= warmup:
-                times.append(dt)
-    q = statistics.quantiles(times, n=4)
-    med = statistics.median(times)
-    return med, (q[2] - q[0]) / 2 / med, mem.growth
+            for k in names[i % len(names):] + names[:i % len(names)]:
+                _release_free_memory()
+                dist.barrier()
+                mem.reset()
+                t = time.perf_counter()
+                runners[k][0](b)
+                dt = time.perf_counter() - t
+                growth[k] = max(growth[k], mem.growth())
+                if i >= warmup:
+                    times[k].append(dt)
+    out = {}
+    for k in names:
+        q = statistics.quantiles(times[k], n=4) if len(times[k]) > 1 else [times[k][0]] * 3
+        med = statistics.median(times[k])
+        out[k] = (med, (q[2] - q[0]) / 2 / med, runners[k][1]() + growth[k])
+    return out
 
 
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from alpa_lite.runtime.launch import init_distributed
     from alpa_lite.zoo.models import build_model
     from alpa_lite import parallelize
 
-    init_distributed(300)
-    n = dist.get_world_size()
+    init_distributed(600)
+    n, rank = dist.get_world_size(), dist.get_rank()
     model, example = build_model("gpt-tiny", args.batch, args.seq, device="cpu", hidden=args.hidden,
                                  num_layers=args.layers, num_heads=args.heads)
     batches = [build_model("gpt-tiny", args.batch, args.seq, device="cpu", hidden=args.hidden, num_layers=args.layers,
                            num_heads=args.heads, seed=10 + i)[1] for i in range(args.steps)]
     adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
-    results = {}
-
-    # data parallel
-    ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=args.bucket_mib)
-    opt = adamw(ddp.parameters())
-
-    def ddp_step(b):
-        opt.zero_grad(set_to_none=True)
-        lo, hi = dist.get_rank() * args.batch // n, (dist.get_rank() + 1) * args.batch // n
-        ddp(*(t[lo:hi] for t in b)).backward()
-        opt.step()
-
-    results["DDP"] = _time_steps(ddp_step, batches, args.warmup)
-    alpa_dp = parallelize(copy.deepcopy(model), (1, n), example, optimizer=adamw, force_data_parallel=True,
-                          bucket_bytes=args.bucket_mib * 2**20)
-    results["alpa-lite DP"] = _time_steps(lambda b: alpa_dp.step(*b), batches, args.warmup)
-
-    # tensor parallel (Megatron FFN)
-    tp_model = copy.deepcopy(model)
+    lo, hi = rank * args.batch // n, (rank + 1) * args.batch // n
     mesh = init_device_mesh("cpu", (n,))
-    plan = {}
-    for i in range(args.layers):
-        plan[f"blocks.{i}.ffn.fc"] = ColwiseParallel()
-        plan[f"blocks.{i}.ffn.proj"] = RowwiseParallel()
-    parallelize_module(tp_model, mesh, plan)
-    tp_opt = adamw(tp_model.parameters())
+    runners = {}  # name -> (step(batch), state bytes())
 
-    def dtensor_step(b):
-        tp_opt.zero_grad(set_to_none=True)
-        tp_model(*b).backward()
-        tp_opt.step()
+    def torch_runner(module, data_parallel):
+        opt = adamw(module.parameters())
 
-    results["DTensor TP"] = _time_steps(dtensor_step, batches, args.warmup)
-    specs = {}
-    for fqn, p in model.named_parameters():
-        specs[fqn] = "R" * p.dim()
+        def step(b):
+            opt.zero_grad(set_to_none=True)
+            module(*(t[lo:hi] for t in b) if data_parallel else b).backward()
+            opt.step()
+        return step, lambda: _state_bytes(module.parameters(), opt)
+
+    def alpa_runner(**kw):
+        t = parallelize(copy.deepcopy(model), (1, n), example, optimizer=adamw, bucket_bytes=args.bucket_mib * 2**20,
+                        **kw)
+        return lambda b: t.step(*b), lambda: _state_bytes(t.params.values(), t.optimizer)
+
+    def fsdp2(mp=None, remat=False):
+        m = copy.deepcopy(model)
+        for i, block in enumerate(m.blocks):
+            if remat:
+                block = m.blocks[i] = checkpoint_wrapper(block)
+            fully_shard(block, mesh=mesh, **({"mp_policy": mp} if mp else {}))
+        fully_shard(m, mesh=mesh, **({"mp_policy": mp} if mp else {}))
+        return torch_runner(m, True)
+
+    runners["DDP"] = torch_runner(torch.nn.parallel.DistributedDataParallel(
+        copy.deepcopy(model), bucket_cap_mb=args.bucket_mib), True)
+    runners["alpa-lite DP"] = alpa_runner(force_data_parallel=True)
+    tp_model = copy.deepcopy(model)
+    parallelize_module(tp_model, mesh, {f"blocks.{i}.ffn.{name}": style for i in range(args.layers)
+                                        for name, style in (("fc", ColwiseParallel()), ("proj", RowwiseParallel()))})
+    runners["DTensor TP"] = torch_runner(tp_model, False)
+    specs = {fqn: "R" * p.dim() for fqn, p in model.named_parameters()}
     for i in range(args.layers):
         specs |= {f"blocks.{i}.ffn.fc.weight": "S1R", f"blocks.{i}.ffn.fc.bias": "S1",
                   f"blocks.{i}.ffn.proj.weight": "RS1"}
-    alpa_tp = parallelize(copy.deepcopy(model), (1, n), example, optimizer=adamw, param_specs=specs,
-                          input_specs={"0": "RR", "1": "RR"})
-    results["alpa-lite Megatron TP"] = _time_steps(lambda b: alpa_tp.step(*b), batches, args.warmup)
-    if dist.get_rank() == 0:
-        Path(args.result).write_text(json.dumps(results))
+    runners["alpa-lite Megatron TP"] = alpa_runner(param_specs=specs, input_specs={"0": "RR", "1": "RR"})
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    runners["FSDP2"] = fsdp2()
+    runners["alpa-lite ZeRO-3"] = alpa_runner(force_data_parallel=True, zero_stage=3)
+    runners["FSDP2 bf16"] = fsdp2(mp=bf16)
+    runners["alpa-lite ZeRO-3 bf16"] = alpa_runner(force_data_parallel=True, zero_stage=3, mixed_precision="bf16")
+    runners["FSDP2 remat"] = fsdp2(remat=True)
+    runners["alpa-lite ZeRO-3 remat"] = alpa_runner(force_data_parallel=True, zero_stage=3, remat="all")
+    runners["alpa-lite auto"] = alpa_runner()
+    results = _run_interleaved(runners, batches, args.warmup)
+    gathered = [None] * n
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        Path(args.result).write_text(json.dumps(gathered))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -173,29 +241,40 @@ def main() -> int:
     code = torchrun([__file__, "--worker", "--result", str(result), *argv], nproc=args.nproc)
     if code:
         return code
-    r = json.loads(result.read_text())
+    per_rank = json.loads(result.read_text())
     result.unlink()
-    rows = [("data parallel", "alpa-lite DP", "DDP"), ("tensor parallel", "alpa-lite Megatron TP", "DTensor TP")]
+    # rank 0's median step time (every step starts at a barrier); the largest peak over the ranks
+    r = {k: (t, s, max(rr[k][2] for rr in per_rank)) for k, (t, s, _) in per_rank[0].items()}
+    fastest = min(("DDP", "DTensor TP", "FSDP2"), key=lambda k: r[k][0])
+    rows = [  # label, alpa-lite, PyTorch, time target, memory target (issues 12 and 13)
+        ("data parallel", "alpa-lite DP", "DDP", 1.00, None),
+        ("tensor parallel", "alpa-lite Megatron TP", "DTensor TP", 1.00, None),
+        ("ZeRO-3", "alpa-lite ZeRO-3", "FSDP2", 1.05, None),
+        ("bf16 mixed, ZeRO-3", "alpa-lite ZeRO-3 bf16", "FSDP2 bf16", 1.10, 1.00),
+        ("remat, ZeRO-3", "alpa-lite ZeRO-3 remat", "FSDP2 remat", 1.10, 1.00),
+        ("auto vs fastest manual", "alpa-lite auto", fastest, 1.00, None)]
     table = Table(title=f"runtime on {args.nproc} CPU processes (gloo): GPT hidden {args.hidden}, {args.layers} layers, "
                         f"batch {args.batch}, seq {args.seq}")
     heads = ["", "alpa-lite step ms", "PyTorch step ms", "time ratio", "alpa-lite peak MiB", "PyTorch peak MiB",
-             "memory ratio"]
+             "memory ratio", "target", "holds"]
     for h in heads:
         table.add_column(h, justify="right")
     lines = ["| " + " | ".join(heads[1:]).join(["comparison | ", ""]) + " |", "|" + "---|" * len(heads)]
-    for label, ours, theirs in rows:
+    for label, ours, theirs, t_goal, m_goal in rows:
         (t1, s1, m1), (t2, s2, m2) = r[ours], r[theirs]
+        holds = t1 / t2 <= t_goal and (m_goal is None or m1 / m2 <= m_goal)
+        goal = f"time <= {t_goal:.2f}x" + ("" if m_goal is None else f", memory <= {m_goal:.2f}x")
         cells = [f"{label} ({ours} vs {theirs})", f"{t1 * 1e3:.1f} ±{s1:.0%}", f"{t2 * 1e3:.1f} ±{s2:.0%}", f"{t1 / t2:.2f}",
-                 f"{m1 / 2**20:.1f}", f"{m2 / 2**20:.1f}", f"{m1 / max(m2, 1):.2f}"]
+                 f"{m1 / 2**20:.1f}", f"{m2 / 2**20:.1f}", f"{m1 / m2:.2f}", goal, "yes" if holds else "no"]
         table.add_row(*cells)
         lines.append("| " + " | ".join(cells) + " |")
-    Console(width=160).print(table)
+    Console(width=200).print(table)
     Path(args.out).write_text(
         "# Runtime on CPU processes\n\nCommand: `python benchmarks/runtime_cpu.py " + " ".join(argv) + "` "
-        f"({args.nproc} gloo ranks on a 2-core machine shared with other jobs, so the figures are noisy; median of "
-        f"{args.steps - args.warmup} steps after {args.warmup} warm-up steps, ± half the 25th-75th percentile range "
-        f"relative to the median; gradient buckets of {args.bucket_mib:g} MiB in both DP runs; peak = growth of each "
-        "rank-0 resident set during the steps).\n\n"
+        f"({args.nproc} gloo ranks on a 2-core machine shared with other jobs, so the figures are noisy; every step "
+        f"index runs every configuration once, in an order rotated each step; median of {args.steps - args.warmup} "
+        f"steps after {args.warmup} warm-up steps on rank 0, ± half the 25th-75th percentile range relative to the "
+        f"median; gradient buckets of {args.bucket_mib:g} MiB in the DP runs).\n\n"
         + "\n".join(lines) + "\n\n" + NOTE + "\n")
     return 0
 
