@@ -35,15 +35,15 @@ import time
 from pathlib import Path
 
 
-NOTE = ("Ratios are alpa-lite / PyTorch (below 1: alpa-lite is faster or smaller). Peak MiB per rank (the largest over "
-        "the ranks) = parameters + optimizer states the rank holds (a DTensor's local shard) + the largest resident-set "
-        "growth during one step (gradients, activations, gathered parameters, communication buffers), sampled every "
-        "millisecond; torch keeps no peak-allocation counter on CPU and tracemalloc does not see tensor storage. The "
-        "resident set moves in whole pages and the allocator keeps some freed memory, so small differences (a few MiB) "
-        "are noise; persistent buffers outside parameters and optimizer states (DDP's gradient buckets) are not counted. "
-        "Both data-parallel runs all-reduce the gradients in buckets of the same size, each started during backward "
-        "once its gradients are ready. The tensor-parallel runs split the same layers. The ZeRO-3 rows shard every "
-        "parameter over the 4 ranks on both sides (FSDP2: one group per block and one for the rest).")
+NOTE = ("Ratios are alpa-lite / PyTorch (below 1: alpa-lite is faster or smaller). Peak MiB per rank (the largest "
+        "over the ranks) = parameters + optimizer states the rank holds (a DTensor's local shard) + the largest "
+        "resident-set growth during one step (gradients, activations, gathered parameters, communication buffers), "
+        "sampled every millisecond; torch keeps no peak-allocation counter on CPU and tracemalloc does not see tensor"
+        " storage. The resident set moves in whole pages and the allocator keeps some freed memory, so differences of"
+        " a few MiB are noise; persistent buffers outside parameters and optimizer states (DDP's gradient buckets) "
+        "are not counted. Both data-parallel runs all-reduce the gradients in buckets of the same size, each started "
+        "during backward once its gradients are ready. The tensor-parallel runs split the same layers. The ZeRO-3 "
+        "rows shard every parameter over the 4 ranks on both sides (FSDP2: one group per block and one for the rest).")
 
 
 def _rss() -> int:
