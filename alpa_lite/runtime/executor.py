@@ -35,6 +35,7 @@ import itertools
 import math
 import operator
 import zlib
+from collections import ChainMap
 
 import torch
 import torch.fx
@@ -106,6 +107,11 @@ class LocalExecutor:
         self.cg, self.plan, self.mesh, self.device, self.seed = captured, plan, mesh, device, seed
         self.calls = 0  # runs so far: every run draws new random numbers
         self.remat = {n: i for i, layer in enumerate(plan.remat) for n in layer}  # node -> recomputed layer
+        # per recomputed layer, the values read after it (by a later node, as a graph output, or as
+        # the loss's denominator): only these outlive the layer, the rest are freed and recomputed
+        kept = {plan.loss_reduction.denominator}
+        self._outlive = [{n for n in layer if n in kept or any(self.remat.get(u.name) != i for u in captured.node(n).users)}
+                         for i, layer in enumerate(plan.remat)]
         self.specs = specs = {name: np_.out_specs for name, np_ in plan.nodes.items()}
         # per node, per operand: (producer, producer's spec, wanted spec, gradient partial axes, global shape)
         self.denominators: dict[str, torch.Tensor] = {}
@@ -137,20 +143,25 @@ class LocalExecutor:
         ops = (n for n in self.cg.graph.nodes if n.op == "call_function")
         for layer, nodes in itertools.groupby(ops, key=lambda n: self.remat.get(n.name)):
             if layer is not None and torch.is_grad_enabled():
-                checkpoint(self._run_layer, list(nodes), values, self.calls, use_reentrant=False)
+                checkpoint(self._run_layer, list(nodes), values, self.calls, layer, use_reentrant=False)
             else:
                 self._run_nodes(nodes, values, moved)
         return values
 
-    def _run_layer(self, nodes, values: dict[str, object], calls: int) -> None:
-        """A recomputed layer: it moves its operands itself, again when it is recomputed (the
-        recomputation must run the same ops), and seeds its random ops with the run count of its
-        forward (``calls``: a recomputation after later runs draws the same dropout masks)."""
+    def _run_layer(self, nodes, values: dict[str, object], calls: int, layer: int) -> None:
+        """A recomputed layer: its values live in a scope of their own, and only those read after
+        the layer are kept in ``values`` (the others are freed: that is the memory remat saves);
+        it moves its operands itself, again when it is recomputed (the recomputation must run the
+        same ops), and seeds its random ops with the run count of its forward (``calls``: a
+        recomputation after later runs draws the same dropout masks)."""
         current, self.calls = self.calls, calls
+        scope = ChainMap({}, values)
         try:
-            self._run_nodes(nodes, values, {})
+            self._run_nodes(nodes, scope, {})
         finally:
             self.calls = current
+        for name in self._outlive[layer]:
+            values.setdefault(name, scope.maps[0][name])  # a recomputation leaves the forward's
 
     def _run_nodes(self, nodes, values: dict[str, object], moved: dict) -> None:
         for node in nodes:
