@@ -227,7 +227,8 @@ CHECKS = {
     "alpa-lite diff free.json tight.json": _diff,
     "alpa-lite plan mlp --mesh 1x4 --cluster unit --memory-budget 0.002 --explain linear_1": _explain,
     "alpa-lite train --model gpt2-hf --nproc 4 --mesh 2x2": _train_gpt2_hf,
-    "alpa-lite plan gpt3-2.6b --mesh 1x8 --batch 64 --pipeline auto --schedule-chart step.png": _pipeline_chart,
+    "alpa-lite plan gpt3-2.6b --mesh 1x8 --batch 64 --pipeline auto --microbatches 16 --schedule-chart step.png":
+        _pipeline_chart,
     "alpa-lite verify llama --mesh 2x2 --seq 8 --steps 3": _verify,
     "alpa-lite run --report --nproc 4 examples/parallel_mlp.py": _run_report,
     "alpa-lite profile --nproc 4 --mesh 2x2 --out cluster.json": _profile_2x2,
