@@ -230,6 +230,23 @@ def _check_loss_fn_arity(loss_fn, targets: tuple) -> None:
             "and give the same targets after the inputs to trainer.step(*inputs, *targets)") from None
 
 
+def _check_model_call(model: torch.nn.Module, inputs: tuple, kwargs: dict) -> None:
+    """Raise CaptureError, naming the argument and where to give it, when ``model(*inputs,
+    **kwargs)`` cannot bind to ``model.forward`` (a missing keyword-only input, a misspelled key)."""
+    if model._forward_pre_hooks:  # a hook may supply or rewrite arguments: export reports any mismatch
+        return
+    try:
+        inspect.signature(model.forward).bind(*inputs, **kwargs)
+    except ValueError:  # no signature to read
+        return
+    except TypeError as e:
+        raise CaptureError(
+            f"{type(model).__name__}.forward cannot be called with the {len(inputs)} example input(s) and keyword "
+            f"input(s) {sorted(kwargs)}: {e}; give positional inputs as example_inputs and keyword inputs (keyword-only "
+            "ones included) as example_kwargs={name: tensor} to plan() / parallelize(), and the same keywords to "
+            "trainer.step(*inputs, **kwargs)") from None
+
+
 def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets: tuple = (),
             example_kwargs: dict | None = None, compute_dtype: torch.dtype | None = None) -> CapturedGraph:
     """Capture ``loss_fn(model(*example_inputs, **example_kwargs), *targets)`` (or the model's own
@@ -248,13 +265,15 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets
 
     Raises:
         CaptureError: ``loss_fn`` cannot take ``(output, *targets)`` (the message says to pass
-            ``targets=``), torch.export failed (the message names the construct or op), the graph
+            ``targets=``), ``model.forward`` cannot take the example inputs and keywords (a missing
+            keyword-only input: the message names it and says to pass ``example_kwargs=``), torch.export failed (the message names the construct or op), the graph
             holds a construct the runtime cannot run (a higher-order op such as ``torch.cond``,
             a custom object, an effectful op), or the captured value is not a scalar loss.
     """
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     _check_loss_fn_arity(loss_fn, tuple(targets))
+    _check_model_call(model, tuple(example_inputs), dict(example_kwargs or {}))
     args = tuple(example_inputs) + tuple(targets)
     kwargs = dict(example_kwargs or {})
     wrapper = TrainingLoss(model, loss_fn, len(example_inputs), compute_dtype)
@@ -268,11 +287,14 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets
             except Exception:  # noqa: BLE001
                 raise CaptureError(f"cannot capture {type(model).__name__}: {_first_line(first)}") from first
     _inline_regions(ep.graph_module)
+    _name_outputs(ep)
     if compute_dtype is not None:
         _cast_per_use(ep.graph_module)
     if _mutated_placeholders(ep.graph_module):  # export's training IR writes buffers in place: functionalize
         ep = ep.run_decompositions({})  # (keeps the ops; mutations become outputs, ``buffers_to_mutate``)
     gm = ep.graph_module
+    _drop_layout_copies(gm)
+    _name_outputs(ep)
     sig = ep.graph_signature
     if sig.user_inputs_to_mutate:
         raise CaptureError(f"the model writes its input {next(iter(sig.user_inputs_to_mutate.values()))} in place; "
@@ -466,14 +488,39 @@ def _inline_regions(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _drop_layout_copies(gm: torch.fx.GraphModule) -> None:
+    """Remove ``aten.contiguous`` nodes (each use reads the operand itself), so the graph does not
+    depend on the device it was captured on: export keeps a ``.contiguous()`` only where the
+    operand's strides (the device's kernels: SDPA's output layout differs on meta and CPU) make
+    it copy. The value is the same either way; a ``view`` that needed the copy runs as ``reshape``
+    (the runtime executor, ``_fake_run``)."""
+    for node in list(gm.graph.nodes):
+        if node.target is torch.ops.aten.contiguous.default:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _name_outputs(ep: torch.export.ExportedProgram) -> None:
+    """Point the signature's outputs (the loss, buffer updates) at the graph's output values
+    again: an inlined region's results replace the ``getitem`` nodes that the signature named."""
+    out = next(n for n in reversed(ep.graph.nodes) if n.op == "output")
+    for spec, value in zip(ep.graph_signature.output_specs, out.args[0]):
+        if isinstance(value, torch.fx.Node) and isinstance(spec.arg, TensorArgument):
+            spec.arg = TensorArgument(name=value.name)
+
+
 def _under_autocast(body: torch.fx.GraphModule, operands, device, dtype, enabled, cache) -> torch.fx.Graph:
     """``body`` retraced (``make_fx``, fake tensors) under ``torch.autocast``: autocast's casts
-    become explicit ``_to_copy`` ops."""
+    become explicit ``_to_copy`` ops. Each op keeps the module path (``nn_module_stack``) and
+    stack trace of the op it was traced from (layer clustering reads them)."""
+    from torch.fx import traceback as fx_traceback
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def run(*xs):
-        with torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache):
-            return body(*xs)
+        with torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache), \
+                fx_traceback.preserve_node_meta():
+            return torch.fx.Interpreter(body).run(*xs)
 
     _inline_regions(body)  # nested no_grad regions first: make_fx runs below autograd
     traced = make_fx(run, tracing_mode="fake")(*[a.meta["val"] for a in operands])
@@ -569,6 +616,8 @@ def _fake_run(gm: torch.fx.GraphModule, params: set[str]) -> tuple[set[str], set
                     out = out.detach().requires_grad_(n.name in params)
                 if isinstance(out, torch.Tensor):
                     inputs[n.name] = (out, out._version)
+            elif n.target is torch.ops.aten.view.default:  # as the runtime: on any layout (_drop_layout_copies)
+                out = torch.ops.aten.reshape.default(*self.map_nodes_to_values(n.args, n))
             else:
                 out = super().run_node(n)
             vals = out if isinstance(out, (tuple, list)) else [out]

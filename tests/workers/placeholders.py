@@ -1,6 +1,6 @@
 """Run on every rank by torchrun: small models exercising every placeholder kind and state
 update (frozen parameters, buffers written by batch norm, tensor literals, no-grad regions,
-reentrant checkpoints, dict / nested / keyword inputs) trained under several plans against one
+reentrant checkpoints, autocast regions, dict / nested / keyword inputs) trained under several plans against one
 process. Rank 0 writes one JSON record per (model, plan, optimizer)."""
 import argparse
 import copy
@@ -96,6 +96,36 @@ class Regions(nn.Module):
         return (torch.randn(B, 8, generator=g),), {}
 
 
+class Autocast(nn.Module):
+    """The loss comes out of an autocast region (the region's result is the graph's output),
+    another autocast region returns two values, a no-grad region updates a buffer (an average of
+    activations), and the target ``y`` is a keyword-only input. The autocast regions hold only ops
+    that autocast runs in fp32 (layer norm, elementwise), so a sharded run equals one process
+    (the bf16 casts are checked on one process, tests/test_placeholders.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.fc2 = nn.Linear(8, 8)
+        self.register_buffer("avg", torch.zeros(8))
+
+    def forward(self, x, *, y):
+        h = torch.relu(self.fc1(x))
+        with torch.no_grad():
+            self.avg.mul_(0.9).add_(0.1 * h.mean(0))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            z = self.norm(h)
+            err = (z - y).pow(2)
+        h = self.fc2(z + self.avg)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return err.mean() + h.pow(2).mean()
+
+    @staticmethod
+    def batch(g):
+        return (torch.randn(B, 8, generator=g),), {"y": torch.randn(B, 8, generator=g)}
+
+
 class Structured(nn.Module):
     """A dict input, a nested tuple input and HF-style keyword inputs (``labels=``, a flag)."""
 
@@ -114,7 +144,7 @@ class Structured(nn.Module):
         return ({"a": x()}, (x(), (x(),))), {"labels": torch.randint(0, 4, (B,), generator=g), "scale": 2.0}
 
 
-MODELS = {m.__name__.lower(): m for m in (Frozen, Norm, Literals, Regions, Structured)}
+MODELS = {m.__name__.lower(): m for m in (Frozen, Norm, Literals, Regions, Autocast, Structured)}
 OPTIMIZERS = {"sgd": lambda p: torch.optim.SGD(p, lr=LR), "adamw": lambda p: torch.optim.AdamW(p, lr=LR)}
 
 

@@ -5,8 +5,9 @@
 the HF model inside the zoo's ``LossWrapper`` itself, called as HF models are: ``model(**batch)``
 with a dict of keyword inputs (``example_kwargs``), the loss its own ``out.loss``, "steps": training
 steps (default 2), "optimizer": ``"sgd"`` (default, lr 1e-2) or ``"adamw"`` (lr 1e-2), "plan_mesh":
-``LogicalMesh`` fields (a cluster description) to plan on instead of the CPU cluster}``. A case with
-``plan_mesh`` or ``break`` plans on rank 0 and verifies that plan (its collectives are recorded as
+``LogicalMesh`` fields (a cluster description) to plan on instead of the CPU cluster, "plan_device":
+``"meta"`` to plan with the zoo model built on the meta device (a plan made without the weights)}``.
+A case with ``plan_mesh``, ``plan_device`` or ``break`` plans on rank 0 and verifies that plan (its collectives are recorded as
 ``"plan_collectives"``: ``[kind, phase, node]``); a case with ``break`` breaks the plan JSON first:
 
 - ``"drop-grad-sync"``: remove one parameter's deferred gradient all-reduce (``Plan.grad_sync``);
@@ -74,8 +75,10 @@ def main() -> int:
             options["example_kwargs"] = dict(zip(keys, example))
             example, batches = (), [dict(zip(keys, b)) for b in batches]
         try:
-            if "break" in case or "plan_mesh" in case:
-                box = [rank0_plan(model, example, shape, options, case) if dist.get_rank() == 0 else None]
+            if "break" in case or "plan_mesh" in case or "plan_device" in case:
+                planned = (build_model(case["model"], case.get("batch", 8), case.get("seq"), device=case["plan_device"],
+                                       **case.get("overrides", {})) if "plan_device" in case else (model, example))
+                box = [rank0_plan(*planned, shape, options, case) if dist.get_rank() == 0 else None]
                 dist.broadcast_object_list(box, src=0)
                 options = {"plan": box[0]}
             optimizer = OPTIMIZERS[case.get("optimizer", "sgd")]
