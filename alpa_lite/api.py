@@ -17,6 +17,7 @@ from .compiler.ilp import MemoryBudgetError
 from .compiler.inter_op import plan_pipeline
 from .compiler.intra_op import plan_intra_op
 from .compiler.loss_reduction import loss_reduction
+from .compiler.plan_cache import PlanCache
 from .compiler.stage_dp import PipelinePlanError
 from .core.capture import CaptureError, CapturedGraph, batch_size, capture, rows
 from .core.mesh import LogicalMesh
@@ -30,7 +31,8 @@ from .runtime.trainer import ParallelTrainer, device_mesh
 
 def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None, *, targets: tuple = (),
          example_kwargs: dict | None = None, options: PlanOptions | None = None,
-         pipeline: PipelineOptions | str | int | None = None, progress=None, **option_fields) -> Plan | PipelinePlan:
+         pipeline: PipelineOptions | str | int | None = None, progress=None, cache: str | Path | None = None,
+         **option_fields) -> Plan | PipelinePlan:
     """Plan the training step of ``model`` on ``mesh``: the intra-operator sharding plan that
     minimizes the predicted step time (Alpa, OSDI'22, section 4), or with ``pipeline`` a
     pipelined plan: stages on submeshes of the cluster ``mesh`` (N nodes x M devices), each with
@@ -48,6 +50,10 @@ def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None
             to every stage of a pipelined plan too.
         pipeline: ``None`` (no pipeline), ``"auto"``, a stage count ``K`` or ``PipelineOptions``.
         progress: ``progress(stage: str)`` called as planning advances.
+        cache: a directory (created if missing) keeping ILP answers between runs: planning the
+            same model again with other pipeline options reuses them, and the plan is the one
+            planned without it (docs/planner.md, "Re-planning"); ``plan.stats["disk_hits"]``
+            counts the answers read.
         option_fields: fields of ``PlanOptions`` or ``PipelineOptions`` given as keywords
             (``force_data_parallel=True``, ``param_specs={...}``, ``num_microbatches=4`` ...);
             a ``PipelineOptions`` field turns the pipeline on.
@@ -65,6 +71,7 @@ def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None
     """
     options, pipe = split_options(options, pipeline, option_fields)
     say = progress or (lambda stage: None)
+    cache = PlanCache(cache) if cache is not None else None
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     targets = tuple(targets)
     if pipe is not None:
@@ -72,12 +79,12 @@ def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None
 
         return plan_pipeline(lambda n: _capture_rows(model, inputs, loss_fn, targets, example_kwargs, n,
                                                      options.compute_dtype), batch, mesh,
-                             options, pipe, progress=progress)
+                             options, pipe, progress=progress, cache=cache)
     t0 = time.perf_counter()
     say("capture")
     cg = capture(model, inputs, loss_fn, targets, example_kwargs, options.compute_dtype)
     capture_s = time.perf_counter() - t0
-    result = plan_intra_op(cg, mesh, options, progress, loss_reduction(cg))
+    result = plan_intra_op(cg, mesh, options, progress, loss_reduction(cg), cache)
     result.stats |= {"capture_s": capture_s, "total_s": time.perf_counter() - t0}
     return result
 

@@ -25,6 +25,9 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
                    help="force every parameter to this ZeRO stage (needs --force-dp or --batch-axis)")
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP solver seconds")
     p.add_argument("--json", default=None, help="write the plan JSON here")
+    p.add_argument("--cache", default=None, metavar="DIR",
+                   help="keep ILP answers in DIR between runs: re-planning the same model with other pipeline "
+                        "options (schedule, stages, microbatches at the same batch) reuses them; same plan")
     p.add_argument("--all-params", action="store_true", help="list every parameter (no folding of layers)")
     p.add_argument("--pipeline", default=None, metavar="auto|K",
                    help="pipeline stages on submeshes of the mesh (Alpa's inter-op pass): 'auto' or a stage count")
@@ -73,7 +76,7 @@ def cmd_plan(args) -> int:
             num_layers=args.layers)
         result = plan(model, example, mesh, memory_budget=budget, force_data_parallel=args.force_dp,
                       batch_axis=args.batch_axis, zero_stage=args.zero_stage, time_limit=args.time_limit, **pipelined,
-                      progress=progress)
+                      progress=progress, cache=args.cache)
     for w in caught:
         if "strateg" in str(w.message):
             console.print(f"[yellow]warning:[/] {w.message}")

@@ -72,7 +72,7 @@ def _cpu_count() -> int:
 
 
 def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh: LogicalMesh,
-                  options: PlanOptions, pipeline: PipelineOptions, progress=None) -> PipelinePlan:
+                  options: PlanOptions, pipeline: PipelineOptions, progress=None, cache=None) -> PipelinePlan:
     """Plan stages, submeshes, microbatches and every stage's intra-op plan (Alpa, section 5).
 
     Args:
@@ -84,6 +84,7 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
         options: the ``PlanOptions`` every stage's intra-op plan is made with.
         pipeline: the ``PipelineOptions`` (stages, schedule, microbatches, layers, pruning).
         progress: ``progress(message)`` as planning advances.
+        cache: a ``plan_cache.PlanCache`` the stage ILP answers are read from and added to.
 
     Returns:
         the ``PipelinePlan``.
@@ -112,6 +113,7 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
     widest = "gpipe" if "gpipe" in schedules else schedules[0]  # stage options up to its in-flight need
     best = None
     tried = {}
+    disk_hits = 0
     for b in candidates:
         say(f"capture (microbatch {batch // b}, B={b})")
         cg = capture_rows(batch // b)
@@ -123,7 +125,7 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
         costs = GraphStageCosts(cg, layers, cluster, budget,
                                 max_in_flight=b if widest in ("gpipe", "interleaved") else min(b, len(layers), devices),
                                 options=options, num_microbatches=b, schedule=widest,
-                                mode=pipeline.stage_solve)
+                                mode=pipeline.stage_solve, cache=cache)
         pruned = _balanced(costs, layers, devices, pipeline.imbalance)
         shapes = submesh_shapes(mesh.shape, pipeline.power_of_two)
         say(f"stage costs (B={b}, {len(layers)} layers, {len(shapes)} submesh shapes, {workers} workers)")
@@ -145,6 +147,8 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
                     break
                 except PipelinePlanError as e:
                     tried[b] = str(e)
+        costs.save_cache()
+        disk_hits += costs.stats["disk_hits"]
         if res is None:
             continue
         tried[b] = res.objective
@@ -164,6 +168,7 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
     stage_plans = [_stage_plan(cg, costs, layers, st, rk, budget, options) for st, rk in zip(res.stages, ranks)]
     stats = {"total_s": time.perf_counter() - t0, "microbatch_objectives": {str(k): v for k, v in tried.items()},
              "layers": len(layers), "ilp_solves": costs.stats["ilp_solves"], "cache_hits": costs.stats["cache_hits"],
+             "disk_hits": disk_hits,
              "ilp_s": costs.stats["ilp_s"], "t_max_tried": res.t_max_tried}
     recorded = {"plan": options.to_dict() | {"memory_budget": budget}, "pipeline": pipeline.to_dict(),
                 "num_layers": len(layers)}

@@ -16,6 +16,7 @@ from .clustering import cluster_layers
 from .constraints import apply_constraints
 from .cost_graph import build_cost_graph
 from .ilp import solve, solver_limits
+from .plan_cache import solve_cached
 from .strategies import build_strategies
 from .training_step import node_plan, param_specs_of, training_step
 from .zero import add_zero_strategies, zero_stages
@@ -31,7 +32,7 @@ def remat_candidates(cg: CapturedGraph) -> list[tuple[str, ...]]:
 
 
 def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, progress=None,
-                  loss_reduction: LossReduction | None = None) -> Plan:
+                  loss_reduction: LossReduction | None = None, cache=None) -> Plan:
     """Find the sharding plan of ``cg`` on ``mesh`` that minimizes the predicted step time.
 
     Args:
@@ -40,6 +41,8 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
         options: the planning options (``PlanOptions``), recorded in the plan.
         progress: ``progress(stage: str)`` called as planning advances.
         loss_reduction: how the loss reduces over the batch (recorded for the runtime).
+        cache: a ``plan_cache.PlanCache``: the ILP's answer for this very cost graph is read from
+            it or added to it (``stats["disk_hits"]``: 1 when read).
 
     Returns:
         the ``Plan`` (its ``captured`` is ``cg``).
@@ -68,8 +71,9 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
     t2 = time.perf_counter()
     say("ilp")
     budget = mesh.memory_bytes if options.memory_budget is None else options.memory_budget
-    sol = solve(graph, budget, time_limit=options.time_limit, solver=options.solver,
-                switches=tuple(options.restrictions()))
+    sol, hit = solve_cached(cache, graph, budget, solve, time_limit=options.time_limit, solver=options.solver,
+                            switches=tuple(options.restrictions()))
+    stats["disk_hits"] = int(hit)
     stats["ilp_s"] = time.perf_counter() - t2
     stats["ilp_objective"] = sol.objective
     chosen = {name: table[name].strategies[w.index[sol.choice[w.var]]] for name, w in where.items()}

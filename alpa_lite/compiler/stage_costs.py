@@ -100,11 +100,13 @@ class GraphStageCosts:
         num_microbatches: B; data-parallel gradient syncs weigh ``1 / B`` in the ILP.
         schedule: under 1F1B a stage ending at layer ``i`` on ``d`` devices is at most
             ``min(L - i, D - d) + 1`` stages from the end: options stop at that many in flight.
+        cache: a ``plan_cache.PlanCache``: ILP answers of earlier runs are read from it, and
+            ``save_cache()`` adds this run's (``stats["disk_hits"]`` counts the answers read).
     """
 
     def __init__(self, cg, layers: list, cluster, memory_bytes: float, max_in_flight: int = 1,
                  options: PlanOptions | None = None, shapes: Callable | None = None,
-                 mode: str = "chain", num_microbatches: int = 1, schedule: str = "1f1b"):
+                 mode: str = "chain", num_microbatches: int = 1, schedule: str = "1f1b", cache=None):
         if mode not in ("chain", "exact"):
             raise ValueError(f"mode must be 'chain' or 'exact', got {mode!r}")
         self.cg, self.layers, self.cluster, self.mode = cg, layers, cluster, mode
@@ -121,7 +123,14 @@ class GraphStageCosts:
         self._tables: dict[tuple, dict] = {}
         self._context = None
         self._memo: dict[tuple, list[StageOption]] = {}
-        self.stats = {"ilp_solves": 0, "cache_hits": 0, "ilp_s": 0.0}
+        self.stats = {"ilp_solves": 0, "cache_hits": 0, "disk_hits": 0, "ilp_s": 0.0}
+        self._disk = cache and cache.file("stage", cg.fingerprint(), cluster, self.options.to_dict(), memory_bytes,
+                                          self.sync_weight)
+
+    def save_cache(self) -> None:
+        """Write the ILP answers this run added to the plan cache (if any)."""
+        if self._disk is not None:
+            self._disk.save()
 
     def subset(self, start: int, end: int) -> list[str]:
         """Node names of layers ``[start, end)``: placeholders first, then nodes, graph order."""
@@ -173,8 +182,10 @@ class GraphStageCosts:
             with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("fork")) as pool:
                 say(f"stage costs on submeshes {', '.join(f'{t[0][2][0]}x{t[0][2][1]}' for t in tasks)} in "
                     f"{min(workers, len(tasks))} processes")
-                for memo, stats in pool.map(_prefetch_task, tasks):
+                for memo, stats, answers in pool.map(_prefetch_task, tasks):
                     self._memo.update(memo)
+                    for key, answer in answers.items():
+                        self._disk.put(key, answer)
                     for k, v in stats.items():
                         self.stats[k] += v
         finally:
@@ -314,13 +325,20 @@ class GraphStageCosts:
             if s <= scale and m >= budget and (result is None or w + scale * a <= budget):
                 self.stats["cache_hits"] += 1
                 return result
-        t0 = time.perf_counter()
-        try:
-            result, terms = solve()
-        except _Infeasible:
-            result, terms = None, (0.0, 0.0)
-        self.stats["ilp_solves"] += 1
-        self.stats["ilp_s"] += time.perf_counter() - t0
+        answer = self._disk and self._disk.get((key, scale, budget))  # the same ILP, solved by an earlier run
+        if answer:
+            self.stats["disk_hits"] += 1
+        else:
+            t0 = time.perf_counter()
+            try:
+                answer = solve()
+            except _Infeasible:
+                answer = None, (0.0, 0.0)
+            self.stats["ilp_solves"] += 1
+            self.stats["ilp_s"] += time.perf_counter() - t0
+            if self._disk is not None:
+                self._disk.put((key, scale, budget), answer)
+        result, terms = answer
         entries.append((scale, budget, result, terms))
         return result
 
@@ -332,7 +350,7 @@ def _prefetch_task(keys):
     costs = _PREFETCHING
     before = dict(costs.stats)
     memo = {key: costs(*key) for key in keys}
-    return memo, {k: v - before[k] for k, v in costs.stats.items()}
+    return memo, {k: v - before[k] for k, v in costs.stats.items()}, costs._disk.new if costs._disk else {}
 
 
 def _dominates(a: StageOption, b: StageOption) -> bool:

@@ -1,0 +1,109 @@
+"""A plan cache on disk: ILP answers kept between planning runs (re-plan; docs/planner.md).
+
+Planning the same model again (another schedule, stage count, microbatch count at the same
+batch, a rank that plans what another already planned) asks the same ILPs again. The cache keeps
+their answers in a directory, one file per key family: ``PlanCache.file(kind, *parts)`` names a
+family by a hash of ``parts`` (everything the answers depend on besides the per-ILP key), and
+the file maps each ILP key to its answer.
+
+- ``stage`` families (``stage_costs.GraphStageCosts``): parts = the microbatch graph's
+  fingerprint (ops and shapes), the ``ClusterSpec`` (figures, devices per node: every logical
+  mesh the stages use), the ``PlanOptions``, the memory budget and the gradient-sync weight
+  ``1 / B``; keys = (ILP key: layer signature, incoming specs, logical mesh; activation scale;
+  budget). Only an answer to the same ILP is returned, so a plan made with the cache is the plan
+  made without it.
+- ``intra`` families (``intra_op.plan_intra_op``): parts = a hash of the whole cost graph (costs,
+  memory, edges, moves, remat groups), the budget, solver, time limit and switches; one key.
+
+A batch size or sequence length that changes the microbatch's shapes changes the fingerprint
+and every layer signature, and another ``B`` at the same batch changes the microbatch rows: such
+a re-plan finds nothing to reuse (an answer of another ILP is never returned).
+
+Files are pickles ``{"version", "parts", "entries"}`` written to a temporary name and renamed
+(a reader never sees half a file; of two writers the last wins, each file whole). A file that
+cannot be read, or has another version or parts, is ignored with a warning and rebuilt. Pickles
+run code when loaded: point the cache only at a directory you trust.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import tempfile
+import warnings
+from pathlib import Path
+
+VERSION = 1
+
+
+class CacheFile:
+    """The answers of one key family: ``get(key)`` (None when absent), ``put(key, answer)``,
+    ``save()`` (merges what this run added into the file on disk)."""
+
+    def __init__(self, path: Path, parts: bytes):
+        self.path, self.parts = path, parts
+        self.entries = self._read()
+        self.new: dict = {}
+
+    def _read(self) -> dict:
+        if not self.path.exists():
+            return {}
+        try:
+            data = pickle.loads(self.path.read_bytes())
+            if data["version"] != VERSION or data["parts"] != self.parts:
+                raise ValueError(f"version {data['version']}, written for other inputs")
+            return dict(data["entries"])
+        except Exception as e:  # noqa: BLE001 - any unreadable file is rebuilt
+            warnings.warn(f"plan cache file {self.path} ignored and rebuilt: {type(e).__name__}: {e}", stacklevel=2)
+            return {}
+
+    def get(self, key):
+        return self.entries.get(key)
+
+    def put(self, key, answer) -> None:
+        self.entries[key] = self.new[key] = answer
+
+    def save(self) -> None:
+        if not self.new:
+            return
+        entries = self._read() | self.new  # another run may have added answers meanwhile
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump({"version": VERSION, "parts": self.parts, "entries": entries}, f)
+        os.replace(tmp, self.path)
+        self.new = {}
+
+
+class PlanCache:
+    """A cache directory (created when missing).
+
+    Raises:
+        ValueError: ``directory`` exists and is not a directory.
+    """
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise ValueError(f"plan cache {self.directory} is not a directory: give a directory (created if missing)")
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def file(self, kind: str, *parts) -> CacheFile:
+        """The family ``kind`` of answers that depend on ``parts`` (picklable values)."""
+        blob = pickle.dumps(parts, protocol=4)
+        return CacheFile(self.directory / f"{kind}-{hashlib.sha256(blob).hexdigest()[:24]}.pkl", blob)
+
+
+def solve_cached(cache: PlanCache | None, graph, budget: float, solve, **solver_args) -> tuple:
+    """``(solve(graph, budget, **solver_args), False)``, or ``(its answer from an earlier run on
+    cache, True)``."""
+    if cache is None:
+        return solve(graph, budget, **solver_args), False
+    family = cache.file("intra", hashlib.sha256(pickle.dumps(graph, protocol=4)).hexdigest(), budget,
+                        sorted(solver_args.items()))
+    answer = family.get("solution")
+    if answer is not None:
+        return answer, True
+    answer = solve(graph, budget, **solver_args)
+    family.put("solution", answer)
+    family.save()
+    return answer, False
