@@ -378,7 +378,8 @@ def test_required_dependencies_are_what_the_package_imports():
     name = lambda req: re.split(r"[<>=\[ ;]", req)[0].lower()  # noqa: E731
     required = {name(r) for r in project["dependencies"]}
     extras = {k: {name(r) for r in v} for k, v in project["optional-dependencies"].items()}
-    optional = {"matplotlib": "plot", "transformers": "hf", "psutil": None}  # psutil: /proc/meminfo without it
+    # psutil: /proc/meminfo without it; safetensors: only for a .safetensors export (save_full)
+    optional = {"matplotlib": "plot", "transformers": "hf", "psutil": None, "safetensors": None}
     imports = _third_party_imports()
     assert required == imports - set(optional), "required = imported everywhere it is needed"
     for module, extra in optional.items():
@@ -392,11 +393,12 @@ def test_setup_and_constraints_match_pyproject():
     pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines()
                 if line and not line.startswith("#"))
     tested = {"torch", "pulp", "highspy", "numpy", "rich", "matplotlib", "transformers", "pytest",
-              "networkx"}  # required + dev
+              "pytest-xdist", "networkx"}  # required + dev
     assert set(pins) == tested and all(re.fullmatch(r"\d+(\.\d+)+", v) for v in pins.values())
     dev = project["optional-dependencies"]["dev"]
-    assert "[plot,hf,highs]" in dev[0] and {re.split(r"[<>=]", r)[0] for r in dev[1:]} == {"pytest", "networkx"}
+    assert "[plot,hf,highs]" in dev[0]
+    assert {re.split(r"[<>=]", r)[0] for r in dev[1:]} == {"pytest", "pytest-xdist", "networkx"}
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     assert '-c constraints.txt -e ".[dev]"' in setup
     checked = set(re.search(r'import (alpa_lite, [^"]+)"', setup).group(1).split(", "))
-    assert checked == {"alpa_lite"} | tested
+    assert checked == {"alpa_lite"} | {{"pytest-xdist": "xdist"}.get(p, p) for p in tested}
