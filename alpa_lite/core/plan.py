@@ -85,8 +85,9 @@ class Collective:
         kind: ``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"`` or ``"all-to-all"``.
         mesh_axes: the mesh axes whose devices take part (``(0, 1)``: the flattened mesh).
         nbytes: the per-device bytes of the cost formula (mesh.py).
-        phase: ``"forward"``, ``"backward"`` or ``"update"`` (after the optimizer step: the
-            all-gather of ZeRO-1/2 parameters).
+        phase: ``"forward"``, ``"recompute"`` (a checkpointed layer's forward run again in
+            backward, ``Plan.remat``), ``"backward"`` or ``"update"`` (after the optimizer step:
+            the all-gather of ZeRO-1/2 parameters).
         node: the consuming node (resharding) or the node reducing its partial result.
         tensor: the tensor moved (producer node name).
         seconds: predicted time.
