@@ -21,13 +21,16 @@ from .training_step import node_plan, param_specs_of, training_step
 from .zero import add_zero_strategies, zero_stages
 
 
-def remat_candidates(cg: CapturedGraph) -> list[tuple[str, ...]]:
-    """The layers of the layer clustering (``clustering.cluster_layers``) that may be recomputed:
-    those without an in-place write (recomputing would write twice)."""
-    def writes(name: str) -> bool:
-        return name in cg.param_mutations or bool(written_args(cg.node(name).target))
+def recomputable(cg: CapturedGraph, nodes) -> bool:
+    """Whether a layer of ``nodes`` may be recomputed: none writes in place (recomputing would
+    write twice)."""
+    return not any(n in cg.param_mutations or written_args(cg.node(n).target) for n in nodes)
 
-    return [layer.nodes for layer in cluster_layers(cg) if not any(map(writes, layer.nodes))]
+
+def remat_candidates(cg: CapturedGraph) -> list[tuple[str, ...]]:
+    """The layers of the layer clustering (``clustering.cluster_layers``) that may be recomputed
+    (``recomputable``)."""
+    return [layer.nodes for layer in cluster_layers(cg) if recomputable(cg, layer.nodes)]
 
 
 def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, progress=None,
