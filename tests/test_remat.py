@@ -97,3 +97,21 @@ def test_remat_plans_train_as_one_process(plans, tmp_path):
     assert res["none"]["remat_layers"] == 0 and res["all"]["remat_layers"] > res["auto"]["remat_layers"] > 0
     # measured: what autograd keeps from the forward shrinks with every recomputed layer
     assert res["all"]["saved_activations"] < res["auto"]["saved_activations"] < res["none"]["saved_activations"]
+
+
+def test_pipelined_plan_recomputes_every_stage():
+    """``remat="all"`` on 2 stages x 2 devices: every stage recomputes its layers (their forward
+    collectives listed again), each microbatch in flight keeps less, and the largest layer's
+    activations count once (``StagePlan.remat_bytes``)."""
+    model = build_model("gpt-tiny", 8, 16, device="cpu")
+    kept, remat = (alpa_lite.plan(*model, MESH, num_stages=2, num_microbatches=2, remat=r) for r in (None, "all"))
+    assert [s.layers for s in remat.stages] == [s.layers for s in kept.stages]
+    for a, b in zip(kept.stages, remat.stages):
+        assert not a.plan.remat and a.remat_bytes == 0
+        assert b.plan.remat and b.act_bytes < a.act_bytes and 0 < b.remat_bytes < a.act_bytes
+        assert b.memory_bytes == pytest.approx(b.weight_bytes + b.in_flight * b.act_bytes + b.remat_bytes)
+        assert b.plan.compute_seconds > a.plan.compute_seconds  # recomputed forwards
+    first = remat.stages[0]  # two microbatches in flight: their activations outweigh one recomputation
+    assert first.in_flight == 2 and first.memory_bytes < kept.stages[0].memory_bytes
+    assert any(phase == "recompute" for _, phase in remat.collective_counts())
+    assert alpa_lite.core.plan.load_plan(remat.to_json()).stages[0].remat_bytes == first.remat_bytes
