@@ -5,7 +5,8 @@ as the stage's specs say, once per step after the last microbatch, and a weight 
 (tied embeddings) gets the sum of both stages' gradients. The matrix: {2 stages x 2 devices,
 1 stage x 4 devices} x {GPipe, 1F1B} x {B = 1, 2, 4} x {data parallel, Megatron, ZeRO-3 (S01R),
 auto}, then tied embeddings across 2 stages x 2 devices and inside one stage of 4, every layer
-recomputed (``remat="all"``) on 2 stages x 2 devices, and a stage without parameters, and ZB-H1 (split backward) on 4 stages x 1 device (B = 2 < S and B = 4)
+recomputed (``remat="all"``) on 2 stages x 2 devices, and a stage without parameters, and
+ZB-H1 (split backward) on 4 stages x 1 device (B = 2 < S and B = 4)
 and 2 stages x 2 devices (Megatron inside, and the tied embedding), and interleaved 1F1B with
 2 chunks per device group (``interleaved_cases``). Every plan is trained with SGD (exact zeros stay zero, errors stay linear)
 and with AdamW. Tolerances as tests/test_runtime.py: losses 1e-5 relative, gradients 1e-4 of the

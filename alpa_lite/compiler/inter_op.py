@@ -239,8 +239,8 @@ def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budg
             fixed.update({n: real[n].out_specs for n in part if n in real})
         nodes = {n: np_ for n, np_ in boundary.items() if n not in real} | real
     remat = [list(layer) for layer in costs.remat(st.start, st.end)]
-    nodes, grad_sync, collectives = training_step(view, nodes, mesh, options.bucket_bytes, options.gradient_reduce_dtype,
-                                                  remat)  # the whole stage's syncs
+    nodes, grad_sync, collectives = training_step(view, nodes, mesh, options.bucket_bytes,
+                                                  options.gradient_reduce_dtype, remat)  # the whole stage's syncs
     plan = Plan(mesh=mesh, param_specs=param_specs_of(view, nodes),
                 input_specs={n: nodes[n].out_specs[0] for n in view.input_names}, nodes=nodes,
                 collectives=collectives, compute_seconds=compute, comm_seconds=sum(c.seconds for c in collectives),

@@ -283,7 +283,8 @@ class GraphStageCosts:
         gather = sum(send_gather_seconds(self.cg, n, chain["fixed"][n][0], mesh)
                      for n in self.sends(start, end))
         return StageOption(sum(p[0] for p in parts) + gather, sum(p[2] for p in parts), sum(p[3] for p in parts),
-                           sum(p[1] for p in parts), payload=(shape, scale, budget), remat_bytes=max(p[5] for p in parts))
+                           sum(p[1] for p in parts), payload=(shape, scale, budget),
+                           remat_bytes=max(p[5] for p in parts))
 
     def _layer_part(self, layer, names, shape, scale, budget, fixed) -> tuple | None:
         """``(seconds, once, weight, act, out specs by position, recompute peak)`` of one layer given
