@@ -4,8 +4,9 @@ Inside a stage the devices split the batch (or the weights); its gradients must 
 as the stage's specs say, once per step after the last microbatch, and a weight two stages use
 (tied embeddings) gets the sum of both stages' gradients. The matrix: {2 stages x 2 devices,
 1 stage x 4 devices} x {GPipe, 1F1B} x {B = 1, 2, 4} x {data parallel, Megatron, ZeRO-3 (S01R),
-auto}, then tied embeddings across 2 stages x 2 devices and inside one stage of 4, and a stage
-without parameters, and ZB-H1 (split backward) on 4 stages x 1 device (B = 2 < S and B = 4)
+auto}, then tied embeddings across 2 stages x 2 devices and inside one stage of 4, every layer
+recomputed (``remat="all"``) on 2 stages x 2 devices, and a stage without parameters, and
+ZB-H1 (split backward) on 4 stages x 1 device (B = 2 < S and B = 4)
 and 2 stages x 2 devices (Megatron inside, and the tied embedding), and interleaved 1F1B with
 2 chunks per device group (``interleaved_cases``). Every plan is trained with SGD (exact zeros stay zero, errors stay linear)
 and with AdamW. Tolerances as tests/test_runtime.py: losses 1e-5 relative, gradients 1e-4 of the
@@ -42,6 +43,7 @@ def cases() -> dict:
     gpt = {"model": "gpt-tiny", "batch": 8, "seq": 16, "schedules": SCHEDULES}
     out["tied/2x2/dp"] = gpt | {"plan": {"num_stages": 2, "num_microbatches": 2, "force_data_parallel": True}}
     out["tied/1x4/dp"] = gpt | {"plan": {"num_stages": 1, "num_microbatches": 2, "force_data_parallel": True}}
+    out["remat/2x2/all"] = gpt | {"plan": {"num_stages": 2, "num_microbatches": 2, "remat": "all"}}
     out["parameter-free/2x2"] = {"model": "parameter-free-tail", "batch": 8, "schedules": SCHEDULES, "plan": {
         "num_stages": 2, "num_layers": 2, "num_microbatches": 2, "force_data_parallel": True}}
     zb = {"schedules": ["zb-h1"]}
@@ -124,6 +126,12 @@ def test_stage_without_parameters_trains(results):
         stages = results[f"parameter-free/2x2/{schedule}"]["stages"]
         assert [len(s["ranks"]) for s in stages] == [2, 2]
         assert stages[0]["params"] == ["lin.bias", "lin.weight"] and stages[1]["params"] == []
+
+
+def test_stages_recompute_their_layers(results):
+    for schedule in SCHEDULES:  # every layer of both stages under torch.utils.checkpoint
+        assert all(s["remat_layers"] > 0 for s in results[f"remat/2x2/all/{schedule}"]["stages"])
+        assert all(s["remat_layers"] == 0 for s in results[f"tied/2x2/dp/{schedule}"]["stages"])
 
 
 def test_zb_h1_layouts(results):

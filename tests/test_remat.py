@@ -19,7 +19,8 @@ WORKER = str(Path(__file__).parent / "workers" / "remat.py")
 
 
 def with_remat(seed: int, forced: bool):
-    """A random cost graph with two layers of activations that may be recomputed."""
+    """A random cost graph with two layers of activations that may be recomputed, each reading
+    two values whose forward moves it runs again (``RematGroup.edges``)."""
     g = random_graph(300 + seed)
     rng = random.Random(seed)
     n = len(g.costs)
@@ -28,6 +29,9 @@ def with_remat(seed: int, forced: bool):
         for v in vars_:
             grp.act[v] = [rng.uniform(0, 6) for _ in g.costs[v]]
             grp.extra[v] = [rng.uniform(0, 3) for _ in g.costs[v]]
+        for u in rng.sample(range(n), 2):
+            v = rng.choice(vars_)
+            grp.add_edge(u, v, [[rng.choice([0.0, rng.uniform(0, 4)]) for _ in g.costs[v]] for _ in g.costs[u]])
         g.remat.append(grp)
     return g
 
@@ -87,6 +91,27 @@ def test_remat_plans_train_as_one_process(plans, tmp_path):
     for name, r in res.items():
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5), name
         assert r["param_err"] <= 2e-4, (name, r["param_err"])
+        assert r["runtime_counts"] == r["plan_counts"], name  # recomputed collectives included
+    assert not any(k.endswith("|recompute") for k in res["none"]["plan_counts"])
+    assert any(k.endswith("|recompute") for k in res["all"]["plan_counts"])
     assert res["none"]["remat_layers"] == 0 and res["all"]["remat_layers"] > res["auto"]["remat_layers"] > 0
     # measured: what autograd keeps from the forward shrinks with every recomputed layer
     assert res["all"]["saved_activations"] < res["auto"]["saved_activations"] < res["none"]["saved_activations"]
+
+
+def test_pipelined_plan_recomputes_every_stage():
+    """``remat="all"`` on 2 stages x 2 devices: every stage recomputes its layers (their forward
+    collectives listed again), each microbatch in flight keeps less, and the largest layer's
+    activations count once (``StagePlan.remat_bytes``)."""
+    model = build_model("gpt-tiny", 8, 16, device="cpu")
+    kept, remat = (alpa_lite.plan(*model, MESH, num_stages=2, num_microbatches=2, remat=r) for r in (None, "all"))
+    assert [s.layers for s in remat.stages] == [s.layers for s in kept.stages]
+    for a, b in zip(kept.stages, remat.stages):
+        assert not a.plan.remat and a.remat_bytes == 0
+        assert b.plan.remat and b.act_bytes < a.act_bytes and 0 < b.remat_bytes < a.act_bytes
+        assert b.memory_bytes == pytest.approx(b.weight_bytes + b.in_flight * b.act_bytes + b.remat_bytes)
+        assert b.plan.compute_seconds > a.plan.compute_seconds  # recomputed forwards
+    first = remat.stages[0]  # two microbatches in flight: their activations outweigh one recomputation
+    assert first.in_flight == 2 and first.memory_bytes < kept.stages[0].memory_bytes
+    assert any(phase == "recompute" for _, phase in remat.collective_counts())
+    assert alpa_lite.core.plan.load_plan(remat.to_json()).stages[0].remat_bytes == first.remat_bytes

@@ -92,7 +92,9 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
     them arrives free, in whatever spec its consumer wants (the stage DP costs its transfer).
     ``remat``: layers (node names) that may be recomputed, each a ``RematGroup`` (forced with
     ``remat_forced``): the activations only the layer reads move from ``memory`` to the group,
-    and recomputing costs each node's forward (a third of its compute) and forward collectives.
+    and recomputing costs each node's forward (a third of its compute), forward collectives and
+    the forward moves of its operands (``RematGroup.edges``; a value read in one spec by several
+    of the layer's variables is charged per variable, where the runtime moves it once).
     ``options``: its switches forbid moves (``resharding.ReshardCosts``).
     """
     if nodes is not None:
@@ -111,6 +113,7 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
     reshard = reshard_costs(mesh, options)
     prefer_rs = options is not None and options.prefer_reduce_scatter
     readers: dict[tuple[str, int], list[tuple[int, tuple]]] = {}  # value -> reader edges (var, wanted per strategy)
+    recomputed: dict[tuple[str, int], dict] = {}  # value -> {(var, wanted, group index)} read inside remat layers
     casts = cg.param_casts  # a parameter's low-precision copy: its gradient sync is bucketed too
 
     def new_var(name, ns):
@@ -163,6 +166,8 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
             if src_name in where:  # else produced outside ``nodes``
                 ins = tuple((ns.strategies[q].in_specs[i], ns.strategies[q].grad_partial[i]) for q in placed.index)
                 readers.setdefault((src_name, r), []).append((placed.var, ins))
+                if group is not None:
+                    recomputed.setdefault((src_name, r), {})[(placed.var, ins, layer_of[node.name])] = None
     for (src_name, r), edges in readers.items():
         src, src_ns = where[src_name], table[src_name]
         val = cg.node(src_name).meta["val"]
@@ -170,8 +175,13 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         outs = tuple(src_ns.strategies[p].out_specs[r] for p in src.index)
         zeros = tuple((src_ns.strategies[p].zero_stage, src_ns.strategies[p].zero_axes) for p in src.index)
         reduced = tuple(_reduced_in_op(src_ns, p, r) for p in src.index) if prefer_rs else None
+        parameter = src_name in cg.param_fqns or src_name in casts
         _price_value(graph, reshard, src.var, outs, zeros, reduced, edges, tuple(val.shape), val.element_size(),
-                     src_name in cg.param_fqns or src_name in casts)
+                     parameter)
+        for v, ins, i in recomputed.get((src_name, r), ()):  # forward only (no gradient); a forbidden pair: not chosen
+            matrix = reshard.matrix(outs, tuple((spec, None) for spec, _ in ins), tuple(val.shape), val.element_size(),
+                                    parameter, None, reduced)
+            graph.remat[i].add_edge(src.var, v, [[c if math.isfinite(c) else 0.0 for c in row] for row in matrix])
     return graph, where
 
 

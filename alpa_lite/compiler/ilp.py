@@ -40,7 +40,9 @@ it is reported with that figure instead of trusting a solver's "infeasible".
 Activation checkpointing (rematerialization; Chen et al. 2016, "Training Deep Nets with
 Sublinear Memory Cost"; Alpa's remat): a ``RematGroup`` ``l`` (a layer) holds the bytes
 ``A_l(s) = sum_v a_lv^T s_v`` of the activations only the layer reads, which are left out of
-``m``, and the seconds ``E_l(s)`` of recomputing its forward. A binary ``r_l`` (fixed to 1 when
+``m``, and the seconds ``E_l(s) = sum_v x_lv^T s_v + sum_uv <e_uv, F_luv>`` of recomputing its
+forward: its ops' forward compute and collectives, and the forward moves ``F_luv`` of the values
+its ops read (their own ``e_uv``, linearized as above). A binary ``r_l`` (fixed to 1 when
 the group is forced) chooses: kept, ``A_l`` stays in memory; recomputed, ``A_l`` is freed and
 only the largest recomputed layer is live at once (during its backward), at ``E_l`` seconds:
 
@@ -81,19 +83,43 @@ class RematGroup:
         act: variable -> bytes per strategy of the activations only this layer reads (left out
             of ``CostGraph.memory``).
         extra: variable -> seconds per strategy of recomputing the layer's forward.
+        edges: ``(u, v) -> matrix``: seconds of the forward moves the recomputation runs again,
+            ``matrix[p][q]`` when u picks p and v picks q (``CostGraph.edges``).
         forced: recomputed whatever it costs (``remat="all"``); else the ILP chooses.
     """
 
     act: dict[int, list[float]] = field(default_factory=dict)
     extra: dict[int, list[float]] = field(default_factory=dict)
+    edges: dict[tuple[int, int], list[list[float]]] = field(default_factory=dict)
     forced: bool = False
 
     def at(self, terms: dict[int, list[float]], choice) -> float:
         return sum(vec[choice[v]] for v, vec in terms.items())
 
+    def recompute(self, choice) -> float:
+        """``E_l``: seconds of recomputing the layer under ``choice``."""
+        return self.at(self.extra, choice) + sum(m[choice[u]][choice[v]] for (u, v), m in self.edges.items())
+
     @staticmethod
     def bound(terms: dict[int, list[float]]) -> float:
         return sum(max(vec) for vec in terms.values())
+
+    def add_edge(self, u: int, v: int, matrix: list[list[float]]) -> None:
+        """Add (or accumulate into) the forward moves ``u -> v`` (``CostGraph.add_edge``)."""
+        if u == v:
+            diag = [matrix[p][p] for p in range(len(matrix))]
+            self.extra[u] = [a + b for a, b in zip(self.extra.get(u, [0.0] * len(diag)), diag)]
+        else:
+            _accumulate(self.edges, u, v, matrix)
+
+
+def _accumulate(edges: dict, u: int, v: int, matrix: list[list[float]]) -> None:
+    """Add ``matrix`` into ``edges``' entry of the pair ``{u, v}`` (stored once, either way round)."""
+    if (v, u) in edges:
+        u, v, matrix = v, u, [list(col) for col in zip(*matrix)]
+    if (u, v) in edges:
+        matrix = [[a + b for a, b in zip(r1, r2)] for r1, r2 in zip(edges[(u, v)], matrix)]
+    edges[(u, v)] = matrix
 
 
 @dataclass
@@ -133,12 +159,7 @@ class CostGraph:
             for p in range(len(self.costs[u])):
                 self.costs[u][p] += matrix[p][p]
             return
-        if (v, u) in self.edges:
-            u, v, matrix = v, u, [list(col) for col in zip(*matrix)]
-        if (u, v) in self.edges:
-            old = self.edges[(u, v)]
-            matrix = [[a + b for a, b in zip(r1, r2)] for r1, r2 in zip(old, matrix)]
-        self.edges[(u, v)] = matrix
+        _accumulate(self.edges, u, v, matrix)
 
     def add_move(self, u: int, readers, matrix: list[list[float]]) -> None:
         """Add (or accumulate into) the shared move of ``u``'s value to ``readers``' targets
@@ -156,7 +177,7 @@ class CostGraph:
                 + sum(f for f, members in self.fixed.values() if any(choice[v] == p for v, p in members))
                 + sum(m[choice[u]][t] for (u, readers), m in self.moves.items()
                       for t in {wants[choice[v]] for v, wants in readers} if t >= 0)
-                + sum(g.at(g.extra, choice) for g, r in zip(self.remat, remat) if r))
+                + sum(g.recompute(choice) for g, r in zip(self.remat, remat) if r))
 
     def memory_of(self, choice: list[int], remat=()) -> float:
         """Bytes per device: kept activations, plus the largest recomputed layer's."""
@@ -257,9 +278,6 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
         elif coef:
             objective[x] = objective.get(x, 0.0) + coef
 
-    def equal(terms, name):
-        prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(terms), pulp.LpConstraintEQ, rhs=0), name)
-
     for v, xs in enumerate(s):
         if xs is None:
             add(None, graph.costs[v][0])
@@ -269,27 +287,8 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
         for x, c in zip(xs, graph.costs[v]):
             add(x, c)
     for (u, v), matrix in sorted(graph.edges.items()):
-        rows, cols = _identical(matrix), _identical(list(zip(*matrix)))
-        if len(rows) == 1:  # the cost depends on v's choice only (always so when u has one strategy)
-            for q, c in enumerate(matrix[0]):
-                add(None if s[v] is None else s[v][q], c)
-            continue
-        if len(cols) == 1:  # ... on u's choice only
-            for p, row in enumerate(matrix):
-                add(s[u][p], row[0])
-            continue
-        if not any(any(row) for row in matrix):
-            continue
-        # e over (row class, column class): identical rows (columns) need not be told apart
-        e = [[pulp.LpVariable(f"e_{u}_{v}_{a}_{b}", lowBound=0, upBound=1) for b in range(len(cols))]
-             for a in range(len(rows))]
-        for a, ps in enumerate(rows):
-            equal([(x, 1) for x in e[a]] + [(s[u][p], -1) for p in ps], f"row_{u}_{v}_{a}")
-        for b, qs in enumerate(cols):
-            equal([(e[a][b], 1) for a in range(len(rows))] + [(s[v][q], -1) for q in qs], f"col_{u}_{v}_{b}")
-        for a, ps in enumerate(rows):
-            for b, qs in enumerate(cols):
-                add(e[a][b], matrix[ps[0]][qs[0]])
+        for x, c in _edge_terms(prob, "", s, u, v, matrix):
+            add(x, c)
     for k, (key, (seconds, members)) in enumerate(sorted(graph.fixed.items(), key=lambda kv: str(kv[0]))):
         if any(s[v] is None for v, _ in members):  # always paid
             add(None, seconds)
@@ -336,6 +335,31 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
                     "Optimal" if gap is None else "TimeLimit", remat, gap)
 
 
+def _edge_terms(prob, tag: str, s, u: int, v: int, matrix) -> list:
+    """The terms ``(x, coefficient)`` (x None: a constant) of ``<e_uv, matrix>``, adding ``e_uv``
+    and its linearization rows to ``prob`` where the cost depends on both ends (module docstring);
+    ``tag`` tells apart the variables of several matrices on one pair."""
+    rows, cols = _identical(matrix), _identical(list(zip(*matrix)))
+    if len(rows) == 1:  # the cost depends on v's choice only (always so when u has one strategy)
+        return [(None if s[v] is None else s[v][q], c) for q, c in enumerate(matrix[0])]
+    if len(cols) == 1:  # ... on u's choice only
+        return [(s[u][p], row[0]) for p, row in enumerate(matrix)]
+    if not any(any(row) for row in matrix):
+        return []
+
+    def equal(terms, name):
+        prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(terms), pulp.LpConstraintEQ, rhs=0), name)
+
+    # e over (row class, column class): identical rows (columns) need not be told apart
+    e = [[pulp.LpVariable(f"e{tag}_{u}_{v}_{a}_{b}", lowBound=0, upBound=1) for b in range(len(cols))]
+         for a in range(len(rows))]
+    for a, ps in enumerate(rows):
+        equal([(x, 1) for x in e[a]] + [(s[u][p], -1) for p in ps], f"row{tag}_{u}_{v}_{a}")
+    for b, qs in enumerate(cols):
+        equal([(e[a][b], 1) for a in range(len(rows))] + [(s[v][q], -1) for q in qs], f"col{tag}_{u}_{v}_{b}")
+    return [(e[a][b], matrix[ps[0]][qs[0]]) for a, ps in enumerate(rows) for b, qs in enumerate(cols)]
+
+
 def _remat_terms(prob, graph: CostGraph, s, add, unit: float):
     """The remat variables and constraints of the module docstring: returns (per group ``r_l``,
     ``True`` when forced), and the memory constraint's extra terms (``k_l``, ``z``), in ``unit``."""
@@ -359,8 +383,11 @@ def _remat_terms(prob, graph: CostGraph, s, add, unit: float):
     for i, g in enumerate(graph.remat):
         r = True if g.forced else pulp.LpVariable(f"r_{i}", cat=pulp.LpBinary)
         rs.append(r)
-        big_a, big_e = RematGroup.bound(g.act) / unit, RematGroup.bound(g.extra)
+        big_a = RematGroup.bound(g.act) / unit
+        big_e = RematGroup.bound(g.extra) + sum(max(map(max, m)) for m in g.edges.values())
         a, e = expr(g.act, unit), expr(g.extra, 1.0)
+        for (u, v), matrix in sorted(g.edges.items()):
+            e += _edge_terms(prob, f"r{i}", s, u, v, matrix)
         w = pulp.LpVariable(f"remat_w_{i}", lowBound=0)
         add(w, 1.0)
         if r is True:

@@ -223,7 +223,8 @@ def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budg
     view = stage_view(cg, names)
     if len(st.option.payload) == 2:  # one ILP for the stage (exact mode, or the chain's fallback)
         sol = solve_stage(cg, names, mesh, budget, scale, costs.table(shape, st.start, st.end), options,
-                          sync_weight=costs.sync_weight, sends=costs.sends(st.start, st.end))
+                          sync_weight=costs.sync_weight, sends=costs.sends(st.start, st.end),
+                          remat=costs.remat(st.start, st.end))
         nodes, compute = sol.nodes, sol.compute_seconds
         limits = solver_limits(f"layers {st.start}-{st.end - 1}", sol.gap)
     else:  # the chain of per-layer solutions the DP priced, on this stage's own layers
@@ -235,22 +236,25 @@ def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budg
         for j in range(st.start, st.end):
             part = costs.subset(j, j + 1)
             sol = solve_stage(cg, part, mesh, st.option.payload[2], scale, costs.table(shape, j, j + 1), options,
-                              fixed=dict(fixed), sync_weight=costs.sync_weight)
+                              fixed=dict(fixed), sync_weight=costs.sync_weight, remat=costs.remat(j, j + 1))
             compute += sol.compute_seconds
             limits += solver_limits(f"layer {j}", sol.gap)
             for n, np_ in sol.nodes.items():
                 (boundary if np_.strategy == "boundary" else real)[n] = np_
             fixed.update({n: real[n].out_specs for n in part if n in real})
         nodes = {n: np_ for n, np_ in boundary.items() if n not in real} | real
-    nodes, grad_sync, collectives = training_step(view, nodes, mesh, options.bucket_bytes, options.gradient_reduce_dtype)  # the whole stage's syncs
+    remat = [list(layer) for layer in costs.remat(st.start, st.end)]
+    nodes, grad_sync, collectives = training_step(view, nodes, mesh, options.bucket_bytes,
+                                                  options.gradient_reduce_dtype, remat)  # the whole stage's syncs
     plan = Plan(mesh=mesh, param_specs=param_specs_of(view, nodes),
                 input_specs={n: nodes[n].out_specs[0] for n in view.input_names}, nodes=nodes,
                 collectives=collectives, compute_seconds=compute, comm_seconds=sum(c.seconds for c in collectives),
-                memory_bytes=st.option.weight_bytes + st.in_flight * st.option.act_bytes, fingerprint=cg.fingerprint(),
+                memory_bytes=st.option.weight_bytes + st.in_flight * st.option.act_bytes + st.option.remat_bytes,
+                fingerprint=cg.fingerprint(),
                 options={"memory_budget": budget, "activation_scale": scale, "mode": costs.mode}, grad_sync=grad_sync,
-                bucket_bytes=options.bucket_bytes, solver_limits=limits)
+                bucket_bytes=options.bucket_bytes, solver_limits=limits, remat=remat)
     return StagePlan((st.start, st.end), [n for layer in layers[st.start:st.end] for n in layer.nodes],
                      st.submesh, list(ranks), plan, [n for n, _ in costs.crossing[st.start]],
                      [n for n, _ in costs.crossing[st.end]], st.option.seconds, st.option.once_seconds,
                      costs.transfer_seconds(st.start, st.submesh), st.option.weight_bytes, st.option.act_bytes,
-                     st.in_flight)
+                     st.in_flight, st.option.remat_bytes)

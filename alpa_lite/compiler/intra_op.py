@@ -17,18 +17,21 @@ from .constraints import apply_constraints
 from .cost_graph import build_cost_graph
 from .ilp import solve, solver_limits
 from .plan_cache import solve_cached
-from .strategies import build_strategies
+from .strategies import BACKWARD_FLOPS_FACTOR, build_strategies
 from .training_step import node_plan, param_specs_of, training_step
 from .zero import add_zero_strategies, zero_stages
 
 
-def remat_candidates(cg: CapturedGraph) -> list[tuple[str, ...]]:
-    """The layers of the layer clustering (``clustering.cluster_layers``) that may be recomputed:
-    those without an in-place write (recomputing would write twice)."""
-    def writes(name: str) -> bool:
-        return name in cg.param_mutations or bool(written_args(cg.node(name).target))
+def recomputable(cg: CapturedGraph, nodes) -> bool:
+    """Whether a layer of ``nodes`` may be recomputed: none writes in place (recomputing would
+    write twice)."""
+    return not any(n in cg.param_mutations or written_args(cg.node(n).target) for n in nodes)
 
-    return [layer.nodes for layer in cluster_layers(cg) if not any(map(writes, layer.nodes))]
+
+def remat_candidates(cg: CapturedGraph) -> list[tuple[str, ...]]:
+    """The layers of the layer clustering (``clustering.cluster_layers``) that may be recomputed
+    (``recomputable``)."""
+    return [layer.nodes for layer in cluster_layers(cg) if recomputable(cg, layer.nodes)]
 
 
 def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, progress=None,
@@ -77,20 +80,22 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
     stats["ilp_s"] = time.perf_counter() - t2
     stats["ilp_objective"] = sol.objective
     chosen = {name: table[name].strategies[w.index[sol.choice[w.var]]] for name, w in where.items()}
+    remat = [list(layer) for layer, r in zip(layers, sol.remat) if r]
     nodes, grad_sync, collectives = training_step(cg, {name: node_plan(s, table[name]) for name, s in chosen.items()},
                                                   mesh, options.bucket_bytes,
-                                                  options.gradient_reduce_dtype)
+                                                  options.gradient_reduce_dtype, remat)
+    recomputed = {n for layer in remat for n in layer}
     result = Plan(mesh=mesh, param_specs=param_specs_of(cg, nodes),
                   input_specs={n: nodes[n].out_specs[0] for n in cg.input_names}, nodes=nodes,
                   collectives=collectives,
-                  compute_seconds=sum(s.compute for s in chosen.values()) + graph.objective(sol.choice, sol.remat)
-                  - graph.objective(sol.choice),  # + recomputed forwards
+                  compute_seconds=sum(s.compute * (1 + (n in recomputed) / (1 + BACKWARD_FLOPS_FACTOR))
+                                      for n, s in chosen.items()),  # + recomputed forwards
                   comm_seconds=sum(c.seconds for c in collectives), memory_bytes=sol.memory,
                   fingerprint=cg.fingerprint(), options=options.to_dict() | {"memory_budget": budget if math.isfinite(budget) else None},
                   stats=stats, grad_sync=grad_sync, bucket_bytes=options.bucket_bytes,
                   loss_reduction=loss_reduction or LossReduction("mean", None),
                   zero_stages=zero_stages(cg, nodes), captured=cg,
-                  remat=[list(layer) for layer, r in zip(layers, sol.remat) if r],
+                  remat=remat,
                   solver_limits=solver_limits("intra-op", sol.gap))
     stats["total_s"] = time.perf_counter() - t1
     return result

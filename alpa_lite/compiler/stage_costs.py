@@ -56,8 +56,9 @@ from .clustering import crossing_values
 from .constraints import apply_constraints, restrict
 from .cost_graph import build_cost_graph
 from .ilp import MemoryBudgetError, SolverError, solve
+from .intra_op import recomputable
 from .stage_dp import StageOption
-from .strategies import build_strategies
+from .strategies import BACKWARD_FLOPS_FACTOR, build_strategies
 from .training_step import node_plan, training_step
 
 
@@ -147,6 +148,13 @@ class GraphStageCosts:
             return 0.0
         link = self.cluster.inter_node if self.cluster.num_nodes > 1 else self.cluster.intra_node
         return 2 * (link.alpha + nbytes * link.beta)
+
+    def remat(self, start: int, end: int) -> list[tuple[str, ...]]:
+        """The layers of ``[start, end)`` a stage recomputes: every recomputable one
+        (``intra_op.recomputable``) under ``remat="all"``, none otherwise."""
+        if self.options.remat != "all":
+            return []
+        return [layer.nodes for layer in self.layers[start:end] if recomputable(self.cg, layer.nodes)]
 
     def sends(self, start: int, end: int) -> list[str]:
         """Values produced by layers ``[start, end)`` that later stages consume."""
@@ -286,10 +294,12 @@ class GraphStageCosts:
         gather = sum(send_gather_seconds(self.cg, n, chain["fixed"][n][0], mesh)
                      for n in self.sends(start, end))
         return StageOption(sum(p[0] for p in parts) + gather, sum(p[2] for p in parts), sum(p[3] for p in parts),
-                           sum(p[1] for p in parts), payload=(shape, scale, budget))
+                           sum(p[1] for p in parts), payload=(shape, scale, budget),
+                           remat_bytes=max(p[5] for p in parts))
 
     def _layer_part(self, layer, names, shape, scale, budget, fixed) -> tuple | None:
-        """``(seconds, once, weight, act, out specs by position)`` of one layer given ``fixed``."""
+        """``(seconds, once, weight, act, out specs by position, recompute peak)`` of one layer given
+        ``fixed``."""
         ext = [a.name for n in names for a in self.cg.node(n).all_input_nodes if a.name not in names]
         given = {n: fixed[n] for n in dict.fromkeys(ext + names) if n in fixed}
         key = (self._signature(names), tuple(given.get(n) for n in dict.fromkeys(ext + names)), shape)
@@ -297,9 +307,9 @@ class GraphStageCosts:
         def part():
             sol = solve_stage(self.cg, names, self.cluster.logical_mesh(shape), budget, scale,
                               self.table(shape, layer, layer + 1), self.options, fixed=given,
-                              sync_weight=self.sync_weight)
+                              sync_weight=self.sync_weight, remat=self.remat(layer, layer + 1))
             return (sol.seconds, sol.once_seconds, sol.weight_bytes, sol.act_bytes,
-                    [sol.nodes[n].out_specs if n in sol.nodes else None for n in names]), sol.ilp_memory
+                    [sol.nodes[n].out_specs if n in sol.nodes else None for n in names], sol.remat_peak), sol.ilp_memory
 
         return self._solve(key, scale, budget, part)
 
@@ -309,9 +319,9 @@ class GraphStageCosts:
         def option():
             mesh = self.cluster.logical_mesh(shape)
             sol = solve_stage(self.cg, names, mesh, self.memory_bytes, scale, self.table(shape, start, end),
-                              self.options, sync_weight=self.sync_weight, sends=sends)
+                              self.options, sync_weight=self.sync_weight, sends=sends, remat=self.remat(start, end))
             return StageOption(sol.seconds, sol.weight_bytes, sol.act_bytes, sol.once_seconds,
-                               payload=(shape, scale)), sol.ilp_memory
+                               payload=(shape, scale), remat_bytes=sol.remat_peak), sol.ilp_memory
 
         return self._solve((sig, tuple(names.index(n) for n in sends), shape), scale, self.memory_bytes, option)
 
@@ -355,8 +365,8 @@ def _prefetch_task(keys):
 
 def _dominates(a: StageOption, b: StageOption) -> bool:
     """``a`` is at least as good as ``b`` in every figure and better in one."""
-    fa = (a.seconds, a.once_seconds, a.weight_bytes, a.act_bytes)
-    fb = (b.seconds, b.once_seconds, b.weight_bytes, b.act_bytes)
+    fa = (a.seconds, a.once_seconds, a.weight_bytes, a.act_bytes, a.remat_bytes)
+    fb = (b.seconds, b.once_seconds, b.weight_bytes, b.act_bytes, b.remat_bytes)
     return all(x <= y for x, y in zip(fa, fb)) and fa != fb
 
 
@@ -406,7 +416,10 @@ class StageSolution:
     (``training_step.training_step`` defers them once the whole stage is known). ``ilp_memory``: the
     two parts of the ILP's memory constraint at the optimum, ``(w, a)`` with
     ``w + act_scale a <= memory_bytes`` (``w`` includes weights an earlier layer placed, which
-    ``weight_bytes`` leaves out). ``gap``: ``ilp.Solution.gap`` (None: proven optimal)."""
+    ``weight_bytes`` leaves out, and ``remat_peak``). ``act_bytes``: kept per microbatch (of
+    recomputed layers, only the values they do not read alone); ``remat_peak``: the largest
+    recomputed layer's activations, live once (one layer is recomputed at a time). ``gap``:
+    ``ilp.Solution.gap`` (None: proven optimal)."""
 
     seconds: float
     once_seconds: float
@@ -416,12 +429,13 @@ class StageSolution:
     compute_seconds: float
     ilp_memory: tuple[float, float]
     gap: float | None = None
+    remat_peak: float = 0.0
 
 
 def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int = 1, table=None,
                 options: PlanOptions | None = None,
                 fixed: dict[str, tuple[ShardingSpec, ...]] | None = None, sync_weight: float = 1.0,
-                sends: Sequence[str] = ()) -> StageSolution:
+                sends: Sequence[str] = (), remat: Sequence[tuple[str, ...]] = ()) -> StageSolution:
     """Solve the intra-op ILP (section 4) of the subgraph ``names`` on ``mesh``.
 
     The memory constraint counts activations ``act_scale`` times (microbatches in flight).
@@ -435,6 +449,9 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
     per microbatch, weighs it ``sync_weight = 1 / B``; the returned ``seconds`` leave it out and
     ``once_seconds`` holds the bucketed all-reduces. ``sends``: values later stages consume; the
     all-gather that sends them on replicated (``send_gather_seconds``) is in the objective.
+    ``remat``: layers the stage recomputes (every one: ``PlanOptions.remat="all"``); their
+    activations count once, not per microbatch (one layer is recomputed at a time), and their
+    recomputed forward is in the objective (``ilp.RematGroup``).
 
     Raises:
         _Infeasible: nothing fits ``memory_bytes``, or a forced spec leaves no strategy.
@@ -451,7 +468,8 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
                 restrict(table[n], lambda s, spec=fixed[n][0]: s.out_spec == spec)
     except ValueError as e:
         raise _Infeasible(str(e)) from None
-    graph, where = build_cost_graph(cg, table, mesh, share_layers=options.share_layers, nodes=subset, options=options)
+    graph, where = build_cost_graph(cg, table, mesh, share_layers=options.share_layers, nodes=subset,
+                                    remat=list(remat), remat_forced=True, options=options)
     reshard = reshard_costs(mesh, options)
     casts = cg.param_casts
     for n in names:  # operands produced in a known spec by an earlier layer: charge their resharding
@@ -485,14 +503,16 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
     chosen = {n: table[n].strategies[w.index[sol.choice[w.var]]] for n, w in where.items()}
     nodes = {n: node_plan(s, table[n]) for n, s in chosen.items()}
     weights = sum(s.memory for n, s in chosen.items() if (n in cg.param_fqns or n in cg.buffer_fqns) and n not in fixed)
-    acts = sum(s.memory for n, s in chosen.items() if not (n in cg.param_fqns or n in cg.buffer_fqns))
+    recomputed = [g.at(g.act, sol.choice) for g in graph.remat]
+    peak = max(recomputed, default=0.0)
+    acts = sum(s.memory for n, s in chosen.items() if not (n in cg.param_fqns or n in cg.buffer_fqns)) - sum(recomputed)
     # boundary values: replicated NodePlans so the collectives of the stage can be listed
     for n in list(nodes):
         for src in nodes[n].inputs:
             if src not in nodes:
                 nodes[src] = boundary_node_plan(cg, src, fixed.get(src))
     _, grad_sync, collectives = training_step(stage_view(cg, subset), nodes, mesh, options.bucket_bytes,
-                                            options.gradient_reduce_dtype)
+                                            options.gradient_reduce_dtype, remat)
     # the objective holds sync_weight x every gradient sync; per microbatch the deferred ones
     # (bucketed, once per step) do not run and the others run in full
     sync_all = sync_deferred = 0.0
@@ -509,12 +529,13 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
                     sync_all += cost
                     sync_deferred += cost if src in grad_sync else 0.0
     once = sum(c.seconds for c in collectives if c.node.startswith("gradient bucket"))
-    compute = sum(s.compute for s in chosen.values())
+    again = {n for layer in remat for n in layer}
+    compute = sum(s.compute * (1 + (n in again) / (1 + BACKWARD_FLOPS_FACTOR)) for n, s in chosen.items())
     seconds = sol.objective + (1 - sync_weight) * sync_all - sync_deferred
-    terms = [0.0, 0.0]  # the ILP's memory: sum over weight variables, sum over the others (unscaled)
+    terms = [peak, 0.0]  # the ILP's memory: sum over weight variables, sum over the others (unscaled)
     for v, m in enumerate(unscaled):
         terms[v not in weight_vars] += m[sol.choice[v]]
-    return StageSolution(max(seconds, 0.0), once, weights, acts, nodes, compute, tuple(terms), sol.gap)
+    return StageSolution(max(seconds, 0.0), once, weights, acts, nodes, compute, tuple(terms), sol.gap, peak)
 
 
 def _discount_gradient_sync(cg, table, where, graph, names, reshard, weight: float) -> None:

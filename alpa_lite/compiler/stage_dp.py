@@ -50,6 +50,8 @@ class StageOption:
         act_bytes: activations kept for backward per microbatch in flight.
         once_seconds: paid once per training step (gradient synchronization).
         payload: what the cost model needs to rebuild this option (not compared).
+        remat_bytes: activations of the largest recomputed layer, live once whatever the number
+            of microbatches in flight (``PlanOptions.remat``: one layer is recomputed at a time).
     """
 
     seconds: float
@@ -57,9 +59,10 @@ class StageOption:
     act_bytes: float = 0.0
     once_seconds: float = 0.0
     payload: object = field(default=None, compare=False)
+    remat_bytes: float = 0.0
 
     def fits(self, in_flight: int, memory_bytes: float) -> bool:
-        return self.weight_bytes + in_flight * self.act_bytes <= memory_bytes
+        return self.weight_bytes + in_flight * self.act_bytes + self.remat_bytes <= memory_bytes
 
 
 CostFn = Callable[[int, int, tuple[int, int]], Sequence[StageOption]]

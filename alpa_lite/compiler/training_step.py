@@ -59,35 +59,46 @@ def defer_gradient_sync(cg: CapturedGraph, nodes: dict[str, NodePlan]
 
 
 def training_step(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: LogicalMesh, bucket_bytes: float = 25 * 2**20,
-                  reduce_dtype: torch.dtype | None = None) -> tuple[dict[str, NodePlan], dict[str, tuple[int, ...]], list[Collective]]:
+                  reduce_dtype: torch.dtype | None = None, remat: list[list[str]] = ()
+                  ) -> tuple[dict[str, NodePlan], dict[str, tuple[int, ...]], list[Collective]]:
     """What a ``Plan`` (an SPMD plan or one pipeline stage's) stores for the chosen strategies
     ``nodes`` (gradient syncs on their edges): ``(nodes, grad_sync, collectives)`` with the
     data-parallel gradient syncs deferred to buckets (``defer_gradient_sync``) and every
-    collective of one training step (``plan_collectives``). The one place both plan kinds derive
-    their gradient synchronization."""
+    collective of one training step (``plan_collectives``; ``remat``: the recomputed layers). The
+    one place both plan kinds derive their gradient synchronization."""
     nodes, grad_sync = defer_gradient_sync(cg, nodes)
-    return nodes, grad_sync, plan_collectives(cg, nodes, mesh, grad_sync, bucket_bytes, reduce_dtype)
+    return nodes, grad_sync, plan_collectives(cg, nodes, mesh, grad_sync, bucket_bytes, reduce_dtype, remat)
 
 
 def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: LogicalMesh,
                      grad_sync: dict[str, tuple[int, ...]] | None = None,
-                     bucket_bytes: float = 25 * 2**20, reduce_dtype: torch.dtype | None = None) -> list[Collective]:
+                     bucket_bytes: float = 25 * 2**20, reduce_dtype: torch.dtype | None = None,
+                     remat: list[list[str]] = ()) -> list[Collective]:
     """Every collective of one training step for the chosen strategies: partial-sum all-reduces
     inside ops (not of a result left partial: its edges reduce it), the all-reduces of shared
     statistics (``ops.stat_reductions``), the resharding of every value to each (spec, gradient
     partial axes) its readers want, once however many read it there (forward, then backward in
     reverse), the bucketed gradient all-reduces (reduce-scatters for ZeRO-2), then the bucketed
     all-gathers of the ZeRO-1/2 parameters after the update; gradient buckets in ``reduce_dtype``
-    (None: the parameter's dtype)."""
+    (None: the parameter's dtype).
+
+    A layer of ``remat`` (node names; the runtime checkpoints it, ``executor.LocalExecutor``)
+    moves its operands itself, once per value and wanted spec inside the layer, and runs its
+    forward collectives again in backward: those are listed once more in phase ``"recompute"``
+    (layers in reverse order, as backward reaches them)."""
     forward, backward = [], []
+    layer_of = {n: i for i, layer in enumerate(remat) for n in layer}
+    recompute: list[list[Collective]] = [[] for _ in remat]
     moved = set()
     for name, np_ in nodes.items():
         node = cg.node(name)
+        layer = layer_of.get(name)
+        first = len(forward)
         for i, (src_name, r) in enumerate(zip(np_.inputs, np_.input_results)):
             dst, gp = np_.in_specs[i], np_.grad_partial[i]
-            if (src_name, r, dst, gp) in moved:
+            if (layer, src_name, r, dst, gp) in moved:
                 continue
-            moved.add((src_name, r, dst, gp))
+            moved.add((layer, src_name, r, dst, gp))
             val = cg.node(src_name).meta["val"]
             val = val[r] if isinstance(val, (tuple, list)) else val
             src = nodes[src_name].out_specs[r]
@@ -110,6 +121,8 @@ def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Logica
                 for axis in (a for a in np_.partial_axes if a not in spec.partial):
                     forward.append(Collective("all-reduce", (axis,), float(local), "forward", name, name,
                                               mesh.all_reduce_cost(local, (axis,))))
+        if layer is not None:
+            recompute[layer] += [replace(c, phase="recompute") for c in forward[first:]]
     buckets = []
     for k, (kind, axes, members) in enumerate(gradient_buckets(cg, nodes, grad_sync or {}, mesh.shape, bucket_bytes)):
         nbytes = float(sum(local_bytes(cg.node(ph).meta["val"], nodes[ph].out_specs[0], mesh.shape, reduce_dtype)
@@ -120,7 +133,7 @@ def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Logica
         nbytes = float(sum(local_bytes(cg.node(ph).meta["val"], nodes[ph].out_specs[0], mesh.shape) for ph in members))
         buckets.append(Collective("all-gather", axes, nbytes, "update", f"parameter bucket {k}",
                                   f"{len(members)} parameters", mesh.all_gather_cost(nbytes, axes)))
-    return forward + backward[::-1] + buckets
+    return forward + [c for cs in recompute[::-1] for c in cs] + backward[::-1] + buckets
 
 
 def param_specs_of(cg: CapturedGraph, nodes: dict[str, NodePlan]) -> dict[str, str]:

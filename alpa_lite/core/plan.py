@@ -85,8 +85,9 @@ class Collective:
         kind: ``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"`` or ``"all-to-all"``.
         mesh_axes: the mesh axes whose devices take part (``(0, 1)``: the flattened mesh).
         nbytes: the per-device bytes of the cost formula (mesh.py).
-        phase: ``"forward"``, ``"backward"`` or ``"update"`` (after the optimizer step: the
-            all-gather of ZeRO-1/2 parameters).
+        phase: ``"forward"``, ``"recompute"`` (a checkpointed layer's forward run again in
+            backward, ``Plan.remat``), ``"backward"`` or ``"update"`` (after the optimizer step:
+            the all-gather of ZeRO-1/2 parameters).
         node: the consuming node (resharding) or the node reducing its partial result.
         tensor: the tensor moved (producer node name).
         seconds: predicted time.
@@ -276,7 +277,8 @@ class StagePlan:
         once_seconds: paid once per step (gradient synchronization); transfer_seconds: the
             transfer part of ``seconds``.
         weight_bytes / act_bytes: per device: weights with gradients and optimizer state, and
-            activations of one microbatch; in_flight: microbatches whose activations it holds.
+            activations of one microbatch; in_flight: microbatches whose activations it holds;
+            remat_bytes: the largest recomputed layer's activations (``plan.remat``), live once.
     """
 
     layers: tuple[int, int]
@@ -292,17 +294,19 @@ class StagePlan:
     weight_bytes: float
     act_bytes: float
     in_flight: int
+    remat_bytes: float = 0.0
 
     @property
     def memory_bytes(self) -> float:
         """Predicted peak memory per device, bytes."""
-        return self.weight_bytes + self.in_flight * self.act_bytes
+        return self.weight_bytes + self.in_flight * self.act_bytes + self.remat_bytes
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("layers", "nodes", "submesh", "ranks", "recv", "send", "seconds",
                                             "once_seconds", "transfer_seconds", "weight_bytes", "act_bytes",
-                                            "in_flight")}
-        floats = {k: float(d[k]) for k in ("seconds", "once_seconds", "transfer_seconds", "weight_bytes", "act_bytes")}
+                                            "in_flight", "remat_bytes")}
+        floats = {k: float(d[k]) for k in ("seconds", "once_seconds", "transfer_seconds", "weight_bytes", "act_bytes",
+                                           "remat_bytes")}
         return d | floats | {"layers": list(self.layers), "submesh": list(self.submesh), "plan": self.plan.to_dict()}
 
     @classmethod
@@ -310,7 +314,7 @@ class StagePlan:
         return cls(tuple(d["layers"]), list(d["nodes"]), tuple(d["submesh"]), [int(r) for r in d["ranks"]],
                    Plan.from_dict(d["plan"]), list(d["recv"]), list(d["send"]), float(d["seconds"]),
                    float(d["once_seconds"]), float(d["transfer_seconds"]), float(d["weight_bytes"]),
-                   float(d["act_bytes"]), int(d["in_flight"]))
+                   float(d["act_bytes"]), int(d["in_flight"]), float(d.get("remat_bytes", 0.0)))
 
 
 @dataclass

@@ -26,6 +26,7 @@ from ..core.spec import ShardingSpec
 COUNTS: Counter = Counter()
 SECONDS: Counter = Counter()
 _timing = False
+_recomputing = False  # inside a checkpointed layer's recomputation: its forward collectives count as "recompute"
 
 
 def set_timing(enabled: bool) -> None:
@@ -41,8 +42,22 @@ def synchronize_device() -> None:
 
 
 @contextmanager
+def recomputing():
+    """While open, collectives issued as ``"forward"`` count (and time) as ``"recompute"``: a
+    checkpointed layer's forward run again in backward (the plan's ``"recompute"`` phase)."""
+    global _recomputing
+    before, _recomputing = _recomputing, True
+    try:
+        yield
+    finally:
+        _recomputing = before
+
+
+@contextmanager
 def _issued(kind: str, phase: str):
     """Count one collective of ``kind`` in ``phase``; time it into ``SECONDS`` while timing is on."""
+    if _recomputing and phase == "forward":
+        phase = "recompute"
     COUNTS[(kind, phase)] += 1
     if not _timing:
         yield

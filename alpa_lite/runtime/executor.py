@@ -23,14 +23,15 @@ Shoeybi et al. 2019, section 3; Korthikanti et al. 2022, section 4.2).
 
 The layers of ``plan.remat`` run under ``torch.utils.checkpoint`` (non-reentrant): their
 activations are not kept but recomputed on the local shards during backward, collectives and
-random draws included (the same seeds: the run counter has not moved); activation checkpointing,
-Chen et al. 2016.
+random draws included (the same seeds: the run counter has not moved; the collectives count in
+phase ``"recompute"``, as the plan lists them); activation checkpointing, Chen et al. 2016.
 
 An in-place op on a stored tensor (``embedding_renorm_`` of ``max_norm`` on a detached weight)
 that ran on a resharded copy is written back to the stored shard.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import operator
@@ -45,7 +46,7 @@ from ..core.aten import alias_root, bind_args, is_random, op_args, with_arg, wri
 from ..core.capture import CapturedGraph
 from ..core.losses import MEAN, SUM, is_ratio, ratio_parts
 from ..core.plan import NodePlan, Plan
-from .collectives import AllReducePartial, AllReduceShared, MeshGroups, all_reduce_max, reshard
+from .collectives import AllReducePartial, AllReduceShared, MeshGroups, all_reduce_max, recomputing, reshard
 
 aten = torch.ops.aten
 _SHAPE_ARG = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
@@ -143,7 +144,8 @@ class LocalExecutor:
         ops = (n for n in self.cg.graph.nodes if n.op == "call_function")
         for layer, nodes in itertools.groupby(ops, key=lambda n: self.remat.get(n.name)):
             if layer is not None and torch.is_grad_enabled():
-                checkpoint(self._run_layer, list(nodes), values, self.calls, layer, use_reentrant=False)
+                checkpoint(self._run_layer, list(nodes), values, self.calls, layer, use_reentrant=False,
+                           context_fn=lambda: (contextlib.nullcontext(), recomputing()))
             else:
                 self._run_nodes(nodes, values, moved)
         return values

@@ -41,7 +41,7 @@ from ..core.plan import PipelinePlan, Plan
 
 REPORT_ENV = "ALPA_LITE_REPORT"
 REPORT_JSON_ENV = "ALPA_LITE_REPORT_JSON"
-PHASES = ("forward", "backward", "update")
+PHASES = ("forward", "recompute", "backward", "update")
 
 
 def report_requested(report: bool | None) -> bool:

@@ -90,7 +90,7 @@ def main():
         losses += [trainer.step(*b) for b in batches[1:]]
         param_err, param_scale = max_err(trainer.state_dict(), ref_params)
         runtime = {f"{k}|{ph}": after[(k, ph)] - before.get((k, ph), 0) for (k, ph) in after
-                   if ph in ("forward", "backward", "update") and after[(k, ph)] != before.get((k, ph), 0)}
+                   if ph in ("forward", "recompute", "backward", "update") and after[(k, ph)] != before.get((k, ph), 0)}
         results[name] = {"losses": losses, "ref_losses": ref_losses, "grad_err": grad_err, "grad_scale": grad_scale,
                          "param_err": param_err, "param_scale": param_scale, "runtime_counts": runtime,
                          "plan_counts": {f"{k}|{ph}": n for (k, ph), n in trainer.plan.collective_counts().items()},

@@ -6,7 +6,8 @@ Every rank trains each plan under each schedule of ``schedules`` (default: the p
 schedule only orders the runtime's work, and these tiny stages fit memory under either), twice,
 with SGD and with AdamW. Rank 0 writes per case, schedule and optimizer: the losses of every step,
 the largest gradient error after step 1 and parameter error after the last step (each with the
-reference's largest value, for scale), and per stage its ranks, parameters and gradient syncs.
+reference's largest value, for scale), and per stage its ranks, parameters, gradient syncs and
+number of recomputed layers.
 The reference trains the model in one process on the same global batches.
 """
 import argparse
@@ -107,7 +108,8 @@ def main():
             captured[key] = capture(model, tuple(x[:size] for x in example))
         fqn = captured[key].param_fqns
         stages = [{"ranks": s.ranks, "params": sorted(s.plan.param_specs),
-                   "grad_sync": sorted(fqn[ph] for ph in s.plan.grad_sync)} for s in plan.stages]
+                   "grad_sync": sorted(fqn[ph] for ph in s.plan.grad_sync), "remat_layers": len(s.plan.remat)}
+                  for s in plan.stages]
         for schedule in case.get("schedules", [plan.schedule]):
             record = {"num_microbatches": b, "stages": stages}
             for opt, cls in OPTIMIZERS.items():

@@ -1,5 +1,6 @@
 """Run on every rank by torchrun: plans with activation checkpointing (``remat``) train as one
-process does; the bytes autograd keeps from the forward are measured. Rank 0 writes JSON."""
+process does, issuing the plan's collectives (a recomputed layer's again, in phase "recompute");
+the bytes autograd keeps from the forward are measured. Rank 0 writes JSON."""
 import argparse
 import copy
 import json
@@ -7,6 +8,7 @@ import json
 import torch
 
 from alpa_lite import parallelize
+from alpa_lite.runtime import collective_counts
 from alpa_lite.runtime.launch import init_distributed
 from alpa_lite.zoo.models import build_model
 from single_process import finish, reference
@@ -49,13 +51,19 @@ def main():
         trainer = parallelize(copy.deepcopy(model), (2, 2), example, optimizer=lambda p: torch.optim.AdamW(p, lr=LR),
                               **options)
         acts = saved_bytes(trainer, batches[0])
-        losses = [trainer.step(*b) for b in batches]
+        before = collective_counts()
+        losses = [trainer.step(*batches[0])]
+        after = collective_counts()
+        losses += [trainer.step(*b) for b in batches[1:]]
         got = trainer.state_dict()
         state = sum(16 * p.numel() for p in trainer.params.values())  # fp32 parameter, gradient, 2 Adam moments
         results[name] = {"losses": losses, "ref_losses": ref_losses,
                          "param_err": max(float((got[k] - v).abs().max()) for k, v in ref_params.items()),
                          "remat_layers": len(trainer.plan.remat), "predicted": trainer.plan.memory_bytes,
-                         "measured": state + acts, "saved_activations": acts}
+                         "measured": state + acts, "saved_activations": acts,
+                         "runtime_counts": {f"{k}|{ph}": n - before.get((k, ph), 0) for (k, ph), n in after.items()
+                                            if n != before.get((k, ph), 0)},
+                         "plan_counts": {f"{k}|{ph}": n for (k, ph), n in trainer.plan.collective_counts().items()}}
     finish(results, args.out)
 
 
