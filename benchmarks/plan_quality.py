@@ -174,12 +174,16 @@ def baselines(model, example, suite: Suite, cluster_shape, preset, microbatches,
                 if tp > min(d, m) or d % tp:
                     continue
                 dp = d // tp
+                if size % dp:  # a microbatch of fewer sequences than data-parallel ranks
+                    continue
                 for point, grid in grid_points(cg, example, suite, dp, tp, time_limit):
                     costs = GraphStageCosts(cg, layers, cluster, budget, max_in_flight=min(b, pp), options=grid,
                                             shapes=lambda sub, s=(dp, tp): [s], num_microbatches=b)
                     offer("grid", evaluate(costs, L, pp, devices, b, m), f"{point} dp={dp} tp={tp} pp={pp} B={b}")
         shape = submesh_of(devices, m) if devices <= m else (n, m)
         for kind, stage in (("data parallel", None), ("zero-1", 1), ("zero-2", 2), ("zero-3", 3)):
+            if size % devices:
+                continue
             options = PlanOptions(force_data_parallel=True, zero_stage=stage if devices > 1 else None,
                                   time_limit=time_limit)
             costs = GraphStageCosts(cg, layers, cluster, budget, max_in_flight=1, options=options,
@@ -244,13 +248,14 @@ def table(rows, key: str) -> Table:
                 "data parallel", "ZeRO-1", "ZeRO-2", "ZeRO-3", "equal-layer PP", "plan time", "ILPs at time limit"):
         t.add_column(col, justify="left" if col in ("cluster", "model", "schedule", "grid point") else "right")
     fmt = lambda x: "-" if x is None or not math.isfinite(x) else f"{x:.3f}"
+    measured = lambda r, k: fmt(r[k]) if k in r else "?"  # noqa: E731 (rows measured before ZeRO-1/2 were)
     for r in suite_rows(rows, key):
         ratio = r["alpa_lite_s"] / r["grid"] if math.isfinite(r["grid"]) else math.nan
         limits = r.get("solver_limits")  # rows measured before these were recorded: "?"
         point = (r["grid config"] or "-",) if suite.sequence_grid else ()
         t.add_row(r["preset"], r["model"], str(r["devices"]), fmt(r["alpa_lite_s"]), r.get("schedule") or "?",
                   fmt(r.get("no_pipeline_s")), fmt(r["grid"]), *point, "-" if math.isnan(ratio) else f"{ratio:.3f}x",
-                  fmt(r["data parallel"]), fmt(r.get("zero-1")), fmt(r.get("zero-2")), fmt(r["zero-3"]),
+                  fmt(r["data parallel"]), measured(r, "zero-1"), measured(r, "zero-2"), fmt(r["zero-3"]),
                   fmt(r["equal-layer pipeline"]), f"{r['plan_time_s']:.1f} s", "?" if limits is None else str(len(limits)))
     return t
 
