@@ -1,20 +1,24 @@
 """Plan quality: alpa-lite's pipelined plan vs hand-tuned configurations, under one cost model.
 
 For Alpa's three suites (OSDI'22, Table 4 / Fig. 7): GPT-3 (350M on 1 GPU ... 39B on 64),
-GShard MoE (380M on 1 ... 27B on 32) and Wide-ResNet (250M on 1 ... 13B on 64), on the ``a100``
-and ``v100`` cluster presets, the predicted training-step time of
+GShard MoE (380M on 1 ... 27B on 32) and Wide-ResNet (250M on 1 ... 13B on 64), and for long
+sequences (``gpt-8k``, ``gpt-32k``: GPT-3 1.3B on 8 and 2.6B on 64 GPUs, seq 8192 / 32768, global
+batch 8), on the ``a100`` and ``v100`` cluster presets, the predicted training-step time of
 
-- **alpa-lite**: ``alpa_lite.plan(..., pipeline=PipelineOptions(...))`` (layer clustering, stage DP, per-stage intra-op ILP);
+- **alpa-lite**: ``alpa_lite.plan(..., pipeline=PipelineOptions(...))`` (layer clustering, stage DP, per-stage
+  intra-op ILP; the pipeline schedule ``--schedule``, default ``auto``: the stage DP's choice);
 - **hand-tuned grid**: the best ``dp x tp x pp x B`` point: ``pp`` stages of equal layer counts
   on submeshes of ``D / pp`` devices, each with logical mesh ``(dp, tp)``, the batch split along
   axis 0, every weight replicated except, along axis 1, GPT's Megatron column / row /
   vocab-parallel weights (Narayanan et al., SC21) and, for MoE, the same plus the experts split
   over their expert dim (expert parallelism, GShard / DeepSpeed-MoE); Wide-ResNet has no tensor
-  parallelism (``tp = 1``: Alpa's PP-DP baseline); 1F1B;
+  parallelism (``tp = 1``: Alpa's PP-DP baseline); 1F1B; the long-sequence suites add, for
+  ``tp > 1``, Megatron-SP and Ulysses points (``grid_points``);
 - **no pipeline**: ``alpa_lite.plan`` without ``pipeline`` (the intra-op plan on the whole mesh,
   one microbatch); the pipelined search holds it (B = 1, one stage), so alpa-lite is never slower;
 - **data parallel**: one stage, batch over every device, weights replicated;
-- **ZeRO-3**: one stage, batch over every device, every weight sharded (dim 0) over every device;
+- **ZeRO-1 / ZeRO-2 / ZeRO-3**: data parallel with every parameter at that ZeRO stage over every
+  device (``PlanOptions(zero_stage=...)``);
 - **equal-layer pipeline**: the best ``pp`` with equal layer counts per stage and ``D / pp``
   devices each, the stages' intra-op plans (and logical meshes) free;
 
@@ -23,7 +27,7 @@ clustering, ``compiler.stage_costs.GraphStageCosts`` (per-layer intra-op ILPs wi
 baselines) and the same step-time formula ``sum(t_i + o_i) + (B - 1) max t_i`` with 1F1B's
 in-flight memory. A configuration that does not fit the device memory is left out ("-").
 
-Run:  python benchmarks/plan_quality.py [--suites gpt,moe,wresnet] [--presets a100,v100] [--models ...]
+Run:  python benchmarks/plan_quality.py [--suites gpt,moe,wresnet,gpt-8k,gpt-32k] [--presets a100,v100] [--models ...]
 """
 from __future__ import annotations
 
