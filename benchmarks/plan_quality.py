@@ -260,7 +260,8 @@ def table(rows, key: str) -> Table:
         t.add_row(r["preset"], r["model"], str(r["devices"]), fmt(r["alpa_lite_s"]), r.get("schedule") or "?",
                   fmt(r.get("no_pipeline_s")), fmt(r["grid"]), *point, "-" if math.isnan(ratio) else f"{ratio:.3f}x",
                   fmt(r["data parallel"]), measured(r, "zero-1"), measured(r, "zero-2"), fmt(r["zero-3"]),
-                  fmt(r["equal-layer pipeline"]), f"{r['plan_time_s']:.1f} s", "?" if limits is None else str(len(limits)))
+                  fmt(r["equal-layer pipeline"]), f"{r['plan_time_s']:.1f} s",
+                  "?" if limits is None else str(len(limits)))
     return t
 
 
