@@ -257,7 +257,8 @@ def table(rows, key: str) -> Table:
         ratio = r["alpa_lite_s"] / r["grid"] if math.isfinite(r["grid"]) else math.nan
         limits = r.get("solver_limits")  # rows measured before these were recorded: "?"
         point = (r["grid config"] or "-",) if suite.sequence_grid else ()
-        t.add_row(r["preset"], r["model"], str(r["devices"]), fmt(r["alpa_lite_s"]), r.get("schedule") or "?",
+        t.add_row(r["preset"], r["model"], str(r["devices"]), fmt(r["alpa_lite_s"]),
+                  r.get("schedule", "1f1b") if math.isfinite(r["alpa_lite_s"]) else "-",  # older rows: 1F1B only
                   fmt(r.get("no_pipeline_s")), fmt(r["grid"]), *point, "-" if math.isnan(ratio) else f"{ratio:.3f}x",
                   fmt(r["data parallel"]), measured(r, "zero-1"), measured(r, "zero-2"), fmt(r["zero-3"]),
                   fmt(r["equal-layer pipeline"]), f"{r['plan_time_s']:.1f} s",
