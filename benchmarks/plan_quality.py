@@ -1,20 +1,24 @@
 """Plan quality: alpa-lite's pipelined plan vs hand-tuned configurations, under one cost model.
 
 For Alpa's three suites (OSDI'22, Table 4 / Fig. 7): GPT-3 (350M on 1 GPU ... 39B on 64),
-GShard MoE (380M on 1 ... 27B on 32) and Wide-ResNet (250M on 1 ... 13B on 64), on the ``a100``
-and ``v100`` cluster presets, the predicted training-step time of
+GShard MoE (380M on 1 ... 27B on 32) and Wide-ResNet (250M on 1 ... 13B on 64), and for long
+sequences (``gpt-8k``, ``gpt-32k``: GPT-3 1.3B on 8 and 2.6B on 64 GPUs, seq 8192 / 32768, global
+batch 8), on the ``a100`` and ``v100`` cluster presets, the predicted training-step time of
 
-- **alpa-lite**: ``alpa_lite.plan(..., pipeline=PipelineOptions(...))`` (layer clustering, stage DP, per-stage intra-op ILP);
+- **alpa-lite**: ``alpa_lite.plan(..., pipeline=PipelineOptions(...))`` (layer clustering, stage DP, per-stage
+  intra-op ILP; the pipeline schedule ``--schedule``, default ``auto``: the stage DP's choice);
 - **hand-tuned grid**: the best ``dp x tp x pp x B`` point: ``pp`` stages of equal layer counts
   on submeshes of ``D / pp`` devices, each with logical mesh ``(dp, tp)``, the batch split along
   axis 0, every weight replicated except, along axis 1, GPT's Megatron column / row /
   vocab-parallel weights (Narayanan et al., SC21) and, for MoE, the same plus the experts split
   over their expert dim (expert parallelism, GShard / DeepSpeed-MoE); Wide-ResNet has no tensor
-  parallelism (``tp = 1``: Alpa's PP-DP baseline); 1F1B;
+  parallelism (``tp = 1``: Alpa's PP-DP baseline); 1F1B; the long-sequence suites add, for
+  ``tp > 1``, Megatron-SP and Ulysses points (``grid_points``);
 - **no pipeline**: ``alpa_lite.plan`` without ``pipeline`` (the intra-op plan on the whole mesh,
   one microbatch); the pipelined search holds it (B = 1, one stage), so alpa-lite is never slower;
 - **data parallel**: one stage, batch over every device, weights replicated;
-- **ZeRO-3**: one stage, batch over every device, every weight sharded (dim 0) over every device;
+- **ZeRO-1 / ZeRO-2 / ZeRO-3**: data parallel with every parameter at that ZeRO stage over every
+  device (``PlanOptions(zero_stage=...)``);
 - **equal-layer pipeline**: the best ``pp`` with equal layer counts per stage and ``D / pp``
   devices each, the stages' intra-op plans (and logical meshes) free;
 
@@ -23,7 +27,7 @@ clustering, ``compiler.stage_costs.GraphStageCosts`` (per-layer intra-op ILPs wi
 baselines) and the same step-time formula ``sum(t_i + o_i) + (B - 1) max t_i`` with 1F1B's
 in-flight memory. A configuration that does not fit the device memory is left out ("-").
 
-Run:  python benchmarks/plan_quality.py [--suites gpt,moe,wresnet] [--presets a100,v100] [--models ...]
+Run:  python benchmarks/plan_quality.py [--suites gpt,moe,wresnet,gpt-8k,gpt-32k] [--presets a100,v100] [--models ...]
 """
 from __future__ import annotations
 
@@ -71,14 +75,16 @@ def megatron_specs(cg, tp: int) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Suite:
-    """One of Alpa's benchmark suites: ``cases`` (model, cluster shape), the global batch, the
-    sequence length (None: not a language model) and the grid's tensor-parallel degrees."""
+    """A benchmark suite: ``cases`` (model, cluster shape), the global batch, the sequence length
+    (None: not a language model), the grid's tensor-parallel degrees and whether the grid adds,
+    for every ``tp > 1``, Megatron-SP and Ulysses points (``sequence_grid``)."""
 
     title: str
     cases: tuple[tuple[str, tuple[int, int]], ...]
     global_batch: int
     seq: int | None
     tp_degrees: tuple[int, ...]
+    sequence_grid: bool = False
 
 
 SUITES = {  # OSDI'22, Table 4 and section 8.1
@@ -90,18 +96,31 @@ SUITES = {  # OSDI'22, Table 4 and section 8.1
                                      ("wide-resnet-2b", (1, 8)), ("wide-resnet-4b", (2, 8)),
                                      ("wide-resnet-6.8b", (4, 8)), ("wide-resnet-13b", (8, 8))), 1536, None, (1,)),
 }
+for _seq in (8192, 32768):  # long sequences (Korthikanti et al. 2022; Jacobs et al. 2023): 8 and 64 A100s
+    SUITES[f"gpt-{_seq // 1024}k"] = Suite("GPT-3 long sequence", (("gpt3-1.3b", (1, 8)), ("gpt3-2.6b", (8, 8))), 8,
+                                           _seq, (1, 2, 4, 8), sequence_grid=True)
 
 
-def zero3_specs(cg, shape) -> dict[str, str]:
-    """Every weight split on dim 0 over every device (where it divides), ZeRO stage 3."""
-    devices = shape[0] * shape[1]
-    entry = "S01" if shape[0] > 1 and shape[1] > 1 else ("S1" if shape[1] > 1 else "S0")
-    specs = {}
-    for ph, fqn in cg.param_fqns.items():
-        dims = tuple(cg.node(ph).meta["val"].shape)
-        if devices > 1 and dims[0] % devices == 0:
-            specs[fqn] = entry + "R" * (len(dims) - 1)
-    return specs
+def sequence_split(example, dp: int) -> dict[str, str]:
+    """Every ``[batch, seq]`` input: batch along mesh axis 0 (when ``dp > 1``), sequence along axis 1."""
+    return {str(i): ("S0" if dp > 1 else "R") + "S1" for i in range(len(example))}
+
+
+def grid_points(cg, example, suite: Suite, dp: int, tp: int, time_limit: float):
+    """The hand-tuned grid's ``(name, PlanOptions)`` at logical mesh ``(dp, tp)``: Megatron's tensor
+    parallelism and, for a ``sequence_grid`` suite with ``tp > 1``, Megatron-SP (the same weights,
+    the inputs split along the sequence on axis 1, partial sums reduce-scattered: Korthikanti et
+    al. 2022, section 4.2.2) and Ulysses (every weight replicated, the inputs split along the
+    sequence on axis 1, attention free to take heads by all-to-all: Jacobs et al. 2023). The
+    activations' specs are the ILP's in every point."""
+    common = dict(replicate_params=True, batch_axis=0 if dp > 1 else None, time_limit=time_limit)
+    points = [("tp", PlanOptions(param_specs=megatron_specs(cg, tp), **common))]
+    if suite.sequence_grid and tp > 1:
+        seq = sequence_split(example, dp)
+        points += [("sp", PlanOptions(param_specs=megatron_specs(cg, tp), input_specs=seq,
+                                      prefer_reduce_scatter=True, **common)),
+                   ("ulysses", PlanOptions(input_specs=seq, **common))]
+    return points
 
 
 def submesh_of(devices: int, m: int) -> tuple[int, int]:
@@ -135,7 +154,8 @@ def baselines(model, example, suite: Suite, cluster_shape, preset, microbatches,
     mesh = LogicalMesh(cluster_shape, cluster=preset)
     cluster, budget = mesh.as_cluster(), mesh.memory_bytes
     free_options = PlanOptions(time_limit=time_limit)
-    best = {k: (math.inf, None) for k in ("grid", "data parallel", "zero-3", "equal-layer pipeline")}
+    best = {k: (math.inf, None) for k in ("grid", "data parallel", "zero-1", "zero-2", "zero-3",
+                                          "equal-layer pipeline")}
 
     def offer(kind, value, config):
         if value is not None and value < best[kind][0]:
@@ -158,40 +178,45 @@ def baselines(model, example, suite: Suite, cluster_shape, preset, microbatches,
                 if tp > min(d, m) or d % tp:
                     continue
                 dp = d // tp
-                grid = PlanOptions(param_specs=megatron_specs(cg, tp), replicate_params=True,
-                                   batch_axis=0 if dp > 1 else None, time_limit=time_limit)
-                costs = GraphStageCosts(cg, layers, cluster, budget, max_in_flight=min(b, pp), options=grid,
-                                        shapes=lambda sub, s=(dp, tp): [s], num_microbatches=b)
-                offer("grid", evaluate(costs, L, pp, devices, b, m), f"dp={dp} tp={tp} pp={pp} B={b}")
+                if size % dp:  # a microbatch of fewer sequences than data-parallel ranks
+                    continue
+                for point, grid in grid_points(cg, example, suite, dp, tp, time_limit):
+                    costs = GraphStageCosts(cg, layers, cluster, budget, max_in_flight=min(b, pp), options=grid,
+                                            shapes=lambda sub, s=(dp, tp): [s], num_microbatches=b)
+                    offer("grid", evaluate(costs, L, pp, devices, b, m), f"{point} dp={dp} tp={tp} pp={pp} B={b}")
         shape = submesh_of(devices, m) if devices <= m else (n, m)
-        for kind, forced in (("data parallel", {}), ("zero-3", zero3_specs(cg, shape) if devices > 1 else {})):
-            options = PlanOptions(force_data_parallel=True, param_specs=forced, time_limit=time_limit)
+        for kind, stage in (("data parallel", None), ("zero-1", 1), ("zero-2", 2), ("zero-3", 3)):
+            if size % devices:
+                continue
+            options = PlanOptions(force_data_parallel=True, zero_stage=stage if devices > 1 else None,
+                                  time_limit=time_limit)
             costs = GraphStageCosts(cg, layers, cluster, budget, max_in_flight=1, options=options,
                                     shapes=lambda sub, s=shape: [s], num_microbatches=b)
             offer(kind, evaluate(costs, L, 1, devices, b, m), f"B={b}")
     return best
 
 
-def run(suites, models, presets, microbatches, num_layers, time_limit, console, out: Path):
+def run(suites, models, presets, microbatches, num_layers, schedule, time_limit, console, out: Path):
     rows = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else []
-    done = {(r["preset"], r["model"]) for r in rows}
+    done = {(r["suite"], r["preset"], r["model"]) for r in rows}
     for preset in presets:
         for key in suites:
             suite = SUITES[key]
             for name, shape in suite.cases:
-                if (models and name not in models) or (preset, name) in done:
+                if (models and name not in models) or (key, preset, name) in done:
                     continue
                 model, example = build_model(name, suite.global_batch, suite.seq, device="meta")
                 t0 = time.perf_counter()
                 try:
                     p = plan(model, example, LogicalMesh(shape, cluster=preset), time_limit=time_limit,
-                             pipeline=PipelineOptions(num_layers=num_layers, microbatch_candidates=tuple(microbatches)))
-                    ours, plan_s = p.step_seconds, time.perf_counter() - t0
+                             pipeline=PipelineOptions(num_layers=num_layers, schedule=schedule,
+                                                      microbatch_candidates=tuple(microbatches)))
+                    ours, plan_s, chosen = p.step_seconds, time.perf_counter() - t0, p.schedule
                     config = (f"{len(p.stages)} stages " + " ".join(
                         f"{s.submesh[0]}x{s.submesh[1]}:{'x'.join(map(str, s.plan.mesh.shape))}" for s in p.stages)
                         + f" B={p.num_microbatches}")
                 except PipelinePlanError as e:
-                    ours, plan_s, config = math.inf, time.perf_counter() - t0, f"infeasible: {e}"
+                    ours, plan_s, config, chosen = math.inf, time.perf_counter() - t0, f"infeasible: {e}", None
                 limits = [] if math.isinf(ours) else p.solver_limits
                 try:
                     spmd = plan(model, example, LogicalMesh(shape, cluster=preset), time_limit=time_limit).step_seconds
@@ -200,7 +225,7 @@ def run(suites, models, presets, microbatches, num_layers, time_limit, console, 
                 base = baselines(model, example, suite, shape, preset, microbatches, num_layers, time_limit)
                 row = {"suite": key, "preset": preset, "model": name, "devices": shape[0] * shape[1],
                        "alpa_lite_s": ours, "alpa_lite_config": config, "plan_time_s": plan_s,
-                       "no_pipeline_s": spmd, "solver_limits": limits}
+                       "no_pipeline_s": spmd, "solver_limits": limits, "schedule": chosen}
                 for kind, (value, cfg) in base.items():
                     row[kind] = value
                     row[kind + " config"] = cfg
@@ -222,22 +247,27 @@ def table(rows, key: str) -> Table:
     suite = SUITES[key]
     seq = f", seq {suite.seq}" if suite.seq else ""
     t = Table(title=f"{suite.title} suite, global batch {suite.global_batch}{seq}: predicted step time (s)")
-    for col in ("cluster", "model", "GPUs", "alpa-lite", "no pipeline", "grid best", "ratio", "data parallel",
-                "ZeRO-3", "equal-layer PP", "plan time", "ILPs at time limit"):
-        t.add_column(col, justify="left" if col in ("cluster", "model") else "right")
+    grid_point = ("grid point",) if suite.sequence_grid else ()
+    for col in ("cluster", "model", "GPUs", "alpa-lite", "schedule", "no pipeline", "grid best", *grid_point, "ratio",
+                "data parallel", "ZeRO-1", "ZeRO-2", "ZeRO-3", "equal-layer PP", "plan time", "ILPs at time limit"):
+        t.add_column(col, justify="left" if col in ("cluster", "model", "schedule", "grid point") else "right")
     fmt = lambda x: "-" if x is None or not math.isfinite(x) else f"{x:.3f}"
+    measured = lambda r, k: fmt(r[k]) if k in r else "?"  # noqa: E731 (rows measured before ZeRO-1/2 were)
     for r in suite_rows(rows, key):
         ratio = r["alpa_lite_s"] / r["grid"] if math.isfinite(r["grid"]) else math.nan
-        limits = r.get("solver_limits")  # rows measured before it was recorded: "?"
-        t.add_row(r["preset"], r["model"], str(r["devices"]), fmt(r["alpa_lite_s"]), fmt(r.get("no_pipeline_s")),
-                  fmt(r["grid"]), "-" if math.isnan(ratio) else f"{ratio:.3f}x", fmt(r["data parallel"]),
-                  fmt(r["zero-3"]), fmt(r["equal-layer pipeline"]), f"{r['plan_time_s']:.1f} s",
+        limits = r.get("solver_limits")  # rows measured before these were recorded: "?"
+        point = (r["grid config"] or "-",) if suite.sequence_grid else ()
+        t.add_row(r["preset"], r["model"], str(r["devices"]), fmt(r["alpa_lite_s"]),
+                  r.get("schedule", "1f1b") if math.isfinite(r["alpa_lite_s"]) else "-",  # older rows: 1F1B only
+                  fmt(r.get("no_pipeline_s")), fmt(r["grid"]), *point, "-" if math.isnan(ratio) else f"{ratio:.3f}x",
+                  fmt(r["data parallel"]), measured(r, "zero-1"), measured(r, "zero-2"), fmt(r["zero-3"]),
+                  fmt(r["equal-layer pipeline"]), f"{r['plan_time_s']:.1f} s",
                   "?" if limits is None else str(len(limits)))
     return t
 
 
 KINDS = [("alpa_lite_s", "alpa-lite"), ("grid", "hand-tuned grid best"), ("data parallel", "data parallel"),
-         ("zero-3", "ZeRO-3"), ("equal-layer pipeline", "equal-layer PP")]
+         ("zero-1", "ZeRO-1"), ("zero-2", "ZeRO-2"), ("zero-3", "ZeRO-3"), ("equal-layer pipeline", "equal-layer PP")]
 
 
 def plot(rows, path: Path) -> None:
@@ -254,7 +284,8 @@ def plot(rows, path: Path) -> None:
             width = 0.8 / len(KINDS)
             for j, (kind, label) in enumerate(KINDS):
                 # throughput relative to the best configuration found for the case (1 = the best)
-                vals = [min(r[k] for k, _ in KINDS) / r[kind] if math.isfinite(r[kind]) else 0 for r in rs]
+                best = [min(r.get(k, math.inf) for k, _ in KINDS) for r in rs]  # ZeRO-1/2: "-" in older rows
+                vals = [b / r.get(kind, math.inf) for b, r in zip(best, rs)]
                 ax.bar([i + j * width for i in range(len(rs))], vals, width, label=label)
             ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rs))])
             ax.set_xticklabels([f"{r['model'].split('-')[-1]}\n{r['devices']} GPUs" for r in rs], fontsize=8)
@@ -273,6 +304,7 @@ def main():
     ap.add_argument("--models", default="", help="only these models of the suites (default: all)")
     ap.add_argument("--microbatches", default="1,2,4,8,16,32,64", help="candidate microbatch counts B")
     ap.add_argument("--layers", type=int, default=8, help="layers L of the clustering")
+    ap.add_argument("--schedule", default="auto", help="alpa-lite's pipeline schedule (the grid's is 1F1B)")
     ap.add_argument("--time-limit", type=float, default=30.0, help="ILP seconds per solve")
     ap.add_argument("--out", default="docs/plan_quality", help="writes OUT.json (cases done so far: a rerun "
                     "resumes), OUT.png and OUT.md")
@@ -286,7 +318,8 @@ def main():
         rows = json.loads(out.with_suffix(".json").read_text())
     else:
         rows = run(args.suites.split(","), [m for m in args.models.split(",") if m], args.presets.split(","),
-                   [int(b) for b in args.microbatches.split(",")], args.layers, args.time_limit, console, out)
+                   [int(b) for b in args.microbatches.split(",")], args.layers, args.schedule, args.time_limit, console,
+                   out)
     record = Console(record=True, width=160, file=io.StringIO())
     for key in SUITES:
         if any(r["suite"] == key for r in rows):
