@@ -273,8 +273,8 @@ class LocalExecutor:
             out = self._vocab_parallel_embedding(np_, **bind_args(node.target, args, kwargs))
         else:
             out = node.target(*args, **kwargs)
-        if np_.reduce == "mean":
-            out = out / math.prod(self.mesh.shape[a] for a in axes)
+        if np_.reduce == "mean":  # a local mean over a split dim: 1/shards of the sum, reduced here or left partial
+            out = out / math.prod(self.mesh.shape[a] for a in np_.partial_axes)
         if axes:
             out = AllReducePartial.apply(out, axes, self.mesh)
         if bias is not None and any(self.mesh.coord[a] for a in left):
