@@ -3,7 +3,6 @@ a result partial or pass one through, and Megatron-SP (Korthikanti et al., MLSys
 from the ILP on a long-sequence GPT whose weights dwarf its activations. The resharding of every
 partial edge is simulated in test_resharding.py; training with it equals one process in
 test_runtime.py (``megatron-sp``)."""
-import pytest
 import torch
 import torch.nn as nn
 
