@@ -178,7 +178,7 @@ def _run_report(d, args):
 
 
 def _profile_2x2(d, args):  # 3 sizes, 1 warm-up, 3 repeats here
-    alpa_lite([*args, "--sizes", "4K", "64K", "1M", "--warmup", "1", "--repeats", "3"], d)
+    alpa_lite([*args, "--sizes", "4K", "256K", "4M", "--warmup", "1", "--repeats", "3"], d)
     spec = ClusterSpec.load(d / "cluster.json")
     assert spec.num_devices == 4 and set(spec.mesh_links) == {"2x2"} and spec.kernel_flops
 

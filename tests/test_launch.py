@@ -13,10 +13,14 @@ from alpa_lite.runtime.launch import init_distributed, torchrun
 WORKER = textwrap.dedent("""
     import json, os, signal, sys, time
     from pathlib import Path
+
+    mode, out, timeout_s = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
+    if mode == "sleep":  # before importing torch: a busy machine may take seconds to import it
+        (out / f"pid{os.environ['RANK']}").write_text(str(os.getpid()))
+        time.sleep(120)
     import torch, torch.distributed as dist
     from alpa_lite.runtime.launch import init_distributed
 
-    mode, out, timeout_s = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
     init_distributed(timeout_s=timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
     if mode == "ok":
@@ -41,9 +45,6 @@ WORKER = textwrap.dedent("""
         status["seconds"] = time.monotonic() - t0
         (out / "rank0.json").write_text(json.dumps(status))
         os._exit(1 if status["error"] else 0)
-    elif mode == "sleep":
-        (out / f"pid{rank}").write_text(str(os.getpid()))
-        time.sleep(120)
 """)
 
 
@@ -86,7 +87,7 @@ def test_timeout_kills_launcher_and_ranks(worker, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(TimeoutError, match="did not finish within"):
-        torchrun([str(worker), "sleep", str(out), "30"], nproc=1, timeout_s=8)
+        torchrun([str(worker), "sleep", str(out), "30"], nproc=1, timeout_s=20)
     pid = int((out / "pid0").read_text())
     for _ in range(50):
         if not _alive(pid):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from alpa_lite.core.mesh import ClusterSpec, Link, LogicalMesh, bytes_factor, interpolate_curve
-from alpa_lite.tools.profile import (FitResult, add_arguments, effective_bytes, fit_alpha_beta, mesh_groups,
+from alpa_lite.tools.profile import (FitResult, _rank_error, add_arguments, effective_bytes, fit_alpha_beta, mesh_groups,
                                parse_size, run)
 
 SIZES = [4096 * 4**i for i in range(6)]  # 4 KiB .. 4 MiB
@@ -268,6 +268,16 @@ def test_run_rejects_bad_arguments(tmp_path, capsys):
     assert run(_args("--nproc", "0", "--out", str(tmp_path / "c.json"))) == 2
     assert run(_args("--nproc", "1", "--base", "no-such-cluster", "--out", str(tmp_path / "c.json"))) == 2
     assert "unknown cluster 'no-such-cluster'" in capsys.readouterr().out
+
+
+def test_rank_error_shows_the_traceback_not_the_launcher_summary():
+    log = "\n".join(["profile starting", "Traceback (most recent call last):", '  File "profile.py", line 1, in <module>',
+                     "    ar_link(whole)", "ValueError: all-reduce on mesh axis 01: the fitted beta is -1e-12 s/byte",
+                     "E1201 torch.distributed.elastic: failed", *[f"summary line {i}" for i in range(40)]])
+    shown = _rank_error(log)
+    assert shown.splitlines()[0] == "Traceback (most recent call last):"
+    assert shown.splitlines()[-1].startswith("ValueError: all-reduce on mesh axis 01")
+    assert _rank_error("\n".join(f"line {i}" for i in range(50)), lines=3) == "line 47\nline 48\nline 49"
 
 
 def test_profile_two_processes(tmp_path):

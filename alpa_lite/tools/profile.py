@@ -16,7 +16,9 @@ axis-0 groups the columns) the workers measure:
   Each point: warm-up calls, then ``repeats`` timings, each after a world barrier, of one call
   (or of a batch of up to 10 back-to-back calls, divided by their count, for messages below a
   quarter of the largest size, as nccl-tests does); a rank's figure is its median, the point is
-  the maximum over ranks;
+  the maximum over ranks. A curve whose times do not grow with the size (a busy machine
+  delayed its small messages, so no alpha-beta line fits) is measured again with 2x, then 4x
+  the repeats before the profile gives up on it;
 - send/recv between rank 0 and the last rank (ping-pong, half the round trip);
 - one device's matmul FLOP/s (``2 n^3`` FLOPs per ``n x n`` matmul) in each dtype of
   :data:`MATMUL_DTYPES` (``peak_flops`` is the one of ``--dtype``, the dtype the model trains in;
@@ -71,6 +73,7 @@ CPU_SIZES = tuple(4 * KiB * 4**i for i in range(6))      # 4 KiB .. 4 MiB, x4 st
 CUDA_SIZES = tuple(256 * KiB * 4**i for i in range(7))   # 256 KiB .. 1 GiB, x4 steps
 P2P = "send-recv"
 SEGMENT_SECONDS, SEGMENTS = 0.15, 8  # lock-step compute segments per compute figure (see the docstring)
+REMEASURES = 2  # a curve whose fit fails is measured again, with 2x, then 4x the repeats
 MATMUL_DTYPES = {"cpu": ("float32", "bfloat16"), "cuda": ("float32", "bfloat16", "float16")}
 
 
@@ -261,7 +264,7 @@ def _worker(args: argparse.Namespace) -> int:
         # count on every rank, as the calls are collective.
         return min(10, max(1, math.ceil(max(sizes) / 4 / size)))
 
-    def timed(fn, inner: int = 1) -> float:
+    def timed(fn, inner: int = 1, repeats: int = repeats) -> float:
         for _ in range(warmup):
             fn()
         sync()
@@ -329,51 +332,74 @@ def _worker(args: argparse.Namespace) -> int:
     del q, k, v, x
     progress.step("attention, pointwise")
 
-    # --- collectives
-    points: list[tuple[str, str, int, int]] = []  # (axes, kind, n, actual bytes)
-    for axes, (g, n) in mine.items():
-        for kind in COLLECTIVES:
-            # fp32 elements, divisible by the group size (rounding can merge tiny sizes)
-            for numel in sorted({max(n, (size // 4) // n * n) for size in sizes}):
-                nbytes = numel * 4
-                if kind == "all-reduce":
-                    x = torch.ones(numel, device=dev)
-                    fn = lambda x=x, g=g: dist.all_reduce(x, group=g)  # noqa: E731
-                elif kind == "all-gather":
-                    outs, inp = [torch.empty(numel // n, device=dev) for _ in range(n)], torch.ones(numel // n, device=dev)
-                    fn = lambda outs=outs, inp=inp, g=g: dist.all_gather(outs, inp, group=g)  # noqa: E731
-                elif kind == "reduce-scatter":
-                    out, inps = torch.empty(numel // n, device=dev), [torch.ones(numel // n, device=dev) for _ in range(n)]
-                    fn = lambda out=out, inps=inps, g=g: dist.reduce_scatter(out, inps, group=g)  # noqa: E731
-                else:
-                    outs, inps = ([torch.empty(numel // n, device=dev) for _ in range(n)],
-                                  [torch.ones(numel // n, device=dev) for _ in range(n)])
-                    fn = lambda outs=outs, inps=inps, g=g: dist.all_to_all(outs, inps, group=g)  # noqa: E731
-                medians.append(timed(fn, inner_for(nbytes)))
-                points.append((axes, kind, n, nbytes))
-                fn = None
-            progress.step(f"axis {axes} {kind}")
+    # --- collectives, then point to point: rank 0 <-> last rank ping-pong, one way = half the round trip
+    def collective_curve(axes: str, kind: str, repeats: int) -> list[float]:
+        g, n = mine[axes]
+        out = []
+        for numel in curve_numels[axes]:  # fp32 elements, divisible by the group size
+            if kind == "all-reduce":
+                x = torch.ones(numel, device=dev)
+                fn = lambda x=x: dist.all_reduce(x, group=g)  # noqa: E731
+            elif kind == "all-gather":
+                outs, inp = [torch.empty(numel // n, device=dev) for _ in range(n)], torch.ones(numel // n, device=dev)
+                fn = lambda outs=outs, inp=inp: dist.all_gather(outs, inp, group=g)  # noqa: E731
+            elif kind == "reduce-scatter":
+                out1, inps = torch.empty(numel // n, device=dev), [torch.ones(numel // n, device=dev) for _ in range(n)]
+                fn = lambda out1=out1, inps=inps: dist.reduce_scatter(out1, inps, group=g)  # noqa: E731
+            else:
+                outs, inps = ([torch.empty(numel // n, device=dev) for _ in range(n)],
+                              [torch.ones(numel // n, device=dev) for _ in range(n)])
+                fn = lambda outs=outs, inps=inps: dist.all_to_all(outs, inps, group=g)  # noqa: E731
+            out.append(timed(fn, inner_for(numel * 4), repeats))
+        return out
 
-    # --- point to point: rank 0 <-> last rank ping-pong, one way = half the round trip
     last = world - 1
-    p2p_bytes = []
-    for numel in [] if compute_only else sorted({max(1, size // 4) for size in sizes}):
-        p2p_bytes.append(numel * 4)
-        buf = torch.ones(numel, device=dev)
-        if rank == 0:
-            fn = lambda buf=buf: (dist.send(buf, last), dist.recv(buf, last))  # noqa: E731
-        elif rank == last:
-            fn = lambda buf=buf: (dist.recv(buf, 0), dist.send(buf, 0))  # noqa: E731
-        else:
-            fn = lambda: None  # noqa: E731
-        medians.append(timed(fn, inner_for(numel * 4)) / 2)
-    if not compute_only:
-        progress.step(f"send/recv 0<->{last}")
 
-    # --- max over ranks of the medians; rank 0 writes the cluster file
+    def p2p_curve(repeats: int) -> list[float]:
+        out = []
+        for nbytes in p2p_bytes:
+            buf = torch.ones(nbytes // 4, device=dev)
+            if rank == 0:
+                fn = lambda buf=buf: (dist.send(buf, last), dist.recv(buf, last))  # noqa: E731
+            elif rank == last:
+                fn = lambda buf=buf: (dist.recv(buf, 0), dist.send(buf, 0))  # noqa: E731
+            else:
+                fn = lambda: None  # noqa: E731
+            out.append(timed(fn, inner_for(nbytes), repeats) / 2)
+        return out
+
+    # (axes, kind, n, actual bytes) per point; tiny sizes may merge after rounding to the group size
+    curve_numels = {axes: sorted({max(n, (size // 4) // n * n) for size in sizes}) for axes, (_, n) in mine.items()}
+    points = [(axes, kind, n, numel * 4) for axes, (_, n) in mine.items() for kind in COLLECTIVES
+              for numel in curve_numels[axes]]
+    p2p_bytes = [] if compute_only else [numel * 4 for numel in sorted({max(1, size // 4) for size in sizes})]
+    curves = [((axes, kind, n), lambda r, axes=axes, kind=kind: collective_curve(axes, kind, r))
+              for axes, (_, n) in mine.items() for kind in COLLECTIVES]
+    if not compute_only:
+        curves.append(((None, P2P, 2), p2p_curve))
+    for (axes, kind, _), measure in curves:
+        medians.extend(measure(repeats))
+        progress.step(f"axis {axes} {kind}" if axes else f"send/recv 0<->{last}")
+
+    # --- max over ranks of the medians. A curve whose times do not grow with the size (a busy
+    # machine delayed its small messages) is measured again with twice the repeats, at most
+    # REMEASURES times; every rank sees the same maxima, so all take the same decisions.
     t = torch.tensor(medians, dtype=torch.float64, device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     t = t.cpu().tolist()
+    start = len(medians) - len(points) - len(p2p_bytes)  # the curves follow the compute figures
+    for (axes, kind, n), measure in curves:
+        xs = p2p_bytes if axes is None else [numel * 4 for numel in curve_numels[axes]]
+        span = slice(start, start + len(xs))
+        for attempt in range(1, REMEASURES + 1):
+            try:
+                fit_alpha_beta(xs, t[span], kind=kind, n=n)
+                break
+            except ValueError:
+                again = torch.tensor(measure(repeats * 2**attempt), dtype=torch.float64, device=dev)
+                dist.all_reduce(again, op=dist.ReduceOp.MAX)
+                t[span] = again.cpu().tolist()
+        start += len(xs)
     if rank == 0:
         spec = _build_cluster(args, t, points, p2p_bytes, groups, (n0, n1), world, mm_n, dtypes, copy_bytes, warmup,
                               repeats, cuda, dev, kernels, compute_only)
@@ -595,7 +621,7 @@ def run(args: argparse.Namespace) -> int:
         elapsed = time.monotonic() - t0
         if "error" in result or result.get("rc") != 0 or not out.is_file():
             why = result.get("error") or f"ranks exited with code {result.get('rc')}"
-            log_tail = "\n".join(log_file.read_text(errors="replace").splitlines()[-30:]) if log_file.exists() else ""
+            log_tail = _rank_error(log_file.read_text(errors="replace")) if log_file.exists() else ""
             console.print(f"[red]alpa-lite profile failed: {why}[/red]")
             if log_tail:
                 console.print(log_tail, markup=False, highlight=False)
@@ -608,6 +634,17 @@ def run(args: argparse.Namespace) -> int:
     print_report(spec, console)
     console.print(f"wrote {out} in {elapsed:.1f} s" + (" (planning with the measured curves)" if spec.use_curves else ""))
     return 0
+
+
+def _rank_error(log: str, lines: int = 30) -> str:
+    """What to show of the ranks' log when they failed: the first rank's traceback (torchrun's
+    summary only says which rank exited), else the last ``lines`` lines."""
+    text = log.splitlines()
+    first = next((i for i, line in enumerate(text) if line.startswith("Traceback (most recent call last)")), None)
+    if first is None:
+        return "\n".join(text[-lines:])
+    end = next((i + 1 for i in range(first + 1, len(text)) if text[i] and not text[i][0].isspace()), len(text))
+    return "\n".join(text[first:end])
 
 
 def print_report(spec: ClusterSpec, console=None) -> None:
