@@ -23,7 +23,7 @@ from alpa_lite.runtime.launch import torchrun
 
 WORKER = str(Path(__file__).parent / "workers" / "placeholders.py")
 sys.path.insert(0, str(Path(WORKER).parent))
-from placeholders import MODELS, Structured  # noqa: E402  (the worker's models, single process here)
+from placeholders import MODELS, Pooled, Structured  # noqa: E402  (the worker's models, single process here)
 PIPE = {"num_stages": 2, "num_microbatches": 1}
 CASES = [
     ["frozen", "dp", {"force_data_parallel": True}],
@@ -47,6 +47,7 @@ CASES = [
     ["structured", "dp", {"force_data_parallel": True}],
     ["structured", "megatron", {"batch_axis": 0, "param_specs": {"fc1.weight": "S1R", "fc2.weight": "RS1"}}],
     ["structured", "pipeline", PIPE],
+    ["pooled", "partial-mean", {"input_specs": {"0": "RS1R"}}],
 ]
 
 
@@ -69,6 +70,20 @@ def test_trains_as_one_process(results, case):
         assert r["grad_err"] < 1e-5
     if not r["pipelined"]:
         assert r["optimizer_tensors"] == r["ref_trainable"]  # no optimizer state for a frozen parameter
+
+
+@pytest.mark.parametrize("solver", ["cbc", "highs"])
+def test_the_partial_mean_case_leaves_the_mean_partial(solver):
+    """What ``pooled|partial-mean`` above trains, whichever solver plans it: the mean over the
+    split sequence leaves a partial sum (scaled by 1 / shards on each rank) that the scale, view
+    and sum pass through; the logits are all-reduced before the loss."""
+    torch.manual_seed(0)
+    args, _ = Pooled.batch(torch.Generator().manual_seed(1))
+    p = plan(Pooled(), args, LogicalMesh((2, 2), cluster="cpu-gloo"), solver=solver, **CASES[-1][2])
+    specs = {n.target: str(p.nodes[n.name].out_specs[0]) for n in p.captured.graph.nodes if n.op == "call_function"}
+    aten = torch.ops.aten
+    assert specs[aten.mean.dim] == specs[aten.mul.Tensor] == specs[aten.sum.dim_IntList] == "RRP1"
+    assert p.nodes[next(n.name for n in p.captured.graph.nodes if n.target == aten.mean.dim)].reduce == "mean"
 
 
 # ----------------------------------------------------------------------------- capture (one process)

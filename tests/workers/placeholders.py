@@ -1,6 +1,6 @@
 """Run on every rank by torchrun: small models exercising every placeholder kind and state
 update (frozen parameters, buffers written by batch norm, tensor literals, no-grad regions,
-reentrant checkpoints, autocast regions, dict / nested / keyword inputs) trained under several plans against one
+reentrant checkpoints, autocast regions, dict / nested / keyword inputs, a mean left a partial sum) trained under several plans against one
 process. Rank 0 writes one JSON record per (model, plan, optimizer)."""
 import argparse
 import copy
@@ -144,7 +144,26 @@ class Structured(nn.Module):
         return ({"a": x()}, (x(), (x(),))), {"labels": torch.randint(0, 4, (B,), generator=g), "scale": 2.0}
 
 
-MODELS = {m.__name__.lower(): m for m in (Frozen, Norm, Literals, Regions, Autocast, Structured)}
+class Pooled(nn.Module):
+    """A mean over the sequence dim whose consumers are linear in it (a scale, a view, a sum):
+    with the sequence split, the mean can leave its result a partial sum (each rank's local sum
+    over the shards) that they pass through, so that only the small logits are all-reduced."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 64)
+        self.scale = nn.Parameter(torch.randn(64))
+
+    def forward(self, x, y):
+        pooled = torch.relu(self.fc(x)).mean(1) * self.scale
+        return F.cross_entropy(pooled.view(-1, 16, 4).sum(1), y, reduction="sum")
+
+    @staticmethod
+    def batch(g):
+        return (torch.randn(B, 8, 8, generator=g), torch.randint(0, 4, (B,), generator=g)), {}
+
+
+MODELS = {m.__name__.lower(): m for m in (Frozen, Norm, Literals, Regions, Autocast, Structured, Pooled)}
 OPTIMIZERS = {"sgd": lambda p: torch.optim.SGD(p, lr=LR), "adamw": lambda p: torch.optim.AdamW(p, lr=LR)}
 
 
