@@ -20,6 +20,7 @@ def test_plan_prints_tables_and_writes_json(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "step time (predicted)" in r.stdout and "blocks.*.ffn.fc.weight" in r.stdout
     assert "collectives per training step" in r.stdout
+    assert r.stdout.lstrip().startswith("gpt3-350m") and "HiGHS" not in r.stdout  # no solver banner (ilp.highs_available)
     plan = Plan.from_json(str(out))
     assert plan.mesh.shape == (2, 4) and plan.mesh.cluster == "v100"
     assert plan.param_specs["blocks.0.ffn.fc.weight"] == plan.param_specs["blocks.5.ffn.fc.weight"]

@@ -55,8 +55,12 @@ with ``U_l`` / ``V_l`` the largest ``A_l`` / ``E_l`` over strategies (big-M line
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import itertools
 import math
+import os
+import sys
 from dataclasses import dataclass, field
 
 import pulp
@@ -214,9 +218,30 @@ def _identical(vectors) -> list[list[int]]:
     return list(groups.values())
 
 
+@functools.cache
 def highs_available() -> bool:
-    """Whether HiGHS can solve in this process (the ``highspy`` package, ``alpa-lite[highs]``)."""
-    return pulp.HiGHS().available()
+    """Whether HiGHS can solve in this process (the ``highspy`` package, ``alpa-lite[highs]``).
+
+    HiGHS prints a two-line banner to the process's standard output (file descriptor 1, below
+    Python's ``sys.stdout``) when the first solver of a process is built. The first one is built
+    here, with descriptor 1 pointed at ``/dev/null``, so that what alpa-lite prints (a plan, JSON)
+    stays clean.
+    """
+    if not pulp.HiGHS().available():
+        return False
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+            ctypes.CDLL(None).fflush(None)  # C's stdout buffer, written while descriptor 1 is null
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    return True
 
 
 def _solver(time_limit: float, name: str):
