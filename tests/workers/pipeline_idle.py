@@ -20,7 +20,6 @@ padded time of one stage and microbatch (forward + backward, seconds).
 """
 import argparse
 import copy
-import json
 import sys
 import time
 from contextlib import contextmanager
@@ -43,7 +42,7 @@ class PaddedTrainer(PipelineTrainer):
     """A ``PipelineTrainer`` whose compute actions last ``pad[kind]`` seconds: the pass, then a
     sleep for the rest (none when the pass took longer)."""
 
-    pad: dict[str, float] = {}
+    pad: dict[str, float]  # kind -> seconds, set before the first step
 
     @contextmanager
     def _compute(self, kind: str):
