@@ -11,8 +11,8 @@ from alpa_lite.runtime.launch import torchrun
 from alpa_lite.core.mesh import LogicalMesh
 from alpa_lite.zoo.models import build_model
 from alpa_lite import plan
-from alpa_lite.runtime.report import (StepTimer, make_record, predicted_collectives, print_report, relative_error,
-                              report_requested, spearman)
+from alpa_lite.runtime.report import (StepTimer, idle_fractions, make_record, predicted_collectives, print_report,
+                                      relative_error, report_requested, spearman)
 
 WORKER = str(Path(__file__).parent / "workers" / "report_run.py")
 
@@ -104,6 +104,17 @@ def test_record_fields_and_values(mlp_plan):
         assert rows[key]["predicted_s"] == pytest.approx(s)
     with pytest.raises(ValueError, match="no timed step"):
         make_record(mlp_plan, [], {}, {}, warmup_steps=2, world_size=4)
+    assert rec["bubble"] is None  # an SPMD plan has no pipeline bubble
+
+
+def test_idle_fractions_against_the_slowest_schedule():
+    # 2 ranks, 2 steps of (busy, schedule) seconds: step 0 takes 1.0 s (rank 1's), step 1 2.0 s (rank 0's)
+    idle = idle_fractions([[(0.5, 0.9), (1.5, 2.0)], [(0.75, 1.0), (1.0, 1.5)]])
+    assert idle == [pytest.approx([0.5, 0.25]), pytest.approx([0.25, 0.5])]
+    with pytest.raises(ValueError, match="same number of timed steps"):
+        idle_fractions([[(0.5, 1.0)], []])
+    with pytest.raises(ValueError, match="positive time"):
+        idle_fractions([[(0.0, 0.0)]])
 
 
 def test_print_report_shows_step_and_kinds(mlp_plan):
@@ -112,12 +123,14 @@ def test_print_report_shows_step_and_kinds(mlp_plan):
     pred = predicted_collectives(mlp_plan)
     rec = make_record(mlp_plan, [0.05], {k: 0.001 for k in pred}, {k: 1.0 for k in pred}, warmup_steps=1,
                       world_size=4)
+    rec["bubble"] = {"predicted": 0.25, "measured": 0.3}  # as a pipelined plan's record has it
     console = Console(record=True, width=140)
     print_report(rec, console)
     text = console.export_text()
     assert "predicted vs measured" in text and "step" in text and "50.00" in text
     for kind, phase in pred:
         assert kind in text and phase in text
+    assert "bubble" in text and "25.0%" in text and "30.0%" in text and "+5.0 pt" in text
 
 
 # ---------------------------------------------------------------------------------- 4 ranks
@@ -160,3 +173,7 @@ def test_pipelined_plan_reports_its_step(four_rank_records):
     assert rec["timed_steps"] == 2 and rec["step"]["measured_s"] > 0 and rec["step"]["predicted_s"] > 0
     assert rec["step"]["predicted_compute_s"] is None
     assert any(r["measured_count"] > 0 and r["predicted_count"] == 0 for r in rec["collectives"])
+    bubble = rec["bubble"]  # idle share of the ranks' schedule time: values in tests/test_pipeline_idle.py
+    assert 0 < bubble["predicted"] < 1 and 0 <= bubble["measured"] < 1 and len(bubble["samples"]) == 2
+    assert len(bubble["by_rank"]) == len(bubble["busy_s"]) == 4 and all(b > 0 for b in bubble["busy_s"])
+    assert max(bubble["busy_s"]) <= bubble["schedule_s"]

@@ -43,7 +43,9 @@ that package is the 1F1B and GPipe orders, restated in ``core/schedules.py``.
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -53,7 +55,7 @@ from ..core.capture import stage_view
 from ..core.plan import PipelinePlan, Plan, PlanError
 from ..core.schedules import get_schedule
 from ..core.spec import ShardingSpec
-from .collectives import MeshGroups, local_slice, reshard
+from .collectives import MeshGroups, local_slice, reshard, synchronize_device
 from .init import store_buffer_mutations
 from .trainer import Trainer
 
@@ -105,6 +107,11 @@ class PipelineTrainer(Trainer):
         stages: this rank's stage indices (one per chunk); stage: the current chunk's;
         peak_activation_bytes: the most bytes of tensors saved for backward this rank held during
             the last step (all microbatches of all chunks in flight).
+        busy_seconds: seconds this rank spent in the last step's compute actions (forward,
+            backward, weight passes; ``_compute``); schedule_seconds: seconds from the start of
+            its schedule to its last transfer done. Its idle share of a step whose ranks start
+            together is ``1 - busy_seconds / T``, ``T`` the ranks' largest ``schedule_seconds``
+            (``report.idle_fractions``; the predicted share is ``PipelinePlan.bubble_fraction``).
 
     Raises:
         PlanError: the plan's stages do not tile the world, two of a rank's chunks share a
@@ -151,6 +158,7 @@ class PipelineTrainer(Trainer):
         self.optimizer = optimizer(list(params.values())) if params else None  # none on a stage with nothing to train
         self.tied_groups = self._tied_groups()
         self.peak_activation_bytes = 0
+        self.busy_seconds = self.schedule_seconds = 0.0
         self._stage_meshes = None
 
     def _check_chunks_disjoint(self) -> None:
@@ -274,6 +282,20 @@ class PipelineTrainer(Trainer):
         return [r for i, r in enumerate(prev.ranks) if i % d == self.index]
 
     # ---------------------------------------------------------------- one step
+    @contextmanager
+    def _compute(self, kind: str):
+        """Around one compute action (``kind``: forward, backward or weight): its seconds add to
+        ``busy_seconds``. When the trainer reports (``timer``), the device is synchronized before
+        and after, so queued CUDA work counts where it runs (a no-op on CPU). Tests pad it with a
+        sleep to give the stages known times (tests/workers/pipeline_idle.py)."""
+        if self.timer is not None:
+            synchronize_device()
+        t0 = time.perf_counter()
+        yield
+        if self.timer is not None:
+            synchronize_device()
+        self.busy_seconds += time.perf_counter() - t0
+
     def _forward(self, mb: int, batch: list[torch.Tensor], received: dict[str, torch.Tensor]):
         """Run the stage's nodes on microbatch ``mb`` of the flat ``batch`` (``input_names`` order);
         returns (values sent, the microbatch's weighted loss ``w_m L_m`` on the last stage, else None)."""
@@ -321,7 +343,8 @@ class PipelineTrainer(Trainer):
     def _train_step(self, batch: list[torch.Tensor]) -> float:
         """The schedule's forwards, transfers and backwards of every microbatch; the loss of the
         whole batch ``sum_m w_m L_m / Z`` (module docstring), gradients divided by ``Z`` and
-        synchronized."""
+        synchronized; the rank's ``busy_seconds`` and ``schedule_seconds`` of the step."""
+        start, self.busy_seconds = time.perf_counter(), 0.0
         self._pending = []
         meter = _ActivationMeter()
         # by (stage, microbatch): forward results, a split backward's roots kept for its weight
@@ -341,7 +364,7 @@ class PipelineTrainer(Trainer):
             if action.kind == "recv_act":
                 received[key] = self._recv_acts(mb)
             elif action.kind == "forward":
-                with meter.hooks(key):
+                with self._compute("forward"), meter.hooks(key):
                     saved[key] = self._forward(mb, batch, received.get(key, {}))
                 meter.forward_done(key)
             elif action.kind == "send_act":
@@ -351,20 +374,24 @@ class PipelineTrainer(Trainer):
             elif action.kind == "backward":
                 outputs = self._backward_roots(*saved.pop(key))
                 if not self.schedule.split_backward:
-                    if outputs[0]:
-                        torch.autograd.backward(*outputs)
+                    with self._compute("backward"):
+                        if outputs[0]:
+                            torch.autograd.backward(*outputs)
                     meter.backward_done(key)
                     continue
                 leaves = [t for n, t in received.get(key, {}).items() if n in self.cg.requires_grad]
-                if outputs[0] and leaves:  # input gradients only; the graph stays for the weight pass
-                    grads = torch.autograd.grad(outputs[0], leaves, outputs[1], retain_graph=True, allow_unused=True)
-                    for t, g in zip(leaves, grads):
-                        t.grad = g
+                with self._compute("backward"):
+                    if outputs[0] and leaves:  # input gradients only; the graph stays for the weight pass
+                        grads = torch.autograd.grad(outputs[0], leaves, outputs[1], retain_graph=True,
+                                                    allow_unused=True)
+                        for t, g in zip(leaves, grads):
+                            t.grad = g
                 deferred[key] = outputs
             elif action.kind == "weight":
                 outputs, params = deferred.pop(key), [p for p in self.params.values() if p.requires_grad]
-                if outputs[0] and params:
-                    torch.autograd.backward(*outputs, inputs=params)
+                with self._compute("weight"):
+                    if outputs[0] and params:
+                        torch.autograd.backward(*outputs, inputs=params)
                 meter.backward_done(key)
             elif action.kind == "send_grad":
                 leaves = received.pop(key)
@@ -374,6 +401,9 @@ class PipelineTrainer(Trainer):
         for w in self._pending:
             w.wait()
         self._pending = []
+        self.schedule_seconds = time.perf_counter() - start
+        if self.timer is not None:
+            self.timer.add_schedule(self.busy_seconds, self.schedule_seconds)
         self.peak_activation_bytes = meter.peak
         loss, z = self._broadcast_loss()
         self._sync_gradients()

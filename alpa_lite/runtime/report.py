@@ -12,7 +12,14 @@ table beside the plan's predictions:
   (``Plan.overlap_seconds``, recorded as ``predicted_overlap_s``) is not subtracted here;
 - per collective kind and phase: the plan's count and predicted seconds (its ``collectives``
   list) vs the count issued and the seconds spent inside those calls per step (the timing
-  hook of :mod:`alpa_lite.runtime.collectives`).
+  hook of :mod:`alpa_lite.runtime.collectives`);
+- a pipelined plan's bubble: its ``bubble_fraction`` vs the measured idle share of the ranks'
+  time (:func:`idle_fractions`): rank ``r`` is busy ``b_r`` seconds in its forward, backward and
+  weight passes of a step (``PipelineTrainer._compute``; time blocked in receives and waits
+  excluded) whose schedule takes ``T = max_r t_r`` (``t_r``: from the rank's start of the step's
+  schedule to its last transfer done; the timed step's barrier starts the ranks together), and
+  idles ``1 - b_r / T``; the step's bubble is the mean over ranks, the reported one the median
+  over timed steps.
 
 Measurement conventions (all times in seconds):
 - every timed step starts after a world barrier, so all ranks start it together; its time is
@@ -138,9 +145,29 @@ def timed_prediction(plan: Plan | PipelinePlan) -> float:
     return plan.step_seconds if isinstance(plan, PipelinePlan) else plan.compute_seconds + plan.comm_seconds
 
 
+def idle_fractions(schedule_seconds: Sequence[Sequence[tuple[float, float]]]) -> list[list[float]]:
+    """Per rank and timed step, the idle share ``1 - b_r / max_q t_q`` of the step's schedule
+    (module docstring).
+
+    Args:
+        schedule_seconds: per rank, per timed step, ``(busy, schedule)`` seconds (``b_r``, ``t_r``).
+
+    Raises:
+        ValueError: no rank, ranks with different step counts, or a step whose schedule took no time.
+    """
+    if not schedule_seconds or len({len(r) for r in schedule_seconds}) != 1:
+        raise ValueError(f"need the same number of timed steps on every rank, got "
+                         f"{[len(r) for r in schedule_seconds]}")
+    spans = [max(r[i][1] for r in schedule_seconds) for i in range(len(schedule_seconds[0]))]
+    if not all(t > 0 for t in spans):
+        raise ValueError(f"a step's schedule must take a positive time, got {spans}")
+    return [[1.0 - busy / t for (busy, _), t in zip(r, spans)] for r in schedule_seconds]
+
+
 def make_record(plan: Plan, step_seconds: Sequence[float], collective_seconds: dict[tuple[str, str], float],
                 collective_counts: dict[tuple[str, str], float], *, warmup_steps: int, world_size: int,
-                backend: str = "", name: str = "") -> dict:
+                backend: str = "", name: str = "",
+                schedule_seconds: Sequence[Sequence[tuple[float, float]]] | None = None) -> dict:
     """The JSON-able predicted-vs-measured record of one run.
 
     Args:
@@ -150,6 +177,8 @@ def make_record(plan: Plan, step_seconds: Sequence[float], collective_seconds: d
         collective_counts: ``(kind, phase) -> collectives issued per step``.
         warmup_steps: untimed steps before the timed ones. world_size: ranks. backend: ``gloo``/``nccl``.
         name: a label for the run (e.g. the plan's name in a benchmark).
+        schedule_seconds: a pipelined plan's ``(busy, schedule)`` seconds per rank and timed step
+            (:func:`idle_fractions`).
 
     Returns:
         ``{"name", "mesh", "world_size", "backend", "warmup_steps", "timed_steps", "step": {...},
@@ -158,7 +187,11 @@ def make_record(plan: Plan, step_seconds: Sequence[float], collective_seconds: d
         ``predicted_comm_s``, ``predicted_overlap_s``, ``measured_s`` (median of ``samples_s``), ``fastest_s``, ``samples_s``,
         ``measured_collective_s`` (all kinds), ``relative_error``. A pipelined plan (``stages``)
         predicts only its step (``PipelinePlan.step_seconds``): its compute / comm split is None and its
-        collectives rows list what ran inside the stages (predicted counts 0).
+        collectives rows list what ran inside the stages (predicted counts 0), and its record has
+        ``"bubble"``: ``predicted`` (``bubble_fraction``), ``measured`` (median over timed steps of
+        the mean over ranks of :func:`idle_fractions`), ``samples`` (that mean per step),
+        ``by_rank`` (per rank, the median over steps), ``busy_s`` (per rank, median busy seconds)
+        and ``schedule_s`` (median ``T``); None without ``schedule_seconds`` or for an SPMD plan.
 
     Raises:
         ValueError: no timed step, or a step time that is not positive.
@@ -190,7 +223,17 @@ def make_record(plan: Plan, step_seconds: Sequence[float], collective_seconds: d
                  "measured_collective_s": sum(collective_seconds.values()),
                  "relative_error": relative_error(predicted, measured)},
         "collectives": rows,
+        "bubble": _bubble(plan, schedule_seconds) if pipelined and schedule_seconds else None,
     }
+
+
+def _bubble(plan: PipelinePlan, schedule_seconds: Sequence[Sequence[tuple[float, float]]]) -> dict:
+    idle = idle_fractions(schedule_seconds)
+    samples = [statistics.fmean(step) for step in zip(*idle)]
+    return {"predicted": plan.bubble_fraction, "measured": statistics.median(samples), "samples": samples,
+            "by_rank": [statistics.median(r) for r in idle],
+            "busy_s": [statistics.median(b for b, _ in r) for r in schedule_seconds],
+            "schedule_s": statistics.median(max(r[i][1] for r in schedule_seconds) for i in range(len(samples)))}
 
 
 def _ms(seconds: float) -> str:
@@ -211,6 +254,10 @@ def print_report(record: dict, console=None) -> None:
     for col in ("", "predicted (ms)", "measured (ms)", "error"):
         step.add_column(col, justify="left" if not col else "right")
     step.add_row("step", _ms(s["predicted_s"]), _ms(s["measured_s"]), f"{s['relative_error']:+.1%}")
+    if record.get("bubble"):
+        b = record["bubble"]
+        step.add_row("bubble (% of the ranks' time)", f"{b['predicted']:.1%}", f"{b['measured']:.1%}",
+                     f"{(b['measured'] - b['predicted']) * 100:+.1f} pt")
     if s["predicted_compute_s"] is not None:
         step.add_row("  compute", _ms(s["predicted_compute_s"]), "", "")
         step.add_row("  collectives", _ms(s["predicted_comm_s"]), _ms(s["measured_collective_s"]),
@@ -253,6 +300,8 @@ class StepTimer:
         self.step_seconds: list[float] = []
         self.collective_seconds: Counter = Counter()
         self.collective_counts: Counter = Counter()
+        self.schedule_seconds: list[tuple[float, float]] = []  # a pipeline rank's (busy, schedule) per timed step
+        self._timed = False
 
     @contextmanager
     def step(self):
@@ -269,6 +318,7 @@ class StepTimer:
         collectives.synchronize_device()
         seconds0, counts0 = Counter(collectives.SECONDS), Counter(collectives.COUNTS)
         collectives.set_timing(True)
+        self._timed = True
         t0 = time.perf_counter()
         try:
             yield
@@ -276,8 +326,15 @@ class StepTimer:
             self.step_seconds.append(time.perf_counter() - t0)
         finally:
             collectives.set_timing(False)
+            self._timed = False
         self.collective_seconds.update(Counter(collectives.SECONDS) - seconds0)
         self.collective_counts.update(Counter(collectives.COUNTS) - counts0)
+
+    def add_schedule(self, busy_s: float, schedule_s: float) -> None:
+        """A pipeline rank's busy and schedule seconds of the current step (``PipelineTrainer``);
+        kept when the step is timed."""
+        if self._timed:
+            self.schedule_seconds.append((busy_s, schedule_s))
 
     def report_due(self) -> bool:
         """True right after the ``report_steps``-th timed step (the same step on every rank)."""
@@ -296,7 +353,7 @@ class StepTimer:
                              "warm-up (parallelize(..., report_warmup=...))")
         world = dist.get_world_size()
         mine = {"steps": self.step_seconds, "seconds": dict(self.collective_seconds),
-                "counts": dict(self.collective_counts)}
+                "counts": dict(self.collective_counts), "schedule": self.schedule_seconds}
         every: list = [None] * world
         dist.all_gather_object(every, mine)
         n = len(self.step_seconds)
@@ -305,7 +362,8 @@ class StepTimer:
         seconds = {k: sum(r["seconds"].get(k, 0.0) for r in every) / world / n for k in keys}
         counts = {k: every[0]["counts"].get(k, 0) / n for k in keys}
         return make_record(plan, steps, seconds, counts, warmup_steps=self.warmup, world_size=world,
-                           backend=str(dist.get_backend()), name=name)
+                           backend=str(dist.get_backend()), name=name,
+                           schedule_seconds=[r["schedule"] for r in every])
 
 
 def write_record(record: dict, path: str | Path) -> None:
