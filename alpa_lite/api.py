@@ -142,6 +142,12 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
             pipelined plan, or a plan with random ops, remat or in-place writes to stored tensors).
         PlanError: the plan is corrupt or was made for another model or mesh.
     """
+    if plan is not None and not isinstance(plan, (Plan, PipelinePlan)):
+        plan = load_plan(plan)
+    pipelined = isinstance(plan, PipelinePlan) or (plan is None and split_options(options, pipeline, option_fields)[1])
+    if compile and pipelined:
+        raise ValueError("compile=True runs SPMD plans; a pipelined plan runs in the interpreter "
+                         "(parallelize without compile)")
     init_distributed(timeout_s)
     dmesh = device_mesh(mesh)
     shape = tuple(dmesh.mesh.shape)
@@ -149,8 +155,6 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
     targets = tuple(targets)
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm must be a positive norm, got {max_grad_norm!r}")
-    if plan is not None and not isinstance(plan, (Plan, PipelinePlan)):
-        plan = load_plan(plan)
     if accumulate != 1:
         inputs, targets, example_kwargs = _accumulation_rows(inputs, targets, example_kwargs, accumulate, plan,
                                                              split_options(options, pipeline, option_fields)[1])
@@ -160,9 +164,6 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
     optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
     compute_dtype = compute_dtype_of(plan.options)  # what the plan was captured with
     if isinstance(plan, PipelinePlan):
-        if compile:
-            raise ValueError("compile=True runs SPMD plans; a pipelined plan runs in the interpreter "
-                             "(parallelize without compile)")
         batch = batch_size((inputs, example_kwargs))
         if batch % plan.num_microbatches:
             raise PlanError(f"the plan splits the batch into {plan.num_microbatches} microbatches; the example "

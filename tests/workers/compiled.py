@@ -2,8 +2,8 @@
 the interpreter and as the compiled per-rank program (``parallelize(..., compile=backend)``).
 Rank 0 writes, per plan: both runs' losses, the largest parameter difference, the collectives in
 each rank's traced GraphModule next to the plan's forward and backward ones, and whether the
-interpreter's collective counters stayed still during the compiled steps (every collective ran
-inside the program, none through the interpreter)."""
+collectives counted outside the program during the compiled steps (only the gradient buckets:
+the program's collectives are not counted) next to the plan's buckets."""
 import argparse
 import copy
 import json
@@ -49,15 +49,19 @@ def main():
         graph = dict(compiled.program.collectives())
         graphs = [None] * dist.get_world_size()
         dist.all_gather_object(graphs, graph)
-        plan_counts = Counter()
+        plan_counts, buckets = Counter(), Counter()
         for c in plain.plan.collectives:
-            if c.phase in ("forward", "backward") and not c.node.startswith("gradient bucket"):
+            if c.node.startswith("gradient bucket"):
+                buckets[f"{c.kind}|{c.phase}"] += STEPS
+            elif c.phase in ("forward", "backward"):
                 plan_counts[c.kind] += 1
+        traced = [None] * dist.get_world_size()
+        dist.all_gather_object(traced, isinstance(compiled.program.graph_module, torch.fx.GraphModule))
         results[name] = {"losses": losses, "plain_losses": plain_losses,
                          "param_diff": max(float((got[k] - v).abs().max()) for k, v in want.items()),
                          "graph_collectives": graphs, "plan_collectives": dict(plan_counts),
-                         "interpreted_during_compiled": interpreted,
-                         "graph_module": type(compiled.program.graph_module).__name__}
+                         "interpreted_during_compiled": interpreted, "buckets_3_steps": dict(buckets),
+                         "graph_module": all(traced)}
     finish(results, args.out)
 
 
