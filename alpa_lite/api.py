@@ -95,7 +95,8 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
                 cluster: str | None = None, timeout_s: float = 120.0, report: bool | None = None,
                 report_warmup: int = 2, report_steps: int | None = 5, options: PlanOptions | None = None,
                 pipeline: PipelineOptions | str | int | None = None, accumulate: int = 1,
-                max_grad_norm: float | None = None, compile: bool | str = False, **option_fields) -> ParallelTrainer | PipelineTrainer:
+                max_grad_norm: float | None = None, compile: bool | str = False,
+                **option_fields) -> ParallelTrainer | PipelineTrainer:
     """Parallelize training of ``model`` over ``mesh`` (call on every rank).
 
     Rank 0 plans (unless ``plan`` is given) and broadcasts the plan; a planning error on rank 0
@@ -144,8 +145,8 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
     """
     if plan is not None and not isinstance(plan, (Plan, PipelinePlan)):
         plan = load_plan(plan)
-    pipelined = isinstance(plan, PipelinePlan) or (plan is None and split_options(options, pipeline, option_fields)[1])
-    if compile and pipelined:
+    if compile and (isinstance(plan, PipelinePlan)
+                    or (plan is None and split_options(options, pipeline, option_fields)[1] is not None)):
         raise ValueError("compile=True runs SPMD plans; a pipelined plan runs in the interpreter "
                          "(parallelize without compile)")
     init_distributed(timeout_s)

@@ -15,8 +15,9 @@ loss denominators. The deferred data-parallel gradient buckets, ZeRO's collectiv
 optimizer stay outside it, in the trainer (the buckets all start after the step's backward).
 
 Not lowered (``ValueError`` when the program is built): random ops that draw (the interpreter
-seeds each with its per-shard seed between ops; a dropout of probability 0 is lowered), activation checkpointing (``Plan.remat``) and in-place
-writes to stored tensors.
+seeds each with its per-shard seed between ops; a dropout of probability 0 is lowered),
+activation checkpointing (``Plan.remat``) and in-place writes to stored tensors. Pipelined plans
+are refused by ``parallelize``.
 """
 from __future__ import annotations
 
