@@ -10,10 +10,16 @@ import torch
 
 from alpa_lite import parallelize
 from alpa_lite.runtime.launch import torchrun
-from test_overlap import PLANS
+from test_overlap import SMALL, megatron
 
 WORKERS = Path(__file__).parent / "workers"
-SPMD = {name: PLANS[name] for name in ("dp", "megatron", "2d", "zero3")}
+SPMD = {  # test_overlap's plans, of a one-block GPT (tracing and compiling take most of the time)
+    "dp": {"force_data_parallel": True, "bucket_bytes": SMALL},
+    "megatron": {"batch_axis": 0, "param_specs": megatron(1), "bucket_bytes": SMALL},
+    "2d": {"param_specs": megatron(1, "S01"), "bucket_bytes": SMALL},
+    "zero3": {"force_data_parallel": True, "bucket_bytes": SMALL,
+              "param_specs": {k: "S01R" for k, v in megatron(1).items() if v == "S1R"}},
+}
 
 
 @pytest.fixture(scope="module")

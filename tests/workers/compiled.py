@@ -39,8 +39,8 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     init_distributed(60)
-    model, example = build_model("gpt-tiny", 8, 16, device="cpu", num_layers=2)
-    batches = [build_model("gpt-tiny", 8, 16, device="cpu", seed=100 + s, num_layers=2)[1] for s in range(STEPS)]
+    model, example = build_model("gpt-tiny", 8, 16, device="cpu", num_layers=1)
+    batches = [build_model("gpt-tiny", 8, 16, device="cpu", seed=100 + s, num_layers=1)[1] for s in range(STEPS)]
     results = {}
     for name, options in json.loads(args.plans).items():
         plain, plain_losses, _ = train(model, example, batches, options)
