@@ -27,8 +27,8 @@ from collections.abc import Callable
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .collectives import functional_collectives
 from ..core.aten import bind_args
+from .collectives import functional_collectives
 from .executor import LocalExecutor, _Dispatch
 
 _KINDS = {"all_reduce": "all-reduce", "all_gather_into_tensor": "all-gather",
@@ -57,8 +57,8 @@ class RankProgram:
         graph_module: the traced ``GraphModule`` (None before the first call).
 
     Raises:
-        ValueError: the plan has random ops that draw, recomputed layers or in-place writes to stored
-            tensors (the message names them).
+        ValueError: the plan has random ops that draw, recomputed layers or in-place writes to
+            stored tensors (the message names them).
     """
 
     def __init__(self, executor: LocalExecutor, weight: Callable, kept: list[str], backend: str | None):
