@@ -95,7 +95,8 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
                 cluster: str | None = None, timeout_s: float = 120.0, report: bool | None = None,
                 report_warmup: int = 2, report_steps: int | None = 5, options: PlanOptions | None = None,
                 pipeline: PipelineOptions | str | int | None = None, accumulate: int = 1,
-                max_grad_norm: float | None = None, **option_fields) -> ParallelTrainer | PipelineTrainer:
+                max_grad_norm: float | None = None, compile: bool | str = False,
+                **option_fields) -> ParallelTrainer | PipelineTrainer:
     """Parallelize training of ``model`` over ``mesh`` (call on every rank).
 
     Rank 0 plans (unless ``plan`` is given) and broadcasts the plan; a planning error on rank 0
@@ -131,12 +132,23 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
             plan accumulates over its own microbatches: raise ``num_microbatches`` instead.
         max_grad_norm: clip the gradients to this global L2 norm before every update
             (``Trainer.clip_grad_norm_``); None: no clipping.
+        compile: run each rank's step as its plan lowered to one ``torch.fx.GraphModule``
+            (local shapes, functional collectives) under ``torch.compile``: True for the
+            ``"inductor"`` backend, or a backend name such as ``"aot_eager"``
+            (``runtime/program.py``); SPMD plans only. False: the interpreter.
 
     Raises:
         ValueError: the mesh does not match the world size, or an option is invalid (``accumulate``
-            with a pipelined plan, or one that does not divide the batch).
+            with a pipelined plan, or one that does not divide the batch; ``compile`` with a
+            pipelined plan, or a plan with random ops, remat or in-place writes to stored tensors).
         PlanError: the plan is corrupt or was made for another model or mesh.
     """
+    if plan is not None and not isinstance(plan, (Plan, PipelinePlan)):
+        plan = load_plan(plan)
+    if compile and (isinstance(plan, PipelinePlan)
+                    or (plan is None and split_options(options, pipeline, option_fields)[1] is not None)):
+        raise ValueError("compile=True runs SPMD plans; a pipelined plan runs in the interpreter "
+                         "(parallelize without compile)")
     init_distributed(timeout_s)
     dmesh = device_mesh(mesh)
     shape = tuple(dmesh.mesh.shape)
@@ -144,8 +156,6 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
     targets = tuple(targets)
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm must be a positive norm, got {max_grad_norm!r}")
-    if plan is not None and not isinstance(plan, (Plan, PipelinePlan)):
-        plan = load_plan(plan)
     if accumulate != 1:
         inputs, targets, example_kwargs = _accumulation_rows(inputs, targets, example_kwargs, accumulate, plan,
                                                              split_options(options, pipeline, option_fields)[1])
@@ -164,7 +174,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
         trainer = PipelineTrainer(model, captured, plan, optimizer, seed, init_fn, timeout_s)
     else:
         captured = plan.captured or capture(model, inputs, loss_fn, targets, example_kwargs, compute_dtype)
-        trainer = ParallelTrainer(model, dmesh, captured, plan, optimizer, seed, init_fn, accumulate)
+        trainer = ParallelTrainer(model, dmesh, captured, plan, optimizer, seed, init_fn, accumulate, compile)
     if report_requested(report):
         trainer.timer = StepTimer(report_warmup, report_steps)
     trainer.max_grad_norm = max_grad_norm

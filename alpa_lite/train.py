@@ -10,6 +10,7 @@ per step) and ``summary.json`` under ``--out``. The summary records what ran, as
 ``plan_file`` (the ``--plan`` given, or null when the run planned itself), the losses and the
 parameter specs.
 
+``--compile`` runs each rank's step under ``torch.compile`` (``parallelize(..., compile=True)``).
 ``--accumulate K`` trains each ``--batch`` as K microbatches with one update; ``--max-grad-norm``
 clips by the global norm (logged as ``grad_norm``); ``--save DIR`` writes a sharded checkpoint
 (``Trainer.save``) with the step count after the last step; ``--resume DIR`` loads one (saved
@@ -49,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accumulate", type=int, default=1, metavar="K",
                    help="gradient accumulation: --batch is K microbatches, one optimizer update per step")
     p.add_argument("--max-grad-norm", type=float, default=None, help="clip gradients to this global L2 norm")
+    p.add_argument("--compile", action="store_true",
+                   help="run each rank's step as its plan lowered to one torch.fx graph under torch.compile "
+                        "(inductor); SPMD plans without dropout or remat")
     p.add_argument("--save", default=None, metavar="DIR",
                    help="write a sharded checkpoint (parameters, optimizer state, step) here at the end")
     p.add_argument("--resume", default=None, metavar="DIR",
@@ -89,7 +93,7 @@ def _worker(args) -> int:
     t0 = time.perf_counter()
     trainer = parallelize(model, shape, first, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
                           plan=args.plan, cluster=args.cluster, report=args.report or None,
-                          accumulate=args.accumulate, max_grad_norm=args.max_grad_norm,
+                          accumulate=args.accumulate, max_grad_norm=args.max_grad_norm, compile=args.compile,
                           mixed_precision=args.mixed_precision, remat=args.remat)
     plan_s = time.perf_counter() - t0
     start = int(trainer.load(args.resume).get("step", 0)) if args.resume else 0

@@ -8,6 +8,11 @@ While :func:`set_timing` is on, each one is also timed into ``SECONDS`` (seconds
 phase)), from before its first buffer copy to the end of the call: gloo calls block; on CUDA the
 device is synchronized before and after, so the time is the collective's alone (queued compute
 excluded), waiting for the slowest peer included.
+
+Inside :func:`functional_collectives` the same collectives are issued as
+``torch.distributed._functional_collectives`` ops instead (out of place, traceable by
+``make_fx`` / ``torch.compile``; ``runtime/program.py`` lowers a step to a graph with them), and
+are not counted: tracing a step issues nothing.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from ..core.resharding import Step, backward_steps, forward_steps
 from ..core.spec import ShardingSpec
@@ -26,6 +32,7 @@ from ..core.spec import ShardingSpec
 COUNTS: Counter = Counter()
 SECONDS: Counter = Counter()
 _timing = False
+_functional = False  # collectives issued as functional collective ops (traceable), not counted
 _recomputing = False  # inside a checkpointed layer's recomputation: its forward collectives count as "recompute"
 
 
@@ -51,6 +58,19 @@ def recomputing():
         yield
     finally:
         _recomputing = before
+
+
+@contextmanager
+def functional_collectives():
+    """While open, every collective is a ``torch.distributed._functional_collectives`` op (a
+    ``_c10d_functional`` op and its ``wait_tensor`` in a traced graph), uncounted; the values
+    are the same as the eager ``torch.distributed`` calls'."""
+    global _functional
+    before, _functional = _functional, True
+    try:
+        yield
+    finally:
+        _functional = before
 
 
 @contextmanager
@@ -116,6 +136,8 @@ def run_step(x: torch.Tensor, step: Step, mesh: MeshGroups, phase: str) -> torch
         return x if mesh.coord[step.axis] == 0 else torch.zeros_like(x)
     if step.kind not in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all"):
         raise ValueError(f"unknown resharding step {step.kind}")
+    if _functional:
+        return _functional_step(x, step, n, group)
     with _issued(step.kind, phase):
         if step.kind == "all-reduce":
             x = x.contiguous().clone()
@@ -134,6 +156,18 @@ def run_step(x: torch.Tensor, step: Step, mesh: MeshGroups, phase: str) -> torch
         recv = [torch.empty_like(send[0]) for _ in range(n)]
         dist.all_to_all(recv, send, group=group)
         return torch.cat(recv, dim=step.dim)
+
+
+def _functional_step(x: torch.Tensor, step: Step, n: int, group) -> torch.Tensor:
+    """``run_step``'s collective as a functional collective op over ``group`` (``n`` devices)."""
+    if step.kind == "all-reduce":
+        return funcol.all_reduce(x, "sum", group)
+    if step.kind == "all-gather":
+        return funcol.all_gather_single(x.contiguous(), step.dim, group)
+    if step.kind == "reduce-scatter":
+        return funcol.reduce_scatter_single(x.contiguous(), "sum", step.dim, group)
+    recv = funcol.all_to_all_single(torch.stack(_chunks(x, n, step.dim2)), None, None, group)
+    return torch.cat(recv.unbind(0), dim=step.dim)
 
 
 def gather_full(x: torch.Tensor, spec: ShardingSpec, shape: tuple[int, ...], mesh: MeshGroups) -> torch.Tensor:
@@ -224,6 +258,10 @@ class AllReduceShared(torch.autograd.Function):
 
 
 def _all_reduce(x: torch.Tensor, axes, mesh: MeshGroups, phase: str, op) -> torch.Tensor:
+    if _functional:
+        for axis in axes:
+            x = funcol.all_reduce(x, {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max"}[op], mesh.groups[axis])
+        return x
     x = x.contiguous().clone()
     for axis in axes:
         with _issued("all-reduce", phase):

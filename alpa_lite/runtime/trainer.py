@@ -34,6 +34,7 @@ from .grad_sync import BucketSync
 from .init import local_constants, local_shards, store_buffer_mutations
 from .launch import default_device
 from .precision import LossScaler
+from .program import RankProgram
 from .report import REPORT_JSON_ENV, StepTimer, print_report, write_record
 from .zero import ZeroPartition
 
@@ -370,14 +371,25 @@ class ParallelTrainer(Trainer):
         accumulate: gradient accumulation steps ``K``: a step's batch is ``K`` microbatches of the
             plan's batch along dim 0, run one after the other with one gradient synchronization
             and one optimizer update (``_accumulate``).
+        compile: run each microbatch's forward and backward as this rank's ``RankProgram``
+            (``program.py``: the plan lowered to a ``torch.fx.GraphModule`` with functional
+            collectives) under ``torch.compile``: True for the ``"inductor"`` backend, or a
+            backend name (``"aot_eager"`` ...); the gradient buckets then all start after
+            backward (``overlap`` has no effect). False: the interpreter (``executor.py``).
+
+    Attributes:
+        program: the ``RankProgram`` under ``compile``, else None.
 
     Raises:
         PlanError: the plan was made for another model, other input shapes or another mesh.
-        ValueError: ``accumulate`` is not a positive integer.
+        ValueError: ``accumulate`` is not a positive integer, or ``compile`` is asked for a plan
+            the lowering does not cover (random ops, remat, in-place writes to stored tensors).
     """
 
+    program: RankProgram | None = None
+
     def __init__(self, model, device_mesh, captured: CapturedGraph, plan: Plan, optimizer: Callable, seed: int = 0,
-                 init_fn=None, accumulate: int = 1):
+                 init_fn=None, accumulate: int = 1, compile: bool | str = False):
         if not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(f"accumulate must be a positive number of microbatches, got {accumulate!r}")
         if plan.fingerprint != captured.fingerprint():
@@ -398,6 +410,9 @@ class ParallelTrainer(Trainer):
             warnings.warn(f"accumulating {accumulate} microbatches changes the loss: "
                           + "; ".join(plan.loss_reduction.problems), stacklevel=2)
         self._build(model, plan, optimizer, seed, init_fn)
+        if compile:
+            self.program = RankProgram(self.executor, self._weight, list(captured.buffer_mutations),
+                                       "inductor" if compile is True else compile)
 
     def _local_plan(self) -> Plan:
         return self.plan
@@ -437,9 +452,14 @@ class ParallelTrainer(Trainer):
         synchronization, and the loss is detached. ``K = 1`` is the plain loss."""
         losses, weights = [], []
         for mb in range(self.num_microbatches):
+            if backward and self.program is not None:
+                term, weight = self._run_program(self._microbatch(flat, mb))
+                losses.append(term)
+                weights.append(weight)
+                continue
             values = self._run(self._microbatch(flat, mb))
             loss = values[self.cg.loss_name]
-            weight = (self._loss_weight(values) if self.num_microbatches > 1 else torch.ones(())).to(loss)
+            weight = self._weight(values, loss)
             term = loss * weight if weight else torch.zeros_like(loss)  # w_m = 0: no valid target, L_m is 0/0
             if backward and weight:
                 if self.overlap and mb == self.num_microbatches - 1:
@@ -449,6 +469,24 @@ class ParallelTrainer(Trainer):
             weights.append(weight)
         z = torch.ones_like(weights[0]) if self.plan.loss_reduction.kind == "sum" else torch.stack(weights).sum()
         return torch.stack(losses).sum() / z, z
+
+    def _weight(self, values: dict, loss: torch.Tensor) -> torch.Tensor:
+        """``w_m`` of a microbatch of ``K`` (1 when ``K = 1``), in the loss's dtype."""
+        return (self._loss_weight(values) if self.num_microbatches > 1 else torch.ones(())).to(loss)
+
+    def _run_program(self, flat: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w_m L_m, w_m)`` of a microbatch run by the compiled program (``program.py``), its
+        gradients accumulated into the parameters' ``.grad`` (none when ``w_m = 0``: no valid
+        target) and its buffer updates stored."""
+        term, weight, grads, values = self.program(self.placeholder_values(flat),
+                                                   1.0 if self.scaler is None else self.scaler.scale)
+        store_buffer_mutations(self.cg, self.plan, values, self.buffers, self.groups)
+        if not weight:
+            return torch.zeros_like(term), weight
+        for ph, g in grads.items():
+            p = self.params[self.cg.param_fqns[ph]]
+            p.grad = g if p.grad is None else p.grad + g
+        return term, weight
 
     def _train_step(self, flat: list[torch.Tensor]) -> float:
         loss, z = self._accumulate(flat, backward=True)
