@@ -535,8 +535,8 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
                 val = cg.node(src).meta["val"]
                 src_spec = chosen[src].out_specs[0]
                 if is_gradient_sync(src_spec, s.in_specs[i], s.grad_partial[i]):
-                    cost = reshard(src_spec, s.in_specs[i], s.grad_partial[i], tuple(val.shape), val.element_size(), True,
-                                   (chosen[src].zero_stage, chosen[src].zero_axes))
+                    cost = reshard(src_spec, s.in_specs[i], s.grad_partial[i], tuple(val.shape), val.element_size(),
+                                   True, (chosen[src].zero_stage, chosen[src].zero_axes))
                     sync_all += cost
                     sync_deferred += cost if src in grad_sync else 0.0
     once = sum(c.seconds for c in collectives if c.node.startswith(("gradient bucket", "parameter bucket")))

@@ -168,7 +168,7 @@ class PipelineTrainer(Trainer):
                         raise PlanError(f"stages {seen[ph]} and {i} run on the same ranks and both hold {state[ph]}; "
                                         "use another layer split or a schedule with one stage per device group")
 
-    def _zero_partitions(self):
+    def _zero_partitions(self) -> list:
         return [chunk["zero"] for chunk in self.chunks]
 
     def _enter(self, stage: int) -> None:

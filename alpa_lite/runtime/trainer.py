@@ -236,8 +236,7 @@ class Trainer:
         axes that neither split nor partition it)."""
         holders = []
         for fqn, param in self.params.items():
-            self._select(fqn)
-            zero = self.zero_of(fqn)
+            zero = self.zero_of(fqn)  # the chunk holding fqn made current
             split = self._spec(self._placeholders[fqn]).axes()
             stage, zero_axes = zero.stages.get(fqn, (0, ()))
             if stage == 2:
