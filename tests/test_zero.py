@@ -124,6 +124,25 @@ def test_predicted_state_memory_matches_the_runtime(trained, case):
     assert r["held_max"] == pytest.approx(r["predicted"], rel=0.05)
 
 
+def test_pipeline_stage_ilp_picks_zero_under_budget():
+    # 2 stages x (1 x 2) on a 2x2 cpu-gloo cluster, batch 16 in B = 2, the batch on a stage's axis 1:
+    # with ample memory every parameter stays replicated; at 100 KB per device two replicated
+    # layers (2 x 66 560 B of weights, gradients and Adam states) no longer fit a stage, and the
+    # stage ILPs split gradients and Adam states over the stage's two devices (ZeRO-1/2)
+    def pp_plan(**options):
+        with torch.device("meta"):
+            model = MLP(64, layers=4)
+        x = torch.zeros(16, 64, device="meta")
+        return plan(model, (x, x.clone()), LogicalMesh((2, 2), cluster="cpu-gloo"), batch_axis=1, num_stages=2,
+                    num_microbatches=2, num_layers=4, **options)
+
+    assert stages(pp_plan()) == {0}
+    p = pp_plan(memory_budget=100_000)
+    assert stages(p) and stages(p) <= {1, 2} and all(a == (1,) for _, a in p.zero_stages.values())
+    assert all(s.memory_bytes <= 100_000 for s in p.stages)
+    assert p.collective_counts()[("all-gather", "update")] == 2  # one bucket of updated slices per stage
+
+
 # ZeRO-1/2 inside the stages of a pipelined plan: 2 stages x 2 devices (the batch split over a
 # stage's devices, force_data_parallel), B = 2; the ZeRO-2 AdamW 1F1B run saves after step 2 and
 # a new trainer of the same plan loads it (the Adam moments come back sliced) for step 3
