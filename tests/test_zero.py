@@ -181,5 +181,7 @@ def test_pipelined_zero_trains_equal_to_one_process(pipelined, case):
 
 @pytest.mark.parametrize("case", [c for c in PIPELINED if c.endswith("adamw")])
 def test_pipelined_predicted_state_memory_matches_the_runtime(pipelined, case):
+    # stage 0 (3 of the 4 layers, 3 x 16 640 B of parameters) is the largest: ZeRO-1 149 760 B
+    # (params + grads + halved Adam states), ZeRO-2 124 800 B (halved gradients too)
     r = pipelined[case]
-    assert r["held_max"] == pytest.approx(r["predicted"], rel=0.05)
+    assert r["held_max"] == r["predicted"] == {1: 149_760, 2: 124_800}[PIPELINED[case]["options"]["zero_stage"]]
