@@ -155,6 +155,7 @@ def _force_zero_stage(cg, table: dict[str, NodeStrategies], stage: int, axes: tu
             shape = tuple(cg.node(ph).meta["val"].shape)
             raise ValueError(f"zero_stage={stage}: parameter {fqn} (shape {shape}) has no strategy partitioned over "
                              f"mesh axes {list(axes)} (a forced spec splits them, a dim does not divide, or the "
-                             f"plan is pipelined: ZeRO-1/2 are SPMD-only); drop zero_stage or its forced spec")
+                             f"plan is pipelined and several layers use it: ZeRO-1/2 are offered to a parameter one "
+                             "layer uses); drop zero_stage or its forced spec")
         if ph in table:
             restrict(table[ph], keep)

@@ -32,6 +32,7 @@ from .loss_reduction import loss_reduction
 from .stage_costs import GraphStageCosts, solve_stage
 from .stage_dp import CostFn, PipelinePlanError, StageChoice, bubble_fraction, check_stage_count, stage_dp, submesh_shapes
 from .training_step import param_specs_of, training_step
+from .zero import zero_stages
 
 
 def place_submeshes(submeshes: Sequence[tuple[int, int]], cluster_shape: tuple[int, int]) -> list[list[int]]:
@@ -252,7 +253,8 @@ def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budg
                 memory_bytes=st.option.weight_bytes + st.in_flight * st.option.act_bytes + st.option.remat_bytes,
                 fingerprint=cg.fingerprint(),
                 options={"memory_budget": budget, "activation_scale": scale, "mode": costs.mode}, grad_sync=grad_sync,
-                bucket_bytes=options.bucket_bytes, solver_limits=limits, remat=remat)
+                bucket_bytes=options.bucket_bytes, zero_stages=zero_stages(view, nodes), solver_limits=limits,
+                remat=remat)
     return StagePlan((st.start, st.end), [n for layer in layers[st.start:st.end] for n in layer.nodes],
                      st.submesh, list(ranks), plan, [n for n, _ in costs.crossing[st.start]],
                      [n for n, _ in costs.crossing[st.end]], st.option.seconds, st.option.once_seconds,

@@ -33,7 +33,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-VERSION = 1
+VERSION = 2  # 2: stage ILPs offer ZeRO-1/2 (their answers of version 1 are of other ILPs)
 
 
 class CacheFile:

@@ -24,7 +24,10 @@ Two ways to solve a stage of layers ``[k, i)``:
   variable): with ``B = 1`` the search then holds the plan without pipelining.
 
 Data-parallel gradient all-reduces run once per step: the stage ILP, whose objective is per
-microbatch, weighs them ``1 / B`` and reports them as ``o``.
+microbatch, weighs them ``1 / B`` and reports them as ``o``. So are a ZeRO-1/2 parameter's
+reduce-scatter and its all-gather after the update (``compiler/zero.py``; offered to a parameter
+that one layer consumes: a weight several layers share keeps the spec, not the ZeRO stage, an
+earlier layer of a chain placed it in).
 
 Planning time. The memory sweeps above re-ask the same per-layer ILP under other constraints
 ``w + s a <= M``; an answer found under a looser one that satisfies the tighter one is its
@@ -60,6 +63,7 @@ from .intra_op import recomputable
 from .stage_dp import StageOption
 from .strategies import BACKWARD_FLOPS_FACTOR, build_strategies
 from .training_step import node_plan, training_step
+from .zero import add_zero_strategies
 
 
 def logical_shapes(submesh: tuple[int, int], devices_per_node: int) -> list[tuple[int, int]]:
@@ -120,6 +124,7 @@ class GraphStageCosts:
         self._order = {n.name: i for i, n in enumerate(cg.graph.nodes)}
         self._node_sig = {n.name: _node_signature(n, cg) for n in cg.graph.nodes}
         self.crossing = crossing_values(cg, layers)
+        self._zero_params = [ph for ph in cg.param_fqns if sum(ph in layer.placeholders for layer in layers) == 1]
         self._cache: dict[tuple, list] = {}  # ILP key -> [(scale, budget, result, memory terms)]
         self._tables: dict[tuple, dict] = {}
         self._context = None
@@ -246,7 +251,8 @@ class GraphStageCosts:
 
     def table(self, shape: tuple[int, int], start: int = 0, end: int | None = None) -> dict:
         """``build_strategies`` on logical mesh ``shape`` of the nodes of layers ``[start, end)``
-        (default all), built once per layer."""
+        (default all), with the ZeRO-1/2 strategies of the parameters one layer consumes
+        (``zero.add_zero_strategies``), built once per layer."""
         if self._context is None:  # batch dims of every node, on a trivial mesh
             self._context = build_strategies(self.cg, LogicalMesh((1, 1), cluster=self.cluster))
         end = len(self.layers) if end is None else end
@@ -255,8 +261,9 @@ class GraphStageCosts:
             key = (shape, j)
             if key not in self._tables:
                 names = set(self.subset(j, j + 1))
-                self._tables[key] = build_strategies(self.cg, self.cluster.logical_mesh(shape), nodes=names,
-                                                     context=self._context)
+                mesh = self.cluster.logical_mesh(shape)
+                self._tables[key] = build_strategies(self.cg, mesh, nodes=names, context=self._context)
+                add_zero_strategies(self.cg, self._tables[key], mesh, self._zero_params)
             out |= self._tables[key]
         return out
 
@@ -446,8 +453,10 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
     time a value from another stage crosses replicated (``boundary_spec``). ``table``:
     ``build_strategies(cg, mesh)`` of the whole graph, reused. A data-parallel gradient
     all-reduce runs once per step, after the last of ``B`` microbatches: the objective, which is
-    per microbatch, weighs it ``sync_weight = 1 / B``; the returned ``seconds`` leave it out and
-    ``once_seconds`` holds the bucketed all-reduces. ``sends``: values later stages consume; the
+    per microbatch, weighs it ``sync_weight = 1 / B``, and so the all-gather of a ZeRO-1/2
+    parameter after the update and the latency of its buckets; the returned ``seconds`` leave
+    them out and ``once_seconds`` holds the bucketed all-reduces (reduce-scatters) and
+    all-gathers. ``sends``: values later stages consume; the
     all-gather that sends them on replicated (``send_gather_seconds``) is in the objective.
     ``remat``: layers the stage recomputes (every one: ``PlanOptions.remat="all"``); their
     activations count once, not per microbatch (one layer is recomputed at a time), and their
@@ -491,6 +500,7 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
             graph.costs[where[n].var][p] += send_gather_seconds(cg, n, table[n].strategies[q].out_specs[0], mesh)
     if sync_weight != 1.0:
         _discount_gradient_sync(cg, table, where, graph, names, reshard, sync_weight)
+        _discount_zero_updates(cg, table, where, graph, names, sync_weight)
     weight_vars = {where[p].var for p in names if p in cg.param_fqns or p in cg.buffer_fqns}
     unscaled = graph.memory
     if act_scale != 1:
@@ -525,13 +535,17 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
                 val = cg.node(src).meta["val"]
                 src_spec = chosen[src].out_specs[0]
                 if is_gradient_sync(src_spec, s.in_specs[i], s.grad_partial[i]):
-                    cost = reshard(src_spec, s.in_specs[i], s.grad_partial[i], tuple(val.shape), val.element_size(), True)
+                    cost = reshard(src_spec, s.in_specs[i], s.grad_partial[i], tuple(val.shape), val.element_size(),
+                                   True, (chosen[src].zero_stage, chosen[src].zero_axes))
                     sync_all += cost
                     sync_deferred += cost if src in grad_sync else 0.0
-    once = sum(c.seconds for c in collectives if c.node.startswith("gradient bucket"))
+    once = sum(c.seconds for c in collectives if c.node.startswith(("gradient bucket", "parameter bucket")))
+    # the ZeRO all-gathers and the buckets' latency in the objective, weighed sync_weight
+    updates = (sync_weight * sum(s.comm for s in chosen.values() if s.zero_stage)
+               + sum(f for f, members in graph.fixed.values() if any(sol.choice[v] == p for v, p in members)))
     again = {n for layer in remat for n in layer}
     compute = sum(s.compute * (1 + (n in again) / (1 + BACKWARD_FLOPS_FACTOR)) for n, s in chosen.items())
-    seconds = sol.objective + (1 - sync_weight) * sync_all - sync_deferred
+    seconds = sol.objective + (1 - sync_weight) * sync_all - sync_deferred - updates
     terms = [peak, 0.0]  # the ILP's memory: sum over weight variables, sum over the others (unscaled)
     for v, m in enumerate(unscaled):
         terms[v not in weight_vars] += m[sol.choice[v]]
@@ -551,9 +565,23 @@ def _discount_gradient_sync(cg, table, where, graph, names, reshard, weight: flo
             sv, dv = where[src], where[n]
             outs = tuple(table[src].strategies[p].out_specs[0] for p in sv.index)
             ins = tuple((ns.strategies[q].in_specs[i], ns.strategies[q].grad_partial[i]) for q in dv.index)
-            sync = reshard.sync_matrix(outs, ins, tuple(val.shape), val.element_size())
+            zeros = tuple((table[src].strategies[p].zero_stage, table[src].strategies[p].zero_axes) for p in sv.index)
+            sync = reshard.sync_matrix(outs, ins, tuple(val.shape), val.element_size(), zeros)
             if any(any(row) for row in sync):
                 graph.add_edge(sv.var, dv.var, [[-(1 - weight) * c for c in row] for row in sync])
+
+
+def _discount_zero_updates(cg, table, where, graph, names, weight: float) -> None:
+    """Scale the once-per-step parts of the ZeRO-1/2 strategies in the cost graph by ``weight``:
+    each one's all-gather after the update (its ``comm``) and the buckets' latency (the graph's
+    fixed charges)."""
+    for n in names:
+        if n in where and n in cg.param_fqns:
+            for p, q in enumerate(where[n].index):
+                s = table[n].strategies[q]
+                if s.zero_stage:
+                    graph.costs[where[n].var][p] -= (1 - weight) * s.comm
+    graph.fixed = {key: (f * weight, members) for key, (f, members) in graph.fixed.items()}
 
 
 def boundary_spec(cg, name: str) -> ShardingSpec:

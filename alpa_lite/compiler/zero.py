@@ -23,6 +23,7 @@ and again for backward; reduce-scatter of the gradient), which the ILP already p
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import replace
 
 from ..core.capture import CapturedGraph
@@ -31,11 +32,12 @@ from ..core.plan import NodePlan, local_bytes
 from .strategies import ADAM_UPDATE_BYTES_FACTOR, NodeStrategies, training_state_bytes
 
 
-def add_zero_strategies(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: LogicalMesh) -> None:
+def add_zero_strategies(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: LogicalMesh,
+                        params: Collection[str] | None = None) -> None:
     """Add the ZeRO-1 and ZeRO-2 strategies (module docstring) of every trainable parameter in
-    ``table`` that some op uses, in place."""
+    ``table`` that some op uses (of those placeholders in ``params``; None: all), in place."""
     for ph in cg.param_fqns:
-        if ph not in table or not cg.node(ph).users:
+        if ph not in table or not cg.node(ph).users or params is not None and ph not in params:
             continue
         val = cg.node(ph).meta["val"]
         extra = []

@@ -373,8 +373,14 @@ class PipelinePlan:
         """User input -> its spec in the stage that reads it (the first such stage)."""
         return self._merged("input_specs")
 
-    def _merged(self, attribute: str) -> dict[str, ShardingSpec]:
-        out: dict[str, ShardingSpec] = {}
+    @property
+    def zero_stages(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """Parameter FQN -> ``(ZeRO stage, mesh axes of its stage's logical mesh)``
+        (``Plan.zero_stages``; a weight held by two stages: the first's)."""
+        return self._merged("zero_stages")
+
+    def _merged(self, attribute: str) -> dict:
+        out: dict = {}
         for s in reversed(self.stages):  # earlier stages win
             out |= getattr(s.plan, attribute)
         return out

@@ -211,14 +211,19 @@ class ReshardCosts:
                                        for o, z, r in zip(outs, zeros, reduced)]
         return m
 
-    def sync_matrix(self, outs: tuple, ins: tuple, shape, itemsize) -> list[list[float]]:
-        """``matrix(..., parameter=True)`` where the edge is a gradient sync (``is_gradient_sync``),
-        0 elsewhere: the part of a parameter edge that runs once per step, bucketed."""
-        key = ("sync", outs, ins, tuple(shape), itemsize)
+    def sync_matrix(self, outs: tuple, ins: tuple, shape, itemsize, zeros: tuple | None = None) -> list[list[float]]:
+        """``matrix(..., parameter=True, zeros=zeros)`` where the edge is a gradient sync
+        (``is_gradient_sync``) a ZeRO stage allows, 0 elsewhere: the part of a parameter edge that
+        runs once per step, bucketed."""
+        zeros = zeros or ((0, ()),) * len(outs)
+        key = ("sync", outs, ins, tuple(shape), itemsize, zeros)
         m = self._matrices.get(key)
         if m is None:
-            m = self._matrices[key] = [[self(o, spec, gp, shape, itemsize, True) if is_gradient_sync(o, spec, gp) else 0.0
-                                        for spec, gp in ins] for o in outs]
+            def once(o, spec, gp, z):
+                cost = self(o, spec, gp, shape, itemsize, True, z) if is_gradient_sync(o, spec, gp) else 0.0
+                return cost if math.isfinite(cost) else 0.0  # a pairing the ZeRO stage forbids stays forbidden
+
+            m = self._matrices[key] = [[once(o, spec, gp, z) for spec, gp in ins] for o, z in zip(outs, zeros)]
         return m
 
 

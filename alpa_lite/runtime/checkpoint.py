@@ -59,10 +59,10 @@ def _sharded_state(trainer) -> dict[str, object]:
             state[f"model.{fqn}"] = _dtensor(trainer, fqn, x.detach())
     if trainer.optimizer is None:
         return state
-    zero = trainer.zero
     for fqn, p in trainer.params.items():
         if not trainer.owns(fqn):
             continue
+        zero = trainer.zero_of(fqn)
         for name, value in trainer.optimizer.state.get(zero.slices.get(fqn, p), {}).items():
             key = f"optim.state.{fqn}.{name}"
             if fqn in zero.slices and isinstance(value, torch.Tensor) and value.dim():
@@ -208,8 +208,8 @@ def _load_optimizer(trainer, local: dict[str, object]) -> None:
     order = [p for group in trainer.optimizer.param_groups for p in group["params"]]
     index = {id(p): i for i, p in enumerate(order)}
     state = {}
-    zero = trainer.zero
     for fqn, p in trainer.params.items():
+        zero = trainer.zero_of(fqn)
         prefix = f"optim.state.{fqn}."
         entry = {k[len(prefix):]: v for k, v in local.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
         if fqn in zero.slices:  # a ZeRO-1/2 parameter: the optimizer holds its slice

@@ -15,8 +15,11 @@ that splits the backward (ZB-H1, Qi et al., ICLR'24) runs the input-gradient pas
 ``torch.autograd.grad`` w.r.t. the received values only (the graph retained), sends those
 gradients, and later the weight pass as ``torch.autograd.backward(..., inputs=parameters)``. The
 deferred data-parallel gradient buckets of each stage are all-reduced, each started during the
-stage's last backward (or weight pass) once its gradients are ready (``grad_sync.py``), a weight used by several
-stages (tied embeddings) gets the sum of their gradients, and one optimizer step runs.
+stage's last backward (or weight pass) once its gradients are ready (``grad_sync.py``), the buckets of
+its ZeRO-2 parameters reduce-scattered once after it (``zero.py``), a weight used by several
+stages (tied embeddings) gets the sum of their gradients, and one optimizer step runs over every
+chunk's shards and ZeRO-1/2 slices; then each chunk all-gathers its updated slices (phase
+``"update"``).
 
 Under interleaved 1F1B (Narayanan et al., SC'21, section 2.2.2) a rank holds ``v`` stages
 (chunks): stages ``d, d + p, ..., d + (v - 1) p`` of device group ``d``. Each chunk keeps its own
@@ -155,7 +158,8 @@ class PipelineTrainer(Trainer):
             buffers |= self.buffers
             self.chunks.append({k: getattr(self, k) for k in _CHUNK_STATE})
         self.params, self.buffers = params, buffers
-        self.optimizer = optimizer(list(params.values())) if params else None  # none on a stage with nothing to train
+        slices = [p for zero in self._zero_partitions() for p in zero.optimizer_params()]
+        self.optimizer = optimizer(slices) if params else None  # none on a stage with nothing to train
         self.tied_groups = self._tied_groups()
         self.peak_activation_bytes = 0
         self.busy_seconds = self.schedule_seconds = 0.0
@@ -171,6 +175,9 @@ class PipelineTrainer(Trainer):
                     if ph in state and seen.setdefault(ph, i) != i:
                         raise PlanError(f"stages {seen[ph]} and {i} run on the same ranks and both hold {state[ph]}; "
                                         "use another layer split or a schedule with one stage per device group")
+
+    def _zero_partitions(self) -> list:
+        return [chunk["zero"] for chunk in self.chunks]
 
     def _enter(self, stage: int) -> None:
         """Make the chunk of ``stage`` (one of ``self.stages``) the current one."""
@@ -216,6 +223,10 @@ class PipelineTrainer(Trainer):
                 ranks = sorted(r for i in holders[ph] for r in self.plan.stages[i].ranks)
                 g = dist.new_group(timeout=self.timeout, ranks=ranks)
                 mine = [i for i in holders[ph] if i in self.stages]
+                zero = {self.plan.stages[i].plan.nodes[ph].zero_stage for i in holders[ph]} - {0}
+                if zero:
+                    raise PlanError(f"{self.cg.param_fqns[ph]} is held by stages {holders[ph]} and is ZeRO-{min(zero)} "
+                                    "in one: a weight several stages hold cannot take ZeRO-1/2")
                 if mine:
                     out[ph] = (mine[0], g)
         return out
@@ -408,9 +419,9 @@ class PipelineTrainer(Trainer):
         loss, z = self._broadcast_loss()
         self._sync_gradients()
         if z not in (0.0, 1.0):
-            for p in self.params.values():
-                if p.grad is not None:
-                    p.grad.div_(z)
+            for _, holder, _ in self._gradient_holders():
+                if holder.grad is not None:
+                    holder.grad.div_(z)
         return loss
 
     def _backward_roots(self, sent: list[torch.Tensor], term, grads=None) -> tuple[list, list]:

@@ -151,7 +151,8 @@ class Trainer:
                 self.last_grad_norm = float(self.clip_grad_norm_(self.max_grad_norm))
             if self.optimizer is not None and finite:
                 self.optimizer.step()
-                self.zero.gather()
+                for zero in self._zero_partitions():
+                    zero.gather()
         if self.timer is not None and self.timer.report_due():
             self.report(os.environ.get(REPORT_JSON_ENV) or None)
         return loss
@@ -200,6 +201,15 @@ class Trainer:
                 self.zero.reduce_scatter(fqns, axes)
         self.zero.slice_gradients()
 
+    def _zero_partitions(self) -> list[ZeroPartition]:
+        """This rank's ``ZeroPartition`` of each of its SPMD plans (a pipeline rank's: one per chunk)."""
+        return [self.zero]
+
+    def zero_of(self, fqn: str) -> ZeroPartition:
+        """The ``ZeroPartition`` holding parameter ``fqn`` of this rank."""
+        self._select(fqn)
+        return self.zero
+
     def _full(self, x: torch.Tensor, placeholder: str) -> torch.Tensor:
         """The full tensor of ``placeholder`` from this rank's shard ``x``."""
         shape = tuple(self.cg.node(placeholder).meta["val"].shape)
@@ -227,11 +237,11 @@ class Trainer:
         axes that neither split nor partition it)."""
         holders = []
         for fqn, param in self.params.items():
-            self._select(fqn)
+            zero = self.zero_of(fqn)  # the chunk holding fqn made current
             split = self._spec(self._placeholders[fqn]).axes()
-            stage, zero_axes = self.zero.stages.get(fqn, (0, ()))
+            stage, zero_axes = zero.stages.get(fqn, (0, ()))
             if stage == 2:
-                param, split = self.zero.slices[fqn], split | set(zero_axes)
+                param, split = zero.slices[fqn], split | set(zero_axes)
             holders.append((fqn, param, math.prod(s for a, s in enumerate(self.groups.shape) if a not in split)))
         return holders
 
@@ -309,7 +319,9 @@ class Trainer:
         """Full gradients of the last step by parameter FQN (tied names included; zeros where a
         parameter got none), after their synchronization; on every rank."""
         grads = {fqn: p.grad if p.grad is not None else torch.zeros_like(p) for fqn, p in self.params.items()}
-        return self._gather(grads | self.zero.full_gradients(), self.cg.param_fqns)
+        for zero in self._zero_partitions():
+            grads |= zero.full_gradients()
+        return self._gather(grads, self.cg.param_fqns)
 
     def _gather(self, local: dict[str, torch.Tensor], placeholders: dict[str, str]) -> dict[str, torch.Tensor]:
         """Placeholder -> FQN of ``placeholders``: each full tensor, on every rank (``local``:

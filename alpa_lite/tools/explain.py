@@ -85,7 +85,7 @@ def param_table(plan: Plan, max_rows: int = 40) -> Table:
     t.add_column("spec")
     t.add_column("ZeRO")
     groups: dict[tuple[str, str, str], list[str]] = defaultdict(list)
-    zero = getattr(plan, "zero_stages", {})  # a pipelined plan's stages record theirs
+    zero = plan.zero_stages
     for fqn, spec in plan.param_specs.items():
         stage, axes = zero.get(fqn, (0, ()))
         where = f"{stage} @ axis {','.join(map(str, axes))}" if stage else "-"

@@ -1,9 +1,12 @@
-"""Run on every rank by torchrun: ZeRO-1/2/3 plans (and ZeRO-2 with tensor parallelism on 2x2)
-trained against one process, SGD and AdamW; the bytes the trainer holds for parameters,
-gradients and optimizer states vs the plan's prediction. Rank 0 writes one record per case."""
+"""Run on every rank by torchrun: ZeRO-1/2/3 plans (and ZeRO-2 with tensor parallelism on 2x2,
+and ZeRO-1/2 inside the stages of pipelined plans) trained against one process, SGD and AdamW;
+the bytes the trainer holds for parameters, gradients and optimizer states vs the plan's
+prediction. A case with ``"checkpoint"`` saves after the second step and takes the third with a
+new trainer of the same plan that loaded it. Rank 0 writes one record per case."""
 import argparse
 import copy
 import json
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -55,7 +58,10 @@ def held_bytes(trainer) -> dict[str, int]:
 
 
 def predicted_bytes(plan, model) -> float:
-    """Parameters + gradients + Adam states per device the plan predicts (``training_state_bytes``)."""
+    """Parameters + gradients + Adam states per device the plan predicts (``training_state_bytes``;
+    a pipelined plan: its stages' ``weight_bytes``, the largest)."""
+    if plan.kind == "pipeline":
+        return max(s.weight_bytes for s in plan.stages)
     total = 0.0
     for fqn, p in model.named_parameters():
         stage, axes = plan.zero_stages[fqn]
@@ -65,6 +71,33 @@ def predicted_bytes(plan, model) -> float:
         total += sum(training_state_bytes(local_bytes(p, plan.param_specs[fqn], plan.mesh.shape),
                                           stage if stage in (1, 2) else 0, n))
     return total
+
+
+def step_counts(trainer, before, after) -> dict[str, int]:
+    """The collectives of one step by ``"kind|phase"``: this rank's; a pipelined plan's: summed
+    over one rank of each stage."""
+    mine = {f"{k}|{ph}": after[(k, ph)] - before.get((k, ph), 0) for (k, ph) in after
+            if ph in ("forward", "backward", "update") and after[(k, ph)] != before.get((k, ph), 0)}
+    if trainer.plan.kind != "pipeline":
+        return mine
+    first = any(s.ranks[0] == dist.get_rank() for s in trainer.plan.stages)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine if first else {})
+    out: dict[str, int] = {}
+    for counts in every:
+        for k, n in counts.items():
+            out[k] = out.get(k, 0) + n
+    return out
+
+
+def send_gathers(plan) -> int:
+    """All-gathers a pipelined step issues outside its stage plans: each sent value a stage
+    produced split is gathered to replicated on its submesh before it crosses, per microbatch
+    (one axis of more than one device per stage here)."""
+    if plan.kind != "pipeline":
+        return 0
+    return plan.num_microbatches * sum(bool(s.plan.nodes[n].out_specs[0].axes()) for s in plan.stages for n in s.send
+                                       if s.plan.nodes[n].strategy != "boundary")
 
 
 def main():
@@ -85,17 +118,23 @@ def main():
         before = collective_counts()
         losses = [trainer.step(*batches[0])]
         after = collective_counts()
-        losses += [trainer.step(*b) for b in batches[1:]]
+        losses += [trainer.step(*b) for b in batches[1:-1]]
+        if case.get("checkpoint"):
+            path = Path(args.out).parent / f"checkpoint-{name.replace('/', '-')}"
+            trainer.save(path)
+            trainer = parallelize(copy.deepcopy(model), tuple(case["mesh"]), batches[0], plan=trainer.plan,
+                                  optimizer=lambda p, opt=opt: opt(p, lr=LR))
+            trainer.load(path)
+        losses.append(trainer.step(*batches[-1]))
         held = held_bytes(trainer)
         measured = torch.tensor([float(sum(held.values()))])
         dist.all_reduce(measured, op=dist.ReduceOp.MAX)
         params = trainer.state_dict()
-        runtime = {f"{k}|{ph}": after[(k, ph)] - before.get((k, ph), 0) for (k, ph) in after
-                   if ph in ("forward", "backward", "update") and after[(k, ph)] != before.get((k, ph), 0)}
+        runtime = step_counts(trainer, before, after)
         results[name] = {
             "losses": losses, "ref_losses": ref_losses,
             "param_err": max(float((params[k] - v).abs().max()) for k, v in ref_params.items()),
-            "runtime_counts": runtime,
+            "runtime_counts": runtime, "send_gathers": send_gathers(trainer.plan),
             "plan_counts": {f"{k}|{ph}": n for (k, ph), n in trainer.plan.collective_counts().items()},
             "zero_stages": {k: [z, list(a)] for k, (z, a) in trainer.plan.zero_stages.items()},
             "param_specs": {k: str(v) for k, v in trainer.plan.param_specs.items()},
