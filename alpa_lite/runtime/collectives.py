@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -179,21 +180,110 @@ def all_gather_bucket(part: torch.Tensor, axes: tuple[int, ...], mesh: MeshGroup
 
 class Reshard(torch.autograd.Function):
     """Move a local shard from spec ``src`` to ``dst``; backward reduces the gradient's partial
-    sums along ``grad_partial`` and moves it back to ``src``."""
+    sums along ``grad_partial`` and moves it back to ``src`` (and frees ``copy``'s gathered
+    copy: every reader's backward has run)."""
 
     @staticmethod
-    def forward(ctx, x, src, dst, grad_partial, shape, mesh):
-        ctx.args = (src, dst, grad_partial, shape, mesh)
+    def forward(ctx, x, src, dst, grad_partial, shape, mesh, copy=None):
+        ctx.args = (src, dst, grad_partial, shape, mesh, copy)
         for step in forward_steps(src, dst, shape, x.element_size(), mesh.shape):
             x = run_step(x, step, mesh, "forward")
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        src, dst, grad_partial, shape, mesh = ctx.args
+        src, dst, grad_partial, shape, mesh, copy = ctx.args
+        if copy is not None:
+            copy.full = None
         for step in backward_steps(src, dst, grad_partial or (), shape, grad.element_size(), mesh.shape):
             grad = run_step(grad, step, mesh, "backward")
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
+
+
+class _Copy:
+    """One ZeRO-3 move of a run: the shard, the move, a weak reference to the forward's gathered
+    copy, and the copy gathered again in backward (``full``, None outside backward)."""
+
+    __slots__ = ("shard", "move", "forward", "full", "__weakref__")
+
+    def __init__(self, shard, move):
+        self.shard, self.move, self.forward, self.full = shard.detach(), move, None, None
+
+    def gather(self) -> torch.Tensor:
+        """The gathered copy in backward: the move's forward steps run again, once."""
+        if self.full is None:
+            src, dst, shape, mesh = self.move
+            x = self.shard
+            with torch.no_grad():
+                for step in forward_steps(src, dst, shape, x.element_size(), mesh.shape):
+                    x = run_step(x, step, mesh, "backward")
+            self.full = x
+        return self.full
+
+    def prehook(self, grad_outputs):
+        self.gather()
+
+
+@dataclass(frozen=True)
+class _SavedView:
+    """What autograd saves in place of a view of a gathered copy: the copy and the view's geometry."""
+
+    copy: _Copy
+    size: tuple
+    stride: tuple
+    offset: int
+
+
+class GatheredParameters:
+    """The ZeRO-3 parameter copies gathered in one forward run, not kept for backward
+    (``resharding.regathers``; ZeRO-3, Rajbhandari et al., SC'20, section 5; FSDP's
+    ``reshard_after_forward=True``). Under ``hooks()``, a tensor autograd saves that is (a view
+    of) a live gathered copy is saved as its shard and the view's geometry instead. In backward
+    the copy is gathered again once per move (phase ``"backward"``), when the first backward node
+    of an op that read it (or a view of it) is about to run: a pre-hook on that op's result,
+    whether or not its backward reads the copy (as FSDP's pre-backward unshard), so the count is
+    the plan's; the move's own backward, which runs after every reader's, frees it."""
+
+    def __init__(self):
+        self._copies: dict[int, _Copy] = {}  # storage address of a gathered copy -> its move
+
+    def move(self, x, src, dst, grad_partial, shape, mesh) -> torch.Tensor:
+        """``reshard`` of a ZeRO-3 use (``x``: the shard in ``src``), its copy registered."""
+        copy = _Copy(x, (src, dst, shape, mesh))
+        full = Reshard.apply(x, src, dst, tuple(grad_partial), tuple(shape), mesh, copy)
+        if full.untyped_storage().nbytes():
+            copy.forward = weakref.ref(full)
+            self._copies[full.untyped_storage().data_ptr()] = copy
+        return full
+
+    def _copy_of(self, t) -> _Copy | None:
+        if not isinstance(t, torch.Tensor) or not self._copies:
+            return None
+        copy = self._copies.get(t.untyped_storage().data_ptr())
+        return copy if copy is not None and copy.forward() is not None else None  # not a freed copy's address
+
+    def read(self, inputs, out) -> None:
+        """An op read ``inputs`` and returned ``out`` (a tensor or a tuple): a pre-hook on each of
+        its results' backward nodes gathers the copies it read again."""
+        copies = dict.fromkeys(c for c in map(self._copy_of, inputs) if c is not None)  # in operand order, as every rank
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if copies and isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                for copy in copies:
+                    t.grad_fn.register_prehook(copy.prehook)
+
+    def pack(self, t):
+        copy = self._copy_of(t)
+        return t if copy is None else _SavedView(copy, t.size(), t.stride(), t.storage_offset())
+
+    @staticmethod
+    def unpack(saved):
+        if isinstance(saved, _SavedView):
+            return saved.copy.gather().as_strided(saved.size, saved.stride, saved.offset)
+        return saved
+
+    def hooks(self):
+        """The saved-tensor hooks of ``pack`` / ``unpack`` (``torch.autograd.graph.saved_tensors_hooks``)."""
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
 class AllReducePartial(torch.autograd.Function):
