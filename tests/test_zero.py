@@ -57,7 +57,8 @@ def test_forced_stages_memory_and_collectives(forced):
     assert forced[3].collective_counts() == {("all-reduce", "forward"): 1, ("all-gather", "forward"): 8,
                                              ("all-gather", "backward"): 8, ("reduce-scatter", "backward"): 8}
     gathers = [c for c in forced[3].collectives if c.kind == "all-gather"]
-    assert [c.nbytes for c in gathers if c.phase == "backward"] == [c.nbytes for c in gathers if c.phase == "forward"][::-1]
+    nbytes = {phase: [c.nbytes for c in gathers if c.phase == phase] for phase in ("forward", "backward")}
+    assert nbytes["backward"] == nbytes["forward"][::-1]
     assert {str(s) for s in forced[3].param_specs.values()} == {"S1R", "S1"}
     assert json.loads(forced[2].to_json())["zero_stages"]["layers.0.weight"] == {"stage": 2, "axes": [1]}
     assert Plan.from_json(forced[2].to_json()).zero_stages == forced[2].zero_stages
@@ -132,6 +133,8 @@ def test_zero3_saves_no_gathered_parameter_for_backward(trained, case):
     assert r["saved_replaced"] == [[HIDDEN, HIDDEN]] * 3
     assert r["saved_kept"] == [[4 if CASES[case]["mesh"] == (1, 4) else 8, HIDDEN]] * 9
     assert r["runtime_counts"]["all-gather|backward"] == r["runtime_counts"]["all-gather|forward"] == 8
+    # every gather but the first of each pass is issued one move ahead (async_op=True)
+    assert r["prefetched"] == {"forward": 7, "backward": 7}
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.endswith("adamw")])

@@ -78,9 +78,10 @@ def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Logica
     inside ops (not of a result left partial: its edges reduce it), the all-reduces of shared
     statistics (``ops.stat_reductions``), the resharding of every value to each (spec, gradient
     partial axes) its readers want, once however many read it there (forward, then backward in
-    reverse; a ZeRO-3 parameter's gather again in backward, ``resharding.regathers``), the bucketed gradient all-reduces (reduce-scatters for ZeRO-2), then the bucketed
-    all-gathers of the ZeRO-1/2 parameters after the update; gradient buckets in ``reduce_dtype``
-    (None: the parameter's dtype).
+    reverse; a ZeRO-3 parameter's gather again in backward, ``resharding.regathers``), the
+    bucketed gradient all-reduces (reduce-scatters for ZeRO-2), then the bucketed all-gathers
+    of the ZeRO-1/2 parameters after the update; gradient buckets in ``reduce_dtype`` (None: the
+    parameter's dtype).
 
     A layer of ``remat`` (node names; the runtime checkpoints it, ``executor.LocalExecutor``)
     moves its operands itself, once per value and wanted spec inside the layer, and runs its

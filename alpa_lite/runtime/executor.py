@@ -21,10 +21,16 @@ mesh axes that split the op's result. Shards of a split value draw independent n
 holding the same (replicated) values draw the same ones (Megatron-LM's model-parallel RNG tracker,
 Shoeybi et al. 2019, section 3; Korthikanti et al. 2022, section 4.2).
 
-The layers of ``plan.remat`` run under ``torch.utils.checkpoint`` (non-reentrant): their
-activations are not kept but recomputed on the local shards during backward, collectives and
-random draws included (the same seeds: the run counter has not moved; the collectives count in
+The layers of ``plan.remat`` run under ``torch.utils.checkpoint`` (non-reentrant, without early
+stop: a layer runs again whole, as the plan lists it): their activations are not kept but
+recomputed on the local shards during backward, collectives and random draws included (the same seeds: the run counter has not moved; the collectives count in
 phase ``"recompute"``, as the plan lists them); activation checkpointing, Chen et al. 2016.
+
+A ZeRO-3 use (a parameter stored split and all-gathered for an op, ``resharding.regathers``)
+outside those layers is not kept gathered for backward: forward drops the gathered copy after its
+last reader and prefetches the next use's all-gather; ``collectives.GatheredParameters`` saves
+the shard in its place and gathers it again in backward (ZeRO-3, Rajbhandari et al., SC'20,
+section 5; FSDP's ``reshard_after_forward=True``).
 
 An in-place op on a stored tensor (``embedding_renorm_`` of ``max_norm`` on a detached weight)
 that ran on a resharded copy is written back to the stored shard.
@@ -40,7 +46,7 @@ from collections import ChainMap
 
 import torch
 import torch.fx
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from ..core.aten import alias_root, bind_args, is_random, op_args, with_arg, written_args
 from ..core.capture import CapturedGraph
@@ -126,16 +132,18 @@ class LocalExecutor:
                 shape = tuple((val[r] if isinstance(val, (tuple, list)) else val).shape)
                 ops.append((src, specs[src][r], np_.in_specs[i], np_.grad_partial[i], shape))
             self.operands[name] = ops
-        # ZeRO-3 uses outside recomputed layers (``resharding.regathers``), keyed as moved; after
-        # its last reader a gathered copy is dropped, so forward holds it no longer than needed
+        # ZeRO-3 uses outside recomputed layers (``resharding.regathers``), keyed as moved, in
+        # graph order (each prefetches the next one's gather) with their shapes; after its last
+        # reader a gathered copy is dropped, so forward holds it no longer than needed
         parameters = set(captured.param_fqns) | set(captured.param_casts)
-        self.regathered, self.last_reads = set(), {}
+        self.regathered, self.last_reads = {}, {}
         for name in (n.name for n in captured.graph.nodes if n.name in self.operands):  # graph order
             for src, src_spec, dst, gp, shape in self.operands[name]:
                 if name not in self.remat and src in parameters and regathers(
                         src_spec, dst, gp, shape, captured.node(src).meta["val"].element_size(), mesh.shape):
-                    self.regathered.add((src, src_spec, dst, gp))
+                    self.regathered.setdefault((src, src_spec, dst, gp), shape)
                     self.last_reads[(src, src_spec, dst, gp)] = name
+        self.next_gather = dict(zip(self.regathered, list(self.regathered)[1:]))
         self.dispatch: dict[str, _Dispatch] = {}
         for node in captured.graph.nodes:
             if node.op != "call_function":
@@ -158,8 +166,9 @@ class LocalExecutor:
         with gathered.hooks() if gathered is not None else contextlib.nullcontext():
             for layer, nodes in itertools.groupby(ops, key=lambda n: self.remat.get(n.name)):
                 if layer is not None and torch.is_grad_enabled():
-                    checkpoint(self._run_layer, list(nodes), values, self.calls, layer, use_reentrant=False,
-                               context_fn=lambda: (contextlib.nullcontext(), recomputing()))
+                    with set_checkpoint_early_stop(False):  # the whole layer runs again, as planned
+                        checkpoint(self._run_layer, list(nodes), values, self.calls, layer, use_reentrant=False,
+                                   context_fn=lambda: (contextlib.nullcontext(), recomputing()))
                 else:
                     self._run_nodes(nodes, values, moved, gathered)
         return values
@@ -200,9 +209,13 @@ class LocalExecutor:
         for src, src_spec, dst_spec, grad_partial, shape in d.operands:
             key = (src, src_spec, dst_spec, grad_partial)
             if key not in moved:
-                move = gathered.move if gathered is not None and key in self.regathered else reshard
                 try:
-                    moved[key] = move(values[src], src_spec, dst_spec, grad_partial, shape, self.mesh)
+                    if gathered is not None and key in self.regathered:
+                        moved[key] = gathered.move(key, values[src], src_spec, dst_spec, grad_partial, shape,
+                                                   self.mesh)
+                        self._prefetch(gathered, values, key)
+                    else:
+                        moved[key] = reshard(values[src], src_spec, dst_spec, grad_partial, shape, self.mesh)
                 except RuntimeError as e:
                     raise RuntimeError(f"node {node.name} ({node.target}), operand {src}: {e}") from e
             local[src] = moved[key]
@@ -227,6 +240,13 @@ class LocalExecutor:
         if d.mutates is not None:  # the new value of a parameter (a functionalized in-place op)
             self._store(node.name, np_.out_specs[0], out, d.mutates, values)
         return out
+
+    def _prefetch(self, gathered: GatheredParameters, values, key) -> None:
+        """Start the all-gather of the ZeRO-3 use after ``key`` (``next_gather``), unless its
+        shard is not computed yet (a low-precision cast that has not run)."""
+        nxt = self.next_gather.get(key)
+        if nxt is not None and values.get(nxt[0]) is not None:
+            gathered.prefetch(nxt, values[nxt[0]], nxt[1], nxt[2], self.regathered[nxt], self.mesh)
 
     def _local(self, node, d: _Dispatch, args, kwargs):
         np_, target = d.plan, d.target
