@@ -2,8 +2,7 @@
 trained against one process, SGD and AdamW; the bytes the trainer holds for parameters,
 gradients and optimizer states vs the plan's prediction; the shapes of the tensors autograd saves
 for backward in the first step (kept as they are, or replaced by a ZeRO-3 shard to gather again)
-and its prefetched all-gathers per phase.
-Rank 0 writes one record per case."""
+and its prefetched all-gathers per phase. Rank 0 writes one record per case."""
 import argparse
 import copy
 import json
@@ -14,8 +13,7 @@ import torch.distributed as dist
 from alpa_lite import parallelize
 from alpa_lite.compiler.strategies import training_state_bytes
 from alpa_lite.core.plan import local_bytes
-from alpa_lite.runtime import collective_counts
-from alpa_lite.runtime import collectives
+from alpa_lite.runtime import collective_counts, collectives
 from alpa_lite.runtime.collectives import GatheredParameters
 from alpa_lite.runtime.launch import init_distributed
 from single_process import finish, reference
