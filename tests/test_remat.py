@@ -59,15 +59,17 @@ MESH = LogicalMesh((2, 2), cluster="cpu-gloo")
 
 @pytest.fixture(scope="module")
 def plans():
-    """Plans of the GPT: without remat, all layers recomputed, and ``"auto"`` under 90% of the
-    least memory any plan without remat needs (read from the refusal's error)."""
+    """Plans of the GPT: without remat, all layers recomputed, ``"auto"`` under 90% of the
+    least memory any plan without remat needs (read from the refusal's error), and all layers
+    recomputed under ZeRO-3."""
     with pytest.raises(MemoryBudgetError, match="the least any plan needs is") as e:
         alpa_lite.plan(*MODEL, MESH, memory_budget=1e5)
     budget = 0.9 * e.value.minimum_bytes
     with pytest.raises(MemoryBudgetError):
         alpa_lite.plan(*MODEL, MESH, memory_budget=budget)
     return {"none": alpa_lite.plan(*MODEL, MESH), "all": alpa_lite.plan(*MODEL, MESH, remat="all"),
-            "auto": alpa_lite.plan(*MODEL, MESH, memory_budget=budget, remat="auto")}, budget
+            "auto": alpa_lite.plan(*MODEL, MESH, memory_budget=budget, remat="auto"),
+            "zero3-all": alpa_lite.plan(*MODEL, MESH, remat="all", force_data_parallel=True, zero_stage=3)}, budget
 
 
 def test_gpt_refused_without_remat_is_planned_with_auto(plans):
@@ -94,6 +96,9 @@ def test_remat_plans_train_as_one_process(plans, tmp_path):
         assert r["runtime_counts"] == r["plan_counts"], name  # recomputed collectives included
     assert not any(k.endswith("|recompute") for k in res["none"]["plan_counts"])
     assert any(k.endswith("|recompute") for k in res["all"]["plan_counts"])
+    # ZeRO-3 in recomputed layers: the recomputation gathers the weights, backward does not again
+    z = res["zero3-all"]["plan_counts"]
+    assert z["all-gather|recompute"] == z["all-gather|forward"] > 0 and "all-gather|backward" not in z
     assert res["none"]["remat_layers"] == 0 and res["all"]["remat_layers"] > res["auto"]["remat_layers"] > 0
     # measured: what autograd keeps from the forward shrinks with every recomputed layer
     assert res["all"]["saved_activations"] < res["auto"]["saved_activations"] < res["none"]["saved_activations"]

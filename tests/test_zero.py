@@ -17,6 +17,7 @@ from alpa_lite.tools.explain import param_table
 from test_planner import MLP
 
 WORKER = str(Path(__file__).parent / "workers" / "zero_cases.py")
+HIDDEN = 64  # the worker's MLP
 MESH = LogicalMesh((1, 4))  # the a100 preset: alpha 5 us, 300 GB/s per axis
 
 
@@ -51,9 +52,13 @@ def test_forced_stages_memory_and_collectives(forced):
                                              ("all-gather", "update"): 1}
     assert forced[2].collective_counts() == {("all-reduce", "forward"): 1, ("reduce-scatter", "backward"): 1,
                                              ("all-gather", "update"): 1}
-    # ZeRO-3: each of the 8 parameters all-gathered before use, its gradient reduce-scattered
+    # ZeRO-3: each of the 8 parameters all-gathered before use, again in backward (the gathered
+    # copy is not kept), its gradient reduce-scattered
     assert forced[3].collective_counts() == {("all-reduce", "forward"): 1, ("all-gather", "forward"): 8,
-                                             ("reduce-scatter", "backward"): 8}
+                                             ("all-gather", "backward"): 8, ("reduce-scatter", "backward"): 8}
+    gathers = [c for c in forced[3].collectives if c.kind == "all-gather"]
+    nbytes = {phase: [c.nbytes for c in gathers if c.phase == phase] for phase in ("forward", "backward")}
+    assert nbytes["backward"] == nbytes["forward"][::-1]
     assert {str(s) for s in forced[3].param_specs.values()} == {"S1R", "S1"}
     assert json.loads(forced[2].to_json())["zero_stages"]["layers.0.weight"] == {"stage": 2, "axes": [1]}
     assert Plan.from_json(forced[2].to_json()).zero_stages == forced[2].zero_stages
@@ -96,6 +101,7 @@ CASES = {f"{name}-{opt}": {"mesh": mesh, "optimizer": opt, "options": options}
          for name, mesh, options in (("zero1", (1, 4), {"batch_axis": 1, "zero_stage": 1}),
                                      ("zero2", (1, 4), {"batch_axis": 1, "zero_stage": 2}),
                                      ("zero3", (1, 4), {"batch_axis": 1, "zero_stage": 3}),
+                                     ("zero3-2x2", (2, 2), {"batch_axis": 0, "zero_stage": 3}),
                                      ("zero2-tp", (2, 2), {"batch_axis": 0, "zero_stage": 2, "param_specs": TP}))}
 
 
@@ -116,6 +122,19 @@ def test_zero_trains_equal_to_one_process(trained, case):
     stage = CASES[case]["options"]["zero_stage"]
     axes = [CASES[case]["options"]["batch_axis"]]
     assert all(z == [stage, axes] for z in r["zero_stages"].values())
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("zero3")])
+def test_zero3_saves_no_gathered_parameter_for_backward(trained, case):
+    """Autograd saves activations of the local batch (16 rows over the batch axis) and, for the 3
+    weights whose input needs a gradient, a view of the gathered weight: each is replaced by its
+    shard, gathered again in backward (as many all-gathers backward as forward)."""
+    r = trained[case]
+    assert r["saved_replaced"] == [[HIDDEN, HIDDEN]] * 3
+    assert r["saved_kept"] == [[4 if CASES[case]["mesh"] == (1, 4) else 8, HIDDEN]] * 9
+    assert r["runtime_counts"]["all-gather|backward"] == r["runtime_counts"]["all-gather|forward"] == 8
+    # every gather but the first of each pass is issued one move ahead (async_op=True)
+    assert r["prefetched"] == {"forward": 7, "backward": 7}
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.endswith("adamw")])

@@ -27,7 +27,7 @@ import torch
 from ..core.capture import CapturedGraph
 from ..core.mesh import LogicalMesh
 from ..core.options import PlanOptions
-from ..core.resharding import ReshardCosts, is_gradient_sync, reshard_costs
+from ..core.resharding import ReshardCosts, is_gradient_sync, regathers, reshard_costs
 from ..core.spec import ShardingSpec
 from .ilp import CostGraph, RematGroup
 from .strategies import BACKWARD_FLOPS_FACTOR, NodeStrategies
@@ -94,7 +94,9 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
     ``remat_forced``): the activations only the layer reads move from ``memory`` to the group,
     and recomputing costs each node's forward (a third of its compute), forward collectives and
     the forward moves of its operands (``RematGroup.edges``; a value read in one spec by several
-    of the layer's variables is charged per variable, where the runtime moves it once).
+    of the layer's variables is charged per variable, where the runtime moves it once; a ZeRO-3
+    parameter's gather nothing: its edge already pays the backward's gather, which
+    recomputation replaces).
     ``options``: its switches forbid moves (``resharding.ReshardCosts``).
     """
     if nodes is not None:
@@ -178,10 +180,15 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         parameter = src_name in cg.param_fqns or src_name in casts
         _price_value(graph, reshard, src.var, outs, zeros, reduced, edges, tuple(val.shape), val.element_size(),
                      parameter)
-        for v, ins, i in recomputed.get((src_name, r), ()):  # forward only (no gradient); a forbidden pair: not chosen
+        # forward only (no gradient); a forbidden pair: not chosen; a ZeRO-3 use: free, the
+        # recomputation's gather replaces the backward's (``resharding.regathers``)
+        for v, ins, i in recomputed.get((src_name, r), ()):
             matrix = reshard.matrix(outs, tuple((spec, None) for spec, _ in ins), tuple(val.shape), val.element_size(),
                                     parameter, None, reduced)
-            graph.remat[i].add_edge(src.var, v, [[c if math.isfinite(c) else 0.0 for c in row] for row in matrix])
+            graph.remat[i].add_edge(src.var, v, [
+                [0.0 if not math.isfinite(c) or parameter and regathers(o, *t, tuple(val.shape), val.element_size(),
+                                                                         mesh.shape) else c
+                 for t, c in zip(ins, row)] for o, row in zip(outs, matrix)])
     return graph, where
 
 

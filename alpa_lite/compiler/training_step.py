@@ -10,7 +10,7 @@ import torch
 from ..core.capture import CapturedGraph
 from ..core.mesh import LogicalMesh
 from ..core.plan import Collective, NodePlan, gradient_buckets, local_bytes, update_buckets
-from ..core.resharding import backward_steps, forward_steps, is_gradient_sync, step_cost
+from ..core.resharding import backward_steps, forward_steps, is_gradient_sync, regathers, step_cost
 from .ops import STAT_TARGETS, signature, stat_reductions
 from .strategies import NodeStrategies, Strategy
 
@@ -78,9 +78,10 @@ def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Logica
     inside ops (not of a result left partial: its edges reduce it), the all-reduces of shared
     statistics (``ops.stat_reductions``), the resharding of every value to each (spec, gradient
     partial axes) its readers want, once however many read it there (forward, then backward in
-    reverse), the bucketed gradient all-reduces (reduce-scatters for ZeRO-2), then the bucketed
-    all-gathers of the ZeRO-1/2 parameters after the update; gradient buckets in ``reduce_dtype``
-    (None: the parameter's dtype).
+    reverse; a ZeRO-3 parameter's gather again in backward, ``resharding.regathers``), the
+    bucketed gradient all-reduces (reduce-scatters for ZeRO-2), then the bucketed all-gathers
+    of the ZeRO-1/2 parameters after the update; gradient buckets in ``reduce_dtype`` (None: the
+    parameter's dtype).
 
     A layer of ``remat`` (node names; the runtime checkpoints it, ``executor.LocalExecutor``)
     moves its operands itself, once per value and wanted spec inside the layer, and runs its
@@ -103,8 +104,12 @@ def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Logica
             val = val[r] if isinstance(val, (tuple, list)) else val
             src = nodes[src_name].out_specs[r]
             args = (tuple(val.shape), val.element_size(), mesh.shape)
+            # a ZeRO-3 use outside a recomputed layer is gathered again in backward, before its gradient moves
+            again = (layer is None and (src_name in cg.param_fqns or src_name in cg.param_casts)
+                     and regathers(src, dst, gp, *args))
             for phase, steps, out in (("forward", forward_steps(src, dst, *args), forward),
-                                      ("backward", [] if gp is None else backward_steps(src, dst, gp, *args), backward)):
+                                      ("backward", [] if gp is None else backward_steps(src, dst, gp, *args)
+                                       + (forward_steps(src, dst, *args) if again else ()), backward)):
                 out.extend(Collective(s.kind, (s.axis,), s.nbytes, phase, name, src_name, step_cost(s, mesh))
                            for s in steps if s.is_collective)
         sig = signature(node) if node.target in STAT_TARGETS else None

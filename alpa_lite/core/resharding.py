@@ -129,6 +129,15 @@ def backward_steps(src: ShardingSpec, dst: ShardingSpec, grad_partial, shape, it
     return tuple(steps) + forward_steps(cur, src, shape, itemsize, mesh_shape)
 
 
+def regathers(src: ShardingSpec, dst: ShardingSpec, grad_partial, shape, itemsize: int, mesh_shape) -> bool:
+    """Whether a parameter's move is a ZeRO-3 use whose gathered copy is not kept for backward:
+    its forward all-gathers and it has a backward. Backward runs the forward steps again before
+    the readers' backward (ZeRO-3, Rajbhandari et al., SC'20, section 5; FSDP's
+    ``reshard_after_forward=True``), so only the shard is held between forward and backward."""
+    return grad_partial is not None and any(s.kind == "all-gather"
+                                            for s in forward_steps(src, dst, shape, itemsize, mesh_shape))
+
+
 def step_cost(step: Step, mesh: LogicalMesh) -> float:
     """Seconds of one step under the alpha-beta model (a slice or a mask is free)."""
     if not step.is_collective:
@@ -170,7 +179,8 @@ class ReshardCosts:
         ``zero``: the ``(stage, axes)`` of a ZeRO-1/2 parameter: its use must be a gradient sync
         over exactly those axes (else ``math.inf``: the ILP forbids the pair); ZeRO-2 syncs by a
         reduce-scatter instead of an all-reduce. ``reduced``: the mesh axes along which the
-        producing op all-reduced ``src`` though it could have left it partial."""
+        producing op all-reduced ``src`` though it could have left it partial. A parameter's
+        ZeRO-3 use (``regathers``) pays its forward steps twice: backward gathers it again."""
         key = (src, dst, grad_partial, tuple(shape), itemsize, parameter, zero, reduced)
         cost = self._cache.get(key)
         sync = parameter and is_gradient_sync(src, dst, grad_partial)
@@ -193,6 +203,8 @@ class ReshardCosts:
             steps = forward_steps(src, dst, shape, itemsize, self.mesh.shape)
             if grad_partial is not None:
                 steps += backward_steps(src, dst, grad_partial, shape, itemsize, self.mesh.shape)
+            if parameter and regathers(src, dst, grad_partial, shape, itemsize, self.mesh.shape):
+                steps += forward_steps(src, dst, shape, itemsize, self.mesh.shape)  # gathered again in backward
             forbidden = any(s.kind in self.forbid for s in steps)
             cost = self._cache[key] = math.inf if forbidden else sum(step_cost(s, self.mesh) for s in steps)
         return cost

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -201,6 +202,22 @@ def reduce_scatter_bucket(parts: list[torch.Tensor], axes: tuple[int, ...], mesh
     return out
 
 
+def all_gather_async(x: torch.Tensor, dim: int, axes: tuple[int, ...], mesh: MeshGroups, phase: str):
+    """Start all-gathering ``x`` along ``dim`` over the devices of ``axes`` (``async_op=True``);
+    returns a function that waits and returns the concatenation. While timing is on it is waited
+    on here, as ``all_reduce_async``."""
+    parts = [torch.empty_like(x) for _ in range(math.prod(mesh.shape[a] for a in axes))]
+    with _issued("all-gather", phase):
+        work = dist.all_gather(parts, x.contiguous(), group=mesh.group(axes), async_op=True)
+        if _timing:
+            work.wait()
+
+    def wait() -> torch.Tensor:
+        work.wait()
+        return torch.cat(parts, dim=dim)
+    return wait
+
+
 def all_gather_bucket(part: torch.Tensor, axes: tuple[int, ...], mesh: MeshGroups, phase: str = "update"
                       ) -> list[torch.Tensor]:
     """One all-gather over the devices of ``axes``: every group rank's ``part`` (equal 1-D
@@ -213,21 +230,155 @@ def all_gather_bucket(part: torch.Tensor, axes: tuple[int, ...], mesh: MeshGroup
 
 class Reshard(torch.autograd.Function):
     """Move a local shard from spec ``src`` to ``dst``; backward reduces the gradient's partial
-    sums along ``grad_partial`` and moves it back to ``src``."""
+    sums along ``grad_partial`` and moves it back to ``src``. A ZeRO-3 use's ``copy`` runs the
+    forward steps (its first may be prefetched) and is freed in backward: every reader's has run."""
 
     @staticmethod
-    def forward(ctx, x, src, dst, grad_partial, shape, mesh):
-        ctx.args = (src, dst, grad_partial, shape, mesh)
+    def forward(ctx, x, src, dst, grad_partial, shape, mesh, copy=None):
+        ctx.args = (src, dst, grad_partial, shape, mesh, copy)
+        if copy is not None:
+            return copy.run(x, "forward")
         for step in forward_steps(src, dst, shape, x.element_size(), mesh.shape):
             x = run_step(x, step, mesh, "forward")
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        src, dst, grad_partial, shape, mesh = ctx.args
+        src, dst, grad_partial, shape, mesh, copy = ctx.args
+        if copy is not None:
+            copy.full = None
         for step in backward_steps(src, dst, grad_partial or (), shape, grad.element_size(), mesh.shape):
             grad = run_step(grad, step, mesh, "backward")
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
+
+
+class _Copy:
+    """One ZeRO-3 move of a run: the shard, the move and its steps, a weak reference to the
+    forward's gathered copy, the copy gathered again in backward (``full``, None outside
+    backward), the first step's all-gather when prefetched (``pending``: wait, then the tensor),
+    and the ``GatheredParameters`` whose next backward gather this one's prefetches."""
+
+    __slots__ = ("shard", "move", "steps", "forward", "full", "pending", "owner", "regathered", "__weakref__")
+
+    def __init__(self, shard, move, owner):
+        src, dst, shape, mesh = move
+        self.shard, self.move, self.owner = shard.detach(), move, owner
+        self.steps = forward_steps(src, dst, shape, shard.element_size(), mesh.shape)
+        self.forward = self.full = self.pending = None
+        self.regathered = False  # backward's gather issued
+
+    def prefetch(self, phase: str) -> None:
+        """Issue the first step now when it is an all-gather (``async_op=True``), waited on by ``run``."""
+        if self.steps[0].kind == "all-gather":
+            self.pending = all_gather_async(self.shard, self.steps[0].dim, (self.steps[0].axis,), self.move[3], phase)
+
+    def run(self, x: torch.Tensor, phase: str) -> torch.Tensor:
+        """``x`` (the shard) moved: the prefetched first step waited on, the others run now."""
+        steps = self.steps
+        if self.pending is not None:
+            x, steps, self.pending = self.pending(), steps[1:], None
+        for step in steps:
+            x = run_step(x, step, self.move[3], phase)
+        return x
+
+    def gather(self) -> torch.Tensor:
+        """The gathered copy in backward, gathered once; then the next one is prefetched."""
+        if self.full is None:
+            self.regathered = True
+            with torch.no_grad():
+                self.full = self.run(self.shard, "backward")
+            self.owner.prefetch_backward()
+        return self.full
+
+    def prehook(self, grad_outputs):
+        self.gather()
+
+
+@dataclass(frozen=True)
+class _SavedView:
+    """What autograd saves in place of a view of a gathered copy: the copy and the view's geometry."""
+
+    copy: _Copy
+    size: tuple
+    stride: tuple
+    offset: int
+
+
+class GatheredParameters:
+    """The ZeRO-3 parameter copies gathered in one forward run, not kept for backward
+    (``resharding.regathers``; ZeRO-3, Rajbhandari et al., SC'20, section 5; FSDP's
+    ``reshard_after_forward=True``). Under ``hooks()``, a tensor autograd saves that is (a view
+    of) a live gathered copy is saved as its shard and the view's geometry instead. In backward
+    the copy is gathered again once per move (phase ``"backward"``), when the first backward node
+    of an op that read it (or a view of it) is about to run: a pre-hook on that op's result,
+    whether or not its backward reads the copy (as FSDP's pre-backward unshard), so the count is
+    the plan's; the move's own backward, which runs after every reader's, frees it.
+
+    Prefetch (ZeRO-3's, section 5; FSDP's ``forward_prefetch`` / ``backward_prefetch``): the
+    caller prefetches the next move's all-gather once a move is done in forward (``prefetch``),
+    and each gather in backward prefetches the next one backward will want, taking the readers
+    in the reverse of their forward order (each reader's copies in operand order, the order of
+    its pre-hooks); a move waits on its prefetched all-gather before its first use. Same
+    collectives, same values, one move early."""
+
+    def __init__(self):
+        self._copies: dict[int, _Copy] = {}  # storage address of a gathered copy -> its move
+        self._prefetched: dict[tuple, _Copy] = {}  # key -> a move whose first all-gather is in flight
+        self._order: list[_Copy] = []  # stack: the copies backward will gather, the next one last
+
+    def prefetch(self, key: tuple, x, src, dst, shape, mesh) -> None:
+        """Start the move ``key`` of shard ``x`` (``src`` -> ``dst``) ahead of its ``move``."""
+        copy = self._prefetched[key] = _Copy(x, (src, dst, tuple(shape), mesh), self)
+        copy.prefetch("forward")
+
+    def prefetch_backward(self) -> None:
+        """Start the backward gather of the next copy on the stack not gathered again yet."""
+        while self._order and self._order[-1].regathered:
+            self._order.pop()
+        if self._order:
+            copy = self._order.pop()
+            copy.regathered = True
+            copy.prefetch("backward")
+
+    def move(self, key: tuple, x, src, dst, grad_partial, shape, mesh) -> torch.Tensor:
+        """``reshard`` of a ZeRO-3 use ``key`` (``x``: the shard in ``src``), its copy registered."""
+        copy = self._prefetched.pop(key, None) or _Copy(x, (src, dst, tuple(shape), mesh), self)
+        full = Reshard.apply(x, src, dst, tuple(grad_partial), tuple(shape), mesh, copy)
+        if full.untyped_storage().nbytes():
+            copy.forward = weakref.ref(full)
+            self._copies[full.untyped_storage().data_ptr()] = copy
+        return full
+
+    def _copy_of(self, t) -> _Copy | None:
+        if not isinstance(t, torch.Tensor) or not self._copies:
+            return None
+        copy = self._copies.get(t.untyped_storage().data_ptr())
+        return copy if copy is not None and copy.forward() is not None else None  # not a freed copy's address
+
+    def read(self, inputs, out) -> None:
+        """An op read ``inputs`` and returned ``out`` (a tensor or a tuple): a pre-hook on each of
+        its results' backward nodes gathers the copies it read again."""
+        # in operand order (as on every rank), the order backward will gather them in
+        copies = dict.fromkeys(c for c in map(self._copy_of, inputs) if c is not None)
+        self._order.extend(reversed(copies))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if copies and isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                for copy in copies:
+                    t.grad_fn.register_prehook(copy.prehook)
+
+    def pack(self, t):
+        copy = self._copy_of(t)
+        return t if copy is None else _SavedView(copy, t.size(), t.stride(), t.storage_offset())
+
+    @staticmethod
+    def unpack(saved):
+        if isinstance(saved, _SavedView):
+            return saved.copy.gather().as_strided(saved.size, saved.stride, saved.offset)
+        return saved
+
+    def hooks(self):
+        """The saved-tensor hooks of ``pack`` / ``unpack`` (``torch.autograd.graph.saved_tensors_hooks``)."""
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
 class AllReducePartial(torch.autograd.Function):

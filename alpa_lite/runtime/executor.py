@@ -21,10 +21,16 @@ mesh axes that split the op's result. Shards of a split value draw independent n
 holding the same (replicated) values draw the same ones (Megatron-LM's model-parallel RNG tracker,
 Shoeybi et al. 2019, section 3; Korthikanti et al. 2022, section 4.2).
 
-The layers of ``plan.remat`` run under ``torch.utils.checkpoint`` (non-reentrant): their
-activations are not kept but recomputed on the local shards during backward, collectives and
-random draws included (the same seeds: the run counter has not moved; the collectives count in
+The layers of ``plan.remat`` run under ``torch.utils.checkpoint`` (non-reentrant, without early
+stop: a layer runs again whole, as the plan lists it): their activations are not kept but
+recomputed on the local shards during backward, collectives and random draws included (the same seeds: the run counter has not moved; the collectives count in
 phase ``"recompute"``, as the plan lists them); activation checkpointing, Chen et al. 2016.
+
+A ZeRO-3 use (a parameter stored split and all-gathered for an op, ``resharding.regathers``)
+outside those layers is not kept gathered for backward: forward drops the gathered copy after its
+last reader and prefetches the next use's all-gather; ``collectives.GatheredParameters`` saves
+the shard in its place and gathers it again in backward (ZeRO-3, Rajbhandari et al., SC'20,
+section 5; FSDP's ``reshard_after_forward=True``).
 
 An in-place op on a stored tensor (``embedding_renorm_`` of ``max_norm`` on a detached weight)
 that ran on a resharded copy is written back to the stored shard.
@@ -40,13 +46,15 @@ from collections import ChainMap
 
 import torch
 import torch.fx
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from ..core.aten import alias_root, bind_args, is_random, op_args, with_arg, written_args
 from ..core.capture import CapturedGraph
 from ..core.losses import MEAN, SUM, is_ratio, ratio_parts
 from ..core.plan import NodePlan, Plan
-from .collectives import AllReducePartial, AllReduceShared, MeshGroups, all_reduce_max, recomputing, reshard
+from ..core.resharding import regathers
+from .collectives import (AllReducePartial, AllReduceShared, GatheredParameters, MeshGroups, all_reduce_max,
+                          recomputing, reshard)
 
 aten = torch.ops.aten
 _SHAPE_ARG = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
@@ -124,6 +132,18 @@ class LocalExecutor:
                 shape = tuple((val[r] if isinstance(val, (tuple, list)) else val).shape)
                 ops.append((src, specs[src][r], np_.in_specs[i], np_.grad_partial[i], shape))
             self.operands[name] = ops
+        # ZeRO-3 uses outside recomputed layers (``resharding.regathers``), keyed as moved, in
+        # graph order (each prefetches the next one's gather) with their shapes; after its last
+        # reader a gathered copy is dropped, so forward holds it no longer than needed
+        parameters = set(captured.param_fqns) | set(captured.param_casts)
+        self.regathered, self.last_reads = {}, {}
+        for name in (n.name for n in captured.graph.nodes if n.name in self.operands):  # graph order
+            for src, src_spec, dst, gp, shape in self.operands[name]:
+                if name not in self.remat and src in parameters and regathers(
+                        src_spec, dst, gp, shape, captured.node(src).meta["val"].element_size(), mesh.shape):
+                    self.regathered.setdefault((src, src_spec, dst, gp), shape)
+                    self.last_reads[(src, src_spec, dst, gp)] = name
+        self.next_gather = dict(zip(self.regathered, list(self.regathered)[1:]))
         self.dispatch: dict[str, _Dispatch] = {}
         for node in captured.graph.nodes:
             if node.op != "call_function":
@@ -141,14 +161,23 @@ class LocalExecutor:
         values: dict[str, object] = {n.name: env.get(n.name) for n in self.cg.graph.nodes if n.op == "placeholder"}
         moved: dict[tuple, torch.Tensor] = {}
         self.calls += 1
+        gathered = self.gathered_parameters()
         ops = (n for n in self.cg.graph.nodes if n.op == "call_function")
-        for layer, nodes in itertools.groupby(ops, key=lambda n: self.remat.get(n.name)):
-            if layer is not None and torch.is_grad_enabled():
-                checkpoint(self._run_layer, list(nodes), values, self.calls, layer, use_reentrant=False,
-                           context_fn=lambda: (contextlib.nullcontext(), recomputing()))
-            else:
-                self._run_nodes(nodes, values, moved)
+        with gathered.hooks() if gathered is not None else contextlib.nullcontext():
+            for layer, nodes in itertools.groupby(ops, key=lambda n: self.remat.get(n.name)):
+                if layer is not None and torch.is_grad_enabled():
+                    with set_checkpoint_early_stop(False):  # the whole layer runs again, as planned
+                        checkpoint(self._run_layer, list(nodes), values, self.calls, layer, use_reentrant=False,
+                                   context_fn=lambda: (contextlib.nullcontext(), recomputing()))
+                else:
+                    self._run_nodes(nodes, values, moved, gathered)
         return values
+
+    def gathered_parameters(self) -> GatheredParameters | None:
+        """A run's record of its ZeRO-3 gathered copies (``collectives.GatheredParameters``;
+        its ``hooks()`` open around the run), or None where nothing is gathered again (no ZeRO-3
+        use, or no autograd)."""
+        return GatheredParameters() if self.regathered and torch.is_grad_enabled() else None
 
     def _run_layer(self, nodes, values: dict[str, object], calls: int, layer: int) -> None:
         """A recomputed layer: its values live in a scope of their own, and only those read after
@@ -165,13 +194,14 @@ class LocalExecutor:
         for name in self._outlive[layer]:
             values.setdefault(name, scope.maps[0][name])  # a recomputation leaves the forward's
 
-    def _run_nodes(self, nodes, values: dict[str, object], moved: dict) -> None:
+    def _run_nodes(self, nodes, values: dict[str, object], moved: dict, gathered=None) -> None:
         for node in nodes:
-            values[node.name] = self._call(node, values, moved)
+            values[node.name] = self._call(node, values, moved, gathered)
 
-    def _call(self, node: torch.fx.Node, values, moved: dict):
+    def _call(self, node: torch.fx.Node, values, moved: dict, gathered: GatheredParameters | None = None):
         """Run ``node`` on ``values``; ``moved`` holds this run's resharded operands, keyed by
-        (value, its spec, wanted spec, gradient partial axes): each is moved once per run."""
+        (value, its spec, wanted spec, gradient partial axes): each is moved once per run (a
+        ZeRO-3 use, with ``gathered``, by ``gathered.move`` and dropped after its last reader)."""
         d = self.dispatch[node.name]
         if d.getitem is not None:
             return values[d.getitem[0]][d.getitem[1]]
@@ -180,10 +210,17 @@ class LocalExecutor:
             key = (src, src_spec, dst_spec, grad_partial)
             if key not in moved:
                 try:
-                    moved[key] = reshard(values[src], src_spec, dst_spec, grad_partial, shape, self.mesh)
+                    if gathered is not None and key in self.regathered:
+                        moved[key] = gathered.move(key, values[src], src_spec, dst_spec, grad_partial, shape,
+                                                   self.mesh)
+                        self._prefetch(gathered, values, key)
+                    else:
+                        moved[key] = reshard(values[src], src_spec, dst_spec, grad_partial, shape, self.mesh)
                 except RuntimeError as e:
                     raise RuntimeError(f"node {node.name} ({node.target}), operand {src}: {e}") from e
             local[src] = moved[key]
+            if self.last_reads.get(key) == node.name:
+                del moved[key]
         lookup = (lambda n: local[n.name] if n.name in local else values[n.name]) if local else (lambda n: values[n.name])
         args = torch.fx.node.map_arg(d.args, lookup)
         kwargs = torch.fx.node.map_arg(d.kwargs, lookup) if d.kwargs else {}
@@ -196,11 +233,20 @@ class LocalExecutor:
                 out = self._local(node, d, args, kwargs)
         else:
             out = self._local(node, d, args, kwargs)
+        if gathered is not None:
+            gathered.read([lookup(n) for n in node.all_input_nodes], out)
         for name in d.written:
             self._write_back(node, name, out, values)
         if d.mutates is not None:  # the new value of a parameter (a functionalized in-place op)
             self._store(node.name, np_.out_specs[0], out, d.mutates, values)
         return out
+
+    def _prefetch(self, gathered: GatheredParameters, values, key) -> None:
+        """Start the all-gather of the ZeRO-3 use after ``key`` (``next_gather``), unless its
+        shard is not computed yet (a low-precision cast that has not run)."""
+        nxt = self.next_gather.get(key)
+        if nxt is not None and values.get(nxt[0]) is not None:
+            gathered.prefetch(nxt, values[nxt[0]], nxt[1], nxt[2], self.regathered[nxt], self.mesh)
 
     def _local(self, node, d: _Dispatch, args, kwargs):
         np_, target = d.plan, d.target

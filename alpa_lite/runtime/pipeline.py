@@ -58,7 +58,7 @@ from ..core.capture import stage_view
 from ..core.plan import PipelinePlan, Plan, PlanError
 from ..core.schedules import get_schedule
 from ..core.spec import ShardingSpec
-from .collectives import MeshGroups, local_slice, reshard, synchronize_device
+from .collectives import GatheredParameters, MeshGroups, local_slice, reshard, synchronize_device
 from .init import store_buffer_mutations
 from .trainer import Trainer
 
@@ -75,15 +75,19 @@ class _ActivationMeter:
         self.per_mb: dict[tuple[int, int], int] = {}
         self._current = None
 
-    def hooks(self, mb: tuple[int, int]):
+    def hooks(self, mb: tuple[int, int], gathered: GatheredParameters | None):
+        """Saved-tensor hooks of microbatch ``mb``'s forward, counting what is saved after
+        ``gathered`` replaced its ZeRO-3 parameter copies by their shards."""
         self._current = mb
         self.per_mb[mb] = 0
 
         def pack(t):
-            self.per_mb[self._current] += t.numel() * t.element_size()
+            t = t if gathered is None else gathered.pack(t)
+            if isinstance(t, torch.Tensor):
+                self.per_mb[self._current] += t.numel() * t.element_size()
             return t
 
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        return torch.autograd.graph.saved_tensors_hooks(pack, GatheredParameters.unpack)
 
     def forward_done(self, mb: tuple[int, int]):
         self.live += self.per_mb[mb]
@@ -307,8 +311,10 @@ class PipelineTrainer(Trainer):
             synchronize_device()
         self.busy_seconds += time.perf_counter() - t0
 
-    def _forward(self, mb: int, batch: list[torch.Tensor], received: dict[str, torch.Tensor]):
-        """Run the stage's nodes on microbatch ``mb`` of the flat ``batch`` (``input_names`` order);
+    def _forward(self, mb: int, batch: list[torch.Tensor], received: dict[str, torch.Tensor],
+                 gathered: GatheredParameters | None):
+        """Run the stage's nodes on microbatch ``mb`` of the flat ``batch`` (``input_names`` order),
+        its ZeRO-3 parameter copies recorded in ``gathered`` (``LocalExecutor.gathered_parameters``);
         returns (values sent, the microbatch's weighted loss ``w_m L_m`` on the last stage, else None)."""
         size = batch[0].shape[0] // self.num_microbatches
         values: dict[str, object] = {}
@@ -324,7 +330,7 @@ class PipelineTrainer(Trainer):
         values |= {n: t.clone() if n in self._written else t for n, t in received.items()}
         moved = {}  # operands resharded for this microbatch, once per value and wanted spec
         for name in self.sp.nodes:
-            values[name] = self.executor._call(self.cg.node(name), values, moved)
+            values[name] = self.executor._call(self.cg.node(name), values, moved, gathered)
         store_buffer_mutations(self.view, self.sp.plan, values, self.buffers, self.groups)
         sent = []
         for name in self.sp.send:
@@ -375,8 +381,9 @@ class PipelineTrainer(Trainer):
             if action.kind == "recv_act":
                 received[key] = self._recv_acts(mb)
             elif action.kind == "forward":
-                with self._compute("forward"), meter.hooks(key):
-                    saved[key] = self._forward(mb, batch, received.get(key, {}))
+                gathered = self.executor.gathered_parameters()
+                with self._compute("forward"), meter.hooks(key, gathered):
+                    saved[key] = self._forward(mb, batch, received.get(key, {}), gathered)
                 meter.forward_done(key)
             elif action.kind == "send_act":
                 self._send([t.detach() for t in saved[key][0]], self._next_peers(), self.stage + 1, mb, 0)

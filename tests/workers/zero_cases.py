@@ -1,8 +1,10 @@
 """Run on every rank by torchrun: ZeRO-1/2/3 plans (and ZeRO-2 with tensor parallelism on 2x2,
 and ZeRO-1/2 inside the stages of pipelined plans) trained against one process, SGD and AdamW;
 the bytes the trainer holds for parameters, gradients and optimizer states vs the plan's
-prediction. A case with ``"checkpoint"`` saves after the second step and takes the third with a
-new trainer of the same plan that loaded it. Rank 0 writes one record per case."""
+prediction; the shapes of the tensors autograd saves for backward in the first step (kept as
+they are, or replaced by a ZeRO-3 shard to gather again) and its prefetched all-gathers per
+phase. A case with ``"checkpoint"`` saves after the second step and takes the third with a new
+trainer of the same plan that loaded it. Rank 0 writes one record per case."""
 import argparse
 import copy
 import json
@@ -14,7 +16,8 @@ import torch.distributed as dist
 from alpa_lite import parallelize
 from alpa_lite.compiler.strategies import training_state_bytes
 from alpa_lite.core.plan import local_bytes
-from alpa_lite.runtime import collective_counts
+from alpa_lite.runtime import collective_counts, collectives
+from alpa_lite.runtime.collectives import GatheredParameters
 from alpa_lite.runtime.launch import init_distributed
 from single_process import finish, reference
 
@@ -100,6 +103,28 @@ def send_gathers(plan) -> int:
                                        if s.plan.nodes[n].strategy != "boundary")
 
 
+class SavedShapes:
+    """Wraps ``GatheredParameters.pack`` and ``collectives.all_gather_async``: the shapes of the
+    tensors saved for backward while ``on``, kept as they are or replaced by a gathered copy's
+    shard, and the prefetched all-gathers by phase."""
+
+    def __init__(self):
+        self.on, self.kept, self.replaced, self.prefetched = False, [], [], {}
+        pack, start = GatheredParameters.pack, collectives.all_gather_async
+
+        def recording(gathered, t):
+            out = pack(gathered, t)
+            if self.on:
+                (self.kept if out is t else self.replaced).append(list(t.shape))
+            return out
+
+        def starting(x, dim, axes, mesh, phase):
+            if self.on:
+                self.prefetched[phase] = self.prefetched.get(phase, 0) + 1
+            return start(x, dim, axes, mesh, phase)
+        GatheredParameters.pack, collectives.all_gather_async = recording, starting
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", required=True, help="JSON: name -> {mesh, optimizer, options}")
@@ -110,13 +135,16 @@ def main():
     model = MLP()
     batches = [(torch.randn(BATCH, HIDDEN), torch.randn(BATCH, HIDDEN)) for _ in range(STEPS)]
     results = {}
+    saved = SavedShapes()
     for name, case in json.loads(args.cases).items():
         opt = OPTIMIZERS[case["optimizer"]]
         ref_losses, _, ref_params = reference(model, batches, LR, opt)
         trainer = parallelize(copy.deepcopy(model), tuple(case["mesh"]), batches[0],
                               optimizer=lambda p, opt=opt: opt(p, lr=LR), **case["options"])
         before = collective_counts()
+        saved.on, saved.kept, saved.replaced, saved.prefetched = True, [], [], {}
         losses = [trainer.step(*batches[0])]
+        saved.on = False
         after = collective_counts()
         losses += [trainer.step(*b) for b in batches[1:-1]]
         if case.get("checkpoint"):
@@ -138,7 +166,8 @@ def main():
             "plan_counts": {f"{k}|{ph}": n for (k, ph), n in trainer.plan.collective_counts().items()},
             "zero_stages": {k: [z, list(a)] for k, (z, a) in trainer.plan.zero_stages.items()},
             "param_specs": {k: str(v) for k, v in trainer.plan.param_specs.items()},
-            "held": held, "held_max": float(measured), "predicted": predicted_bytes(trainer.plan, model)}
+            "held": held, "held_max": float(measured), "predicted": predicted_bytes(trainer.plan, model),
+            "saved_kept": saved.kept, "saved_replaced": saved.replaced, "prefetched": saved.prefetched}
     finish(results, args.out)
 
 
