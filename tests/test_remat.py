@@ -100,8 +100,12 @@ def test_remat_plans_train_as_one_process(plans, tmp_path):
     z = res["zero3-all"]["plan_counts"]
     assert z["all-gather|recompute"] == z["all-gather|forward"] > 0 and "all-gather|backward" not in z
     assert res["none"]["remat_layers"] == 0 and res["all"]["remat_layers"] > res["auto"]["remat_layers"] > 0
-    # measured: what autograd keeps from the forward shrinks with every recomputed layer
-    assert res["all"]["saved_activations"] < res["auto"]["saved_activations"] < res["none"]["saved_activations"]
+    # measured peak: training state + what autograd keeps from the forward (a checkpoint: its
+    # inputs) + the largest recomputed layer's saved activations, within 10% of the plan's
+    for name, r in res.items():
+        assert r["measured"] == pytest.approx(r["predicted"], rel=0.10), name
+    assert res["auto"]["measured"] <= plans[1] < res["none"]["measured"]
+    assert res["auto"]["saved_activations"] < res["none"]["saved_activations"]
 
 
 def test_pipelined_plan_recomputes_every_stage():

@@ -1,5 +1,6 @@
 """Gradient accumulation, global-norm gradient clipping and sharded checkpoints (DCP) on 4 gloo
-ranks, each against one process on the same batches (one torchrun launch: workers/train_features.py).
+ranks, each against one process on the same batches (one torchrun launch: workers/train_features.py;
+a second, of 2 ranks, loads the first one's checkpoint into another world size).
 
 Tolerances, fp32: losses 1e-5 relative (sharded matmuls and microbatches sum in another order,
 relative rounding ~1e-6); gradients 1e-4 of the largest; parameters after AdamW 2e-4 absolute
@@ -24,7 +25,10 @@ def results(tmp_path_factory):
     out = root / "results.json"
     code = torchrun([WORKER, "--out", str(out), "--dir", str(root / "ckpts")], nproc=4, timeout_s=600)
     assert code == 0, f"torchrun exited with {code}"
-    return json.loads(out.read_text())
+    results = json.loads(out.read_text())
+    code = torchrun([WORKER, "--out", str(out), "--dir", str(root / "ckpts"), "--resume"], nproc=2, timeout_s=600)
+    assert code == 0, f"torchrun (2 ranks, --resume) exited with {code}"
+    return results | {"resumed_on_2_ranks": json.loads(out.read_text())}
 
 
 def test_accumulation_equals_one_process_on_the_whole_batch(results):
@@ -59,6 +63,16 @@ def test_checkpoint_resumes_under_other_plans(results):
         assert r[plan]["losses"] == pytest.approx(ref[2:], rel=1e-5), plan
         assert r[plan]["param_err"] < 2e-4, plan
     assert not math.isclose(r["fresh_optimizer"][1], ref[3], rel_tol=1e-3)  # the optimizer state matters
+
+
+def test_checkpoint_loads_into_another_world_size(results):
+    """Saved on 4 ranks (2x2 Megatron, step 2), loaded by a separate launch of 2 ranks into 1x2
+    DP and 1x2 auto plans: each continues as the uninterrupted single-process run."""
+    r = results["resumed_on_2_ranks"]
+    for plan in ("dp_1x2", "auto_1x2"):
+        assert r[plan]["extra"] == {"step": 2}, plan
+        assert r[plan]["losses"] == pytest.approx(r["ref_losses"], rel=1e-5), plan
+        assert r[plan]["param_err"] < 2e-4, plan
 
 
 def test_checkpoint_errors(results):

@@ -30,7 +30,7 @@ from ..core.options import PlanOptions
 from ..core.resharding import ReshardCosts, is_gradient_sync, regathers, reshard_costs
 from ..core.spec import ShardingSpec
 from .ilp import CostGraph, RematGroup
-from .strategies import BACKWARD_FLOPS_FACTOR, NodeStrategies
+from .strategies import BACKWARD_FLOPS_FACTOR, NodeStrategies, kept_for_backward
 
 
 @dataclass
@@ -155,10 +155,11 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         group = graph.remat[layer_of[node.name]] if node.name in layer_of else None
         internal = group is not None and all(layer_of.get(u.name) == layer_of[node.name] for u in node.users)
         width = len(graph.costs[placed.var])
+        kept = kept_for_backward(node)
         for p, q in enumerate(placed.index):
             s = ns.strategies[q]
             graph.costs[placed.var][p] += s.cost
-            (group.act.setdefault(placed.var, [0.0] * width) if internal else graph.memory[placed.var])[p] += s.memory
+            (group.act.setdefault(placed.var, [0.0] * width) if internal else graph.memory[placed.var])[p] += s.memory * kept
             if group is not None:
                 group.extra.setdefault(placed.var, [0.0] * width)[p] += s.compute / (1 + BACKWARD_FLOPS_FACTOR) + s.comm
             # a ZeRO-1/2 parameter joins a bucketed all-gather (and reduce-scatter): its latency, once

@@ -61,7 +61,7 @@ from .cost_graph import build_cost_graph
 from .ilp import MemoryBudgetError, SolverError, solve
 from .intra_op import recomputable
 from .stage_dp import StageOption
-from .strategies import BACKWARD_FLOPS_FACTOR, build_strategies
+from .strategies import BACKWARD_FLOPS_FACTOR, build_strategies, kept_for_backward
 from .training_step import node_plan, training_step
 from .zero import add_zero_strategies
 
@@ -515,7 +515,8 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
     weights = sum(s.memory for n, s in chosen.items() if (n in cg.param_fqns or n in cg.buffer_fqns) and n not in fixed)
     recomputed = [g.at(g.act, sol.choice) for g in graph.remat]
     peak = max(recomputed, default=0.0)
-    acts = sum(s.memory for n, s in chosen.items() if not (n in cg.param_fqns or n in cg.buffer_fqns)) - sum(recomputed)
+    acts = sum(s.memory for n, s in chosen.items() if not (n in cg.param_fqns or n in cg.buffer_fqns)
+               and kept_for_backward(cg.node(n))) - sum(recomputed)
     # boundary values: replicated NodePlans so the collectives of the stage can be listed
     for n in list(nodes):
         for src in nodes[n].inputs:

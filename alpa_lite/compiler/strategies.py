@@ -21,7 +21,8 @@ Cost per strategy (seconds and bytes, for one training step):
   partial; its backward dual is the identity), and the all-reduces of the statistics a local
   variant shares (``ops.stat_reductions``: vocab-parallel cross-entropy, synchronized batch norm);
 - memory: the local result kept for backward (parameters count their weights, gradients and
-  Adam states, ``training_state_bytes``: 4x the local bytes when none is partitioned);
+  Adam states, ``training_state_bytes``: 4x the local bytes when none is partitioned); the cost
+  graph leaves out a result autograd does not keep (``kept_for_backward``);
 - a parameter's storage spec also carries the optimizer update of its local shard, memory-bound:
   ``ADAM_UPDATE_BYTES_FACTOR`` x local bytes / ``mem_bandwidth`` (so ZeRO's sharded update is cheaper).
 The gradient an operand receives is itself a partial sum along every mesh axis on which the
@@ -142,6 +143,24 @@ def _describe(assign: dict[str, tuple[int, ...]]) -> str:
     if not assign:
         return "R"
     return ",".join(f"{lab}:S{''.join(map(str, ax))}" for lab, ax in sorted(assign.items()))
+
+
+_VIEW_RESULTS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int}
+_SAVES_NO_OPERAND = {aten.add.Tensor, aten.sub.Tensor, aten.neg.default}  # backward needs no operand values
+
+
+def kept_for_backward(node: torch.fx.Node) -> bool:
+    """Whether autograd keeps ``node``'s result until backward, so that it counts in a
+    strategy's ``memory``: not when it is a view of its operand (``split``, ``chunk``: its
+    operand's bytes), nor when every reader, through views (``FOLLOWER_TARGETS``), only adds or
+    subtracts it (a residual branch's projection: its gradient needs no values). Placeholders
+    and graph outputs are kept."""
+    if node.op == "placeholder":
+        return True
+    if node.target in _VIEW_RESULTS:
+        return False
+    return any(u.op == "output" or u.target not in _SAVES_NO_OPERAND
+               and (u.target not in FOLLOWER_TARGETS or kept_for_backward(u)) for u in node.users)
 
 
 def kernel_class(node: torch.fx.Node) -> str | None:

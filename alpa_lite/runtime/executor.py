@@ -42,7 +42,6 @@ import itertools
 import math
 import operator
 import zlib
-from collections import ChainMap
 
 import torch
 import torch.fx
@@ -121,6 +120,8 @@ class LocalExecutor:
         kept = {plan.loss_reduction.denominator}
         self._outlive = [{n for n in layer if n in kept or any(self.remat.get(u.name) != i for u in captured.node(n).users)}
                          for i, layer in enumerate(plan.remat)]
+        self._reads = [sorted({i.name for n in layer for i in captured.node(n).all_input_nodes} - set(layer))
+                       for layer in plan.remat]
         self.specs = specs = {name: np_.out_specs for name, np_ in plan.nodes.items()}
         # per node, per operand: (producer, producer's spec, wanted spec, gradient partial axes, global shape)
         self.denominators: dict[str, torch.Tensor] = {}
@@ -166,9 +167,11 @@ class LocalExecutor:
         with gathered.hooks() if gathered is not None else contextlib.nullcontext():
             for layer, nodes in itertools.groupby(ops, key=lambda n: self.remat.get(n.name)):
                 if layer is not None and torch.is_grad_enabled():
+                    reads = self._reads[layer]
                     with set_checkpoint_early_stop(False):  # the whole layer runs again, as planned
-                        checkpoint(self._run_layer, list(nodes), values, self.calls, layer, use_reentrant=False,
-                                   context_fn=lambda: (contextlib.nullcontext(), recomputing()))
+                        values.update(checkpoint(self._run_layer, list(nodes), reads, self.calls, layer,
+                                                 *(values[n] for n in reads), use_reentrant=False,
+                                                 context_fn=lambda: (contextlib.nullcontext(), recomputing())))
                 else:
                     self._run_nodes(nodes, values, moved, gathered)
         return values
@@ -179,20 +182,20 @@ class LocalExecutor:
         use, or no autograd)."""
         return GatheredParameters() if self.regathered and torch.is_grad_enabled() else None
 
-    def _run_layer(self, nodes, values: dict[str, object], calls: int, layer: int) -> None:
-        """A recomputed layer: its values live in a scope of their own, and only those read after
-        the layer are kept in ``values`` (the others are freed: that is the memory remat saves);
-        it moves its operands itself, again when it is recomputed (the recomputation must run the
-        same ops), and seeds its random ops with the run count of its forward (``calls``: a
-        recomputation after later runs draws the same dropout masks)."""
+    def _run_layer(self, nodes, reads: list[str], calls: int, layer: int, *inputs) -> dict[str, object]:
+        """A recomputed layer run on ``inputs``, the values of ``reads`` (what it reads from
+        outside: all the checkpoint holds until its backward); returns the values read after the
+        layer (the others are freed: that is the memory remat saves). It moves its operands itself,
+        again when it is recomputed (the recomputation must run the same ops), and seeds its random
+        ops with the run count of its forward (``calls``: a recomputation after later runs draws the
+        same dropout masks)."""
         current, self.calls = self.calls, calls
-        scope = ChainMap({}, values)
+        scope = dict(zip(reads, inputs))
         try:
             self._run_nodes(nodes, scope, {})
         finally:
             self.calls = current
-        for name in self._outlive[layer]:
-            values.setdefault(name, scope.maps[0][name])  # a recomputation leaves the forward's
+        return {name: scope[name] for name in self._outlive[layer]}
 
     def _run_nodes(self, nodes, values: dict[str, object], moved: dict, gathered=None) -> None:
         for node in nodes:

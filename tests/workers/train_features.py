@@ -35,6 +35,8 @@ PLANS = {  # name -> (mesh, options)
     "zero1": ((2, 2), {"force_data_parallel": True, "zero_stage": 1}),
     "pipeline": ((1, 4), {"num_stages": 2, "num_microbatches": 2, "num_layers": 2}),
     "auto": ((2, 2), {}),
+    "dp_1x2": ((1, 2), {"force_data_parallel": True}),  # --resume: 2 ranks
+    "auto_1x2": ((1, 2), {}),
 }
 
 
@@ -152,6 +154,19 @@ def checkpoints(model, batches, root: Path) -> dict:
     return out
 
 
+def resumed_on_fewer_ranks(model, batches, root: Path) -> dict:
+    """Load the checkpoint the 4-rank launch saved on 2x2 Megatron after 2 steps into plans of
+    this launch's 2 ranks (another world size); continue as the uninterrupted run."""
+    ref_losses, _, ref_params = reference(model, batches, LR)
+    out = {"ref_losses": ref_losses[2:]}
+    for plan in ("dp_1x2", "auto_1x2"):
+        trainer, _ = train(model, plan, batches, 0, seed=5)
+        extra = trainer.load(root / "ckpt")
+        out[plan] = {"losses": [trainer.step(*b) for b in batches[2:]], "extra": extra,
+                     "param_err": err(trainer.state_dict(), ref_params)}
+    return out
+
+
 def checkpoint_errors(batches, source, path: Path, root: Path) -> dict:
     errors = {}
 
@@ -196,10 +211,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--dir", required=True)
+    ap.add_argument("--resume", action="store_true", help="2 ranks: load the 4-rank launch's checkpoint")
     args = ap.parse_args()
     init_distributed(60)
     model, _ = build_model("gpt-tiny", BATCH, SEQ, device="cpu")
     batches = make_batches()
+    if args.resume:
+        return finish(resumed_on_fewer_ranks(model, batches, Path(args.dir)), args.out)
     results = {"accumulation_and_clipping": accumulation_and_clipping(model, batches),
                "checkpoints": checkpoints(model, batches, Path(args.dir))}
     finish(results, args.out)
