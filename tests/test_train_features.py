@@ -58,11 +58,17 @@ def test_checkpoint_resumes_under_other_plans(results):
     r = results["checkpoints"]
     ref = r["source"]["ref_losses"]
     assert r["source"]["losses"] == pytest.approx(ref, rel=1e-5)
+    # The parameters after two more AdamW steps: a resume that lost the optimizer state ends
+    # O(lr) = 1e-2 away (``fresh_optimizer``); a correct one only as far as rounding takes it, which
+    # AdamW enlarges where a gradient is near 0 (targets masked with ignore_index): plans that sum
+    # the microbatches in another order ended up to 2.1e-4 apart.
+    fresh = r["fresh_optimizer"]
+    assert not math.isclose(fresh["losses"][1], ref[3], rel_tol=1e-3)  # the optimizer state matters
+    assert fresh["param_err"] > 5e-3
     for plan in ("dp_1x4", "pipeline", "auto", "zero2"):  # zero2: loaded, one step, saved, loaded into DP
         assert r[plan]["extra"] == {"step": 2}, plan
         assert r[plan]["losses"] == pytest.approx(ref[2:], rel=1e-5), plan
-        assert r[plan]["param_err"] < 2e-4, plan
-    assert not math.isclose(r["fresh_optimizer"][1], ref[3], rel_tol=1e-3)  # the optimizer state matters
+        assert r[plan]["param_err"] < min(5e-4, fresh["param_err"] / 10), plan
 
 
 def test_checkpoint_loads_into_another_world_size(results):

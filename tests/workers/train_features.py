@@ -149,7 +149,8 @@ def checkpoints(model, batches, root: Path) -> dict:
     # one process resumed with the parameters but a fresh AdamW: what a lost optimizer state changes
     m = copy.deepcopy(model)
     m.load_state_dict(reference(model, batches[:2], LR)[2], strict=False)
-    out["fresh_optimizer"] = reference(m, batches[2:], LR)[0]
+    fresh_losses, _, fresh_params = reference(m, batches[2:], LR)
+    out["fresh_optimizer"] = {"losses": fresh_losses, "param_err": err(fresh_params, ref_params)}
     out["errors"] = checkpoint_errors(batches, source, path, root)
     return out
 
