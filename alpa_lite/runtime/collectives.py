@@ -74,6 +74,11 @@ def functional_collectives():
         _functional = before
 
 
+def functional() -> bool:
+    """Whether collectives are issued as functional collectives now (inside ``functional_collectives``)."""
+    return _functional
+
+
 @contextmanager
 def _issued(kind: str, phase: str):
     """Count one collective of ``kind`` in ``phase``; time it into ``SECONDS`` while timing is on."""

@@ -53,7 +53,7 @@ from ..core.losses import MEAN, SUM, is_ratio, ratio_parts
 from ..core.plan import NodePlan, Plan
 from ..core.resharding import regathers
 from .collectives import (AllReducePartial, AllReduceShared, GatheredParameters, MeshGroups, all_reduce_max,
-                          recomputing, reshard)
+                          functional, recomputing, reshard)
 
 aten = torch.ops.aten
 _SHAPE_ARG = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
@@ -179,8 +179,9 @@ class LocalExecutor:
     def gathered_parameters(self) -> GatheredParameters | None:
         """A run's record of its ZeRO-3 gathered copies (``collectives.GatheredParameters``;
         its ``hooks()`` open around the run), or None where nothing is gathered again (no ZeRO-3
-        use, or no autograd)."""
-        return GatheredParameters() if self.regathered and torch.is_grad_enabled() else None
+        use, or no autograd), or where the run is traced (``functional()``: a compiled program keeps
+        its copies for backward; ``program.py``)."""
+        return GatheredParameters() if self.regathered and torch.is_grad_enabled() and not functional() else None
 
     def _run_layer(self, nodes, reads: list[str], calls: int, layer: int, *inputs) -> dict[str, object]:
         """A recomputed layer run on ``inputs``, the values of ``reads`` (what it reads from

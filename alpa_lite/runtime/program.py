@@ -14,6 +14,10 @@ weight, the trainable parameters' gradients, the new values of the mutated buffe
 loss denominators. The deferred data-parallel gradient buckets, ZeRO's collectives and the
 optimizer stay outside it, in the trainer (the buckets all start after the step's backward).
 
+A ZeRO-3 parameter's gathered copy is kept for backward in the program (the interpreter gathers
+it again, ``collectives.GatheredParameters``, whose saved-tensor hooks key on storage addresses
+that traced tensors do not have): the program's backward lacks those re-gathers of the plan.
+
 Not lowered (``ValueError`` when the program is built): random ops that draw (the interpreter
 seeds each with its per-shard seed between ops; a dropout of probability 0 is lowered),
 activation checkpointing (``Plan.remat``) and in-place writes to stored tensors. Pipelined plans
@@ -114,7 +118,8 @@ class RankProgram:
 
     def collectives(self) -> Counter:
         """Collectives in the graph by kind (``"all-reduce"`` ...): the plan's forward and
-        backward ones (``Plan.collectives`` of those phases, gradient buckets excluded)."""
+        backward ones (``Plan.collectives`` of those phases, gradient buckets excluded), less the
+        backward re-gathers of ZeRO-3 copies (module docstring)."""
         kinds = Counter()
         for node in self.graph_module.graph.nodes:
             name = getattr(node.target, "_opname", None) if node.op == "call_function" else None

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from alpa_lite import parallelize
+from alpa_lite.core.resharding import forward_steps
 from alpa_lite.runtime import collective_counts
 from alpa_lite.runtime.launch import init_distributed
 from alpa_lite.zoo.models import build_model
@@ -55,6 +56,10 @@ def main():
                 buckets[f"{c.kind}|{c.phase}"] += STEPS
             elif c.phase in ("forward", "backward"):
                 plan_counts[c.kind] += 1
+        ex = compiled.program.executor
+        for (_, src, dst, _), shape in ex.regathered.items():  # ZeRO-3 copies the program keeps for backward
+            for step in forward_steps(src, dst, shape, 4, ex.mesh.shape):
+                plan_counts[step.kind] -= step.is_collective
         traced = [None] * dist.get_world_size()
         dist.all_gather_object(traced, isinstance(compiled.program.graph_module, torch.fx.GraphModule))
         results[name] = {"losses": losses, "plain_losses": plain_losses,
