@@ -25,3 +25,20 @@ def test_pipeline_search_is_never_worse_than_no_pipeline_gpt3_2_6b():
     assert piped.step_seconds <= spmd.step_seconds * (1 + 1e-9)
     # the answer is the plan without pipelining: one stage, one microbatch, on every device
     assert (len(piped.stages), piped.num_microbatches, piped.stages[0].submesh) == (1, 1, (2, 4))
+
+
+def test_bounded_search_is_the_unbounded_plan(monkeypatch):
+    """The search drops the (range, submesh) pairs whose FLOPs alone take ``B t`` above the step
+    time of a plan it already has (``inter_op._within``): it solves fewer stage ILPs and returns
+    the plan of the search that prices them all."""
+    from alpa_lite.compiler import inter_op
+
+    model, example = build_model("gpt3-125m", 8, device="meta")
+    mesh = LogicalMesh((2, 2), cluster="a100")
+    pipe = PipelineOptions(num_layers=4, microbatch_candidates=(1, 2, 4), workers=1)
+    bounded = plan(model, example, mesh, pipeline=pipe)
+    within = inter_op._within
+    monkeypatch.setattr(inter_op, "_within", lambda costs, b, bound: within(costs, b, float("inf")))
+    full = plan(model, example, mesh, pipeline=pipe)
+    assert bounded.stats["ilp_solves"] < full.stats["ilp_solves"]
+    assert bounded.to_json() == full.to_json()

@@ -284,3 +284,16 @@ def test_layers_that_differ_only_in_a_keyword_argument_do_not_share_an_ilp_answe
     sig = {name: _node_signature(n, cg) for name, n in calls.items()}
     assert sig["kw-scale"] != sig["default"] == sig["pos-default"]
     assert sig["kw-causal"] == sig["pos-causal"] != sig["default"]
+
+
+def test_lower_bound_is_below_every_option():
+    """``GraphStageCosts.lower_bound`` (FLOPs over every device at the fastest rate, plus the
+    input transfer) never exceeds an option's time: the pipeline search drops (range, submesh)
+    pairs by it without pricing them."""
+    keys = [(k, i, q) for k in range(4) for i in range(k + 1, 5) for q in submesh_shapes((2, 2))]
+    costs = _tiny_stage_costs()
+    costs.prefetch(keys, workers=1)
+    priced = [(costs.lower_bound(*key), min(o.seconds for o in costs(*key))) for key in keys if costs(*key)]
+    assert len(priced) > len(keys) // 2
+    assert all(0 < bound <= seconds for bound, seconds in priced)
+    assert max(bound / seconds for bound, seconds in priced) > 0.1  # a bound that can prune

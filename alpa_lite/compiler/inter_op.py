@@ -15,6 +15,7 @@ on the cluster and re-solves each chosen stage into its own ``Plan``.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -30,7 +31,8 @@ from .constraints import check_names
 from .ilp import solver_limits
 from .loss_reduction import loss_reduction
 from .stage_costs import GraphStageCosts, solve_stage
-from .stage_dp import CostFn, PipelinePlanError, StageChoice, bubble_fraction, check_stage_count, stage_dp, submesh_shapes
+from .stage_dp import (CostFn, PipelinePlanError, StageChoice, bubble_fraction, check_stage_count, in_flight, stage_dp,
+                       submesh_shapes)
 from .training_step import param_specs_of, training_step
 from .zero import zero_stages
 
@@ -127,15 +129,22 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
                                 max_in_flight=b if widest in ("gpipe", "interleaved") else min(b, len(layers), devices),
                                 options=options, num_microbatches=b, schedule=widest,
                                 mode=pipeline.stage_solve, cache=cache)
-        pruned = _balanced(costs, layers, devices, pipeline.imbalance)
         shapes = submesh_shapes(mesh.shape, pipeline.power_of_two)
-        say(f"stage costs (B={b}, {len(layers)} layers, {len(shapes)} submesh shapes, {workers} workers)")
-        costs.prefetch([(k, i, q) for k in range(len(layers)) for i in range(k + 1, len(layers) + 1) for q in shapes
-                        if pruned.kept(k, i, q)], workers, say)
+        bound = math.inf
+        if "interleaved" not in schedules:  # the DP's objective is then the step time, >= B t of every stage
+            bound = best[0].objective if best else math.inf
+            if pipeline.num_stages in (None, 1) and mesh.shape in shapes:
+                bound = min(bound, _one_stage_seconds(costs(0, len(layers), mesh.shape), b, budget, schedules))
+        within = _within(costs, b, bound)
+        pruned = _balanced(within, costs, layers, devices, pipeline.imbalance)
+        cells = [(k, i, q) for k in range(len(layers)) for i in range(k + 1, len(layers) + 1) for q in shapes]
+        say(f"stage costs (B={b}, {len(layers)} layers, {len(shapes)} submesh shapes, {workers} workers, "
+            f"{sum(not within.kept(*c) for c in cells)} of {len(cells)} (range, submesh) pairs bounded out)")
+        costs.prefetch([c for c in cells if pruned.kept(*c)], workers, say)
         say(f"stage DP (B={b})")
         res = None
         for schedule in schedules:
-            for cost in (pruned, costs):  # the FLOPs-balance pruning may leave no way to make num_stages
+            for cost in (pruned, within):  # the FLOPs-balance pruning may leave no way to make num_stages
                 try:
                     found = stage_dp(len(layers), mesh.shape, cost, budget, b, num_stages=pipeline.num_stages,
                                      schedule=schedule, submeshes=shapes, chunks=pipeline.chunks)
@@ -198,15 +207,39 @@ def _shared_in_group(cg, costs: GraphStageCosts, stages, chunks: int) -> str | N
     return None
 
 
-def _balanced(costs: GraphStageCosts, layers, devices: int, imbalance: float) -> CostFn:
-    """``costs`` without the (range, submesh) pairs whose device share is off its FLOPs share by
-    more than ``imbalance`` (a single stage on every device is always kept)."""
+def _one_stage_seconds(options, b: int, budget: float, schedules) -> float:
+    """The step seconds of the best one-stage pipeline among ``options`` (the whole model on the
+    whole mesh) that fits ``budget`` under every schedule of ``schedules``, ``B t + o``; inf if none."""
+    fit = [o for o in options if all(o.fits(in_flight(1, 1, b, s), budget) for s in schedules)]
+    return min((b * o.seconds + o.once_seconds for o in fit), default=math.inf)
+
+
+def _within(costs: GraphStageCosts, b: int, bound: float) -> CostFn:
+    """``costs`` without the (range, submesh) pairs whose options all take longer than ``bound / B``
+    (``GraphStageCosts.lower_bound``): a pipeline holding such a stage takes ``B t_max > bound``
+    seconds a step (Alpa's ``t_max`` pruning, section 5.1, applied before the stage ILPs). With
+    ``bound`` the step time of a plan the search already has, the DP's optimum, when below it, is
+    unchanged (the pairs are never priced), and a ``B`` whose optimum is not is not chosen."""
+
+    def kept(k, i, shape):
+        return b * costs.lower_bound(k, i, shape) <= bound * (1 + 1e-9)  # margin: float rounding
+
+    def cost(k, i, shape):
+        return costs(k, i, shape) if kept(k, i, shape) else []
+
+    cost.kept = kept
+    return cost
+
+
+def _balanced(within: CostFn, costs: GraphStageCosts, layers, devices: int, imbalance: float) -> CostFn:
+    """``within`` (``_within``) without the (range, submesh) pairs whose device share is off its
+    FLOPs share by more than ``imbalance`` (a single stage on every device is always kept)."""
     total = sum(layer.flops for layer in layers) or 1.0
 
     def kept(k, i, shape):
         share = max(sum(layer.flops for layer in layers[k:i]) / total, 1e-12)
         ratio = shape[0] * shape[1] / devices / share
-        return (k, i) == (0, len(layers)) or 1 / imbalance <= ratio <= imbalance
+        return within.kept(k, i, shape) and ((k, i) == (0, len(layers)) or 1 / imbalance <= ratio <= imbalance)
 
     def cost(k, i, shape):
         return costs(k, i, shape) if kept(k, i, shape) else []

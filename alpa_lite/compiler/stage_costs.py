@@ -161,6 +161,19 @@ class GraphStageCosts:
             return []
         return [layer.nodes for layer in self.layers[start:end] if recomputable(self.cg, layer.nodes)]
 
+    def lower_bound(self, start: int, end: int, submesh: tuple[int, int]) -> float:
+        """A lower bound on the ``seconds`` of every option of layers ``[start, end)`` on ``submesh``
+        (no ILP): their forward + backward FLOPs (``(1 + BACKWARD_FLOPS_FACTOR)`` x the layers'
+        ``flops``, as ``strategies`` prices compute) spread over all the submesh's devices at the
+        fastest kernel rate, plus the input transfer every option pays. A strategy computes its
+        op's FLOPs over at most all devices and every other term of a stage's time is
+        non-negative, so no option is faster."""
+        meshes = [self.cluster.logical_mesh(s) for s in self.shapes(submesh)]
+        rate = max(max([m.peak_flops, *dict(m.kernel_flops).values()]) for m in meshes)
+        devices = max(m.num_devices for m in meshes)
+        fl = sum(layer.flops for layer in self.layers[start:end])
+        return (1 + BACKWARD_FLOPS_FACTOR) * fl / (devices * rate) + self.transfer_seconds(start, submesh)
+
     def sends(self, start: int, end: int) -> list[str]:
         """Values produced by layers ``[start, end)`` that later stages consume."""
         return [n for n, j in self.crossing[end] if j >= start]
