@@ -54,9 +54,9 @@ def recomputed_bytes(trainer, batch) -> int:
     current, producer, per_layer = [None], {}, {}
     call = ex._call
 
-    def traced(node, values, moved):
+    def traced(node, values, moved, *rest):
         current[0] = layer_of.get(node.name)
-        out = call(node, values, moved)
+        out = call(node, values, moved, *rest)
         for t in (out if isinstance(out, (tuple, list)) else [out]):
             if isinstance(t, torch.Tensor):
                 producer.setdefault(t.untyped_storage().data_ptr(), current[0])
