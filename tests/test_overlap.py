@@ -27,7 +27,7 @@ def megatron(layers, axis="S1"):
 PLANS = {
     "dp": {"force_data_parallel": True, "bucket_bytes": SMALL},
     "megatron": {"batch_axis": 0, "param_specs": megatron(2), "bucket_bytes": SMALL},
-    "2d": {"param_specs": megatron(2, "S01"), "bucket_bytes": SMALL},
+    "2d": {"batch_axis": 0, "param_specs": megatron(2, "S01"), "bucket_bytes": SMALL},  # batch split: buckets
     "zero3": {"force_data_parallel": True, "bucket_bytes": SMALL,
               "param_specs": {k: "S01R" for k, v in megatron(2).items() if v == "S1R"}},
     "pipeline": {"num_stages": 2, "num_microbatches": 2, "num_layers": 2, "force_data_parallel": True,

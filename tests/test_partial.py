@@ -67,7 +67,8 @@ def test_megatron_sequence_parallelism_emerges():
     """2 layers, hidden 4096, seq 2048, batch 1 on 1 x 4 A100s: Megatron weights with
     reduce-scatters after the row-parallel linears (attention and MLP output projections),
     LayerNorms on sequence shards, all-gathers before the column-parallel linears, and no
-    forward all-reduce of an activation (Korthikanti et al., MLSys'23, section 4.2.2)."""
+    forward all-reduce of an activation (Korthikanti et al., MLSys'23, section 4.2.2). The
+    vocabulary projection may be row-parallel too, reduce-scattering its logits."""
     cfg = GPTConfig(vocab_size=1024, seq_len=2048, hidden=4096, num_layers=2, num_heads=32)
     with torch.device("meta"):
         model = GPT(cfg)
@@ -78,8 +79,15 @@ def test_megatron_sequence_parallelism_emerges():
     scatters = [c for c in forward if c.kind == "reduce-scatter"]
     rows = [n for n, np_ in p.nodes.items() if p.captured.node(n).target is aten.linear.default
             and str(np_.out_specs[0]) == "RRRP1"]
-    assert len(rows) == 2 * 2 and sorted(c.tensor for c in scatters) == sorted(rows)
-    assert all(c.mesh_axes == (1,) and c.nbytes == activation for c in scatters)
+    weight = {n: p.captured.param_fqns.get(p.captured.node(n).args[1].name, "") for n in rows}
+    block_rows = sorted(n for n in rows if weight[n].startswith("blocks."))
+    assert [weight[n].split(".", 2)[2] for n in block_rows] == ["attn.proj.weight", "ffn.proj.weight"] * 2
+    full = [c for c in scatters if c.nbytes == activation]
+    assert sorted(c.tensor for c in full) == block_rows and all(c.mesh_axes == (1,) for c in full)
+    # besides, at most the vocabulary projection is row-parallel: its logits (a quarter of an
+    # activation here) reduce-scattered, cheaper than gathering its weight in forward and backward
+    assert all(c.nbytes <= activation / 4 for c in scatters if c not in full)
+    assert set(rows) - set(block_rows) <= {n for n, f in weight.items() if f == "lm_head.weight"}
     assert not [c for c in forward if c.kind == "all-reduce" and c.nbytes >= activation / 4]
     norms = [np_ for n, np_ in p.nodes.items() if p.captured.node(n).target is aten.layer_norm.default]
     assert len(norms) == 5 and all(str(np_.out_specs[0]) == "RS1R" for np_ in norms)

@@ -229,14 +229,12 @@ def highs_available() -> bool:
     """
     if not pulp.HiGHS().available():
         return False
-    import highspy
-
     sys.stdout.flush()
     saved = os.dup(1)
     try:
         with open(os.devnull, "w") as null:
             os.dup2(null.fileno(), 1)
-            highspy.Highs()
+            pulp.apis.highs_api.highspy.Highs()  # the module PuLP's HiGHS interface imported
             ctypes.CDLL(None).fflush(None)  # C's stdout buffer, written while descriptor 1 is null
     finally:
         os.dup2(saved, 1)

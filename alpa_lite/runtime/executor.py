@@ -73,7 +73,7 @@ def local_arguments(target, args: tuple, kwargs: dict, in_specs, mesh_shape) -> 
     return args, kwargs
 
 
-class _Dispatch:
+class Dispatch:
     """What running one node takes, worked out once: the op, its arguments with local shapes
     written in (graph ``Node`` operands), the operands to reshard, and which variant runs."""
 
@@ -145,14 +145,14 @@ class LocalExecutor:
                     self.regathered.setdefault((src, src_spec, dst, gp), shape)
                     self.last_reads[(src, src_spec, dst, gp)] = name
         self.next_gather = dict(zip(self.regathered, list(self.regathered)[1:]))
-        self.dispatch: dict[str, _Dispatch] = {}
+        self.dispatch: dict[str, Dispatch] = {}
         for node in captured.graph.nodes:
             if node.op != "call_function":
                 continue
             np_ = plan.nodes.get(node.name)
             local_shape = (list(specs[node.name][0].local_shape(tuple(node.meta["val"].shape), mesh.shape))
                            if np_ is not None and node.target in _SHAPE_ARG else None)
-            self.dispatch[node.name] = _Dispatch(node, np_, self.operands.get(node.name, []), local_shape, device,
+            self.dispatch[node.name] = Dispatch(node, np_, self.operands.get(node.name, []), local_shape, device,
                                                  captured.param_mutations.get(node.name))
         gen = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" else torch.default_generator
         self._generator = gen  # the one random ops on this device draw from (seeded per op, below)
@@ -252,7 +252,7 @@ class LocalExecutor:
         if nxt is not None and values.get(nxt[0]) is not None:
             gathered.prefetch(nxt, values[nxt[0]], nxt[1], nxt[2], self.regathered[nxt], self.mesh)
 
-    def _local(self, node, d: _Dispatch, args, kwargs):
+    def _local(self, node, d: Dispatch, args, kwargs):
         np_, target = d.plan, d.target
         args, kwargs = local_arguments(target, args, kwargs, np_.in_specs, self.mesh.shape)
         if target is aten._native_batch_norm_legit_functional.default and np_.in_specs[0].dims[0]:

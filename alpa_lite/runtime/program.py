@@ -33,13 +33,13 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..core.aten import bind_args
 from .collectives import functional_collectives
-from .executor import LocalExecutor, _Dispatch
+from .executor import LocalExecutor, Dispatch
 
 _KINDS = {"all_reduce": "all-reduce", "all_gather_into_tensor": "all-gather",
           "reduce_scatter_tensor": "reduce-scatter", "all_to_all_single": "all-to-all"}
 
 
-def _draws(d: _Dispatch) -> bool:
+def _draws(d: Dispatch) -> bool:
     """Whether a random op's values depend on its draws: not a dropout of probability 0 (an
     attention without dropout, a ``Dropout(0)``)."""
     args = bind_args(d.target, d.args, d.kwargs)
