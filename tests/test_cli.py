@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from alpa_lite import Plan
+from alpa_lite.cli import main
 
 
 def alpa_lite(*args, timeout=600):
@@ -26,24 +27,35 @@ def test_plan_prints_tables_and_writes_json(tmp_path):
     assert plan.param_specs["blocks.0.ffn.fc.weight"] == plan.param_specs["blocks.5.ffn.fc.weight"]
 
 
-def test_plan_bad_input_is_one_clear_line():
-    r = alpa_lite("plan", "gpt3-350m", "--mesh", "2by4")
+def in_process(capsys, *args):
+    """``alpa-lite ARGS`` run by ``cli.main`` in this process (no interpreter start per call):
+    (exit code, stdout, stderr)."""
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
+def test_plan_bad_input_is_one_clear_line(capsys):
+    r = in_process(capsys, "plan", "gpt3-350m", "--mesh", "2by4")
     assert r.returncode == 2 and "mesh shape must look like '2x4'" in r.stderr
-    r = alpa_lite("plan", "no-such-model")
+    r = in_process(capsys, "plan", "no-such-model")
     assert r.returncode == 2 and "unknown model" in r.stderr.lower()
-    r = alpa_lite("plan", "mlp", "--memory-budget", "0.0000001")
+    r = in_process(capsys, "plan", "mlp", "--memory-budget", "0.0000001")
     assert r.returncode == 2 and "least any plan needs" in r.stderr
-    r = alpa_lite("plan", "mlp", "--memory-budget", "-1")
+    r = in_process(capsys, "plan", "mlp", "--memory-budget", "-1")
     assert r.returncode == 2 and "must be a positive number of GiB" in r.stderr
-    r = alpa_lite("plan", "mlp", "--cluster", "missing.json")
+    r = in_process(capsys, "plan", "mlp", "--cluster", "missing.json")
     assert r.returncode == 2 and "cluster file missing.json does not exist" in r.stderr
-    r = alpa_lite("train", "--mesh", "2x2x1")
+    r = in_process(capsys, "train", "--mesh", "2x2x1")
     assert r.returncode == 2 and "mesh shape must look like" in r.stderr
-    r = alpa_lite("train", "--plan", "/nonexistent/plan.json")
+    r = in_process(capsys, "train", "--plan", "/nonexistent/plan.json")
     assert r.returncode == 2 and "cannot read plan file" in r.stderr
-    r = alpa_lite("plan", "mlp", "--explain", "linear_9")
+    r = in_process(capsys, "plan", "mlp", "--explain", "linear_9")
     assert r.returncode == 2 and "close: linear" in r.stderr and "step time" not in r.stdout
-    r = alpa_lite("plan", "mlp", "--json", "/nonexistent/dir/plan.json")  # refused before planning
+    r = in_process(capsys, "plan", "mlp", "--json", "/nonexistent/dir/plan.json")  # refused before planning
     assert r.returncode == 2 and "/nonexistent/dir does not exist" in r.stderr and "step time" not in r.stdout
 
 
