@@ -10,6 +10,7 @@ import pytest
 
 import alpa_lite
 from alpa_lite.compiler.ilp import MemoryBudgetError, RematGroup, brute_force, solve
+from alpa_lite.compiler.stage_dp import PipelinePlanError
 from alpa_lite.core.mesh import LogicalMesh
 from alpa_lite.runtime.launch import torchrun
 from alpa_lite.zoo.models import build_model
@@ -55,6 +56,9 @@ def test_remat_ilp_matches_brute_force(seed, forced):
 
 MODEL = build_model("gpt-tiny", 16, 64, device="cpu")  # the graph the ranks capture
 MESH = LogicalMesh((2, 2), cluster="cpu-gloo")
+# 2 stages x 2 devices, 1F1B, B = 2, under 0.85 x the 2.90 MB the first stage of the plan without
+# remat needs (also trained on 4 ranks: tests/test_pipeline_sync.py, "remat/2x2/auto")
+PIPELINE_AUTO = {"num_stages": 2, "num_microbatches": 2, "schedule": "1f1b", "memory_budget": 2.45e6}
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +128,19 @@ def test_pipelined_plan_recomputes_every_stage():
     assert first.in_flight == 2 and first.memory_bytes < kept.stages[0].memory_bytes
     assert any(phase == "recompute" for _, phase in remat.collective_counts())
     assert alpa_lite.core.plan.load_plan(remat.to_json()).stages[0].remat_bytes == first.remat_bytes
+
+
+def test_pipelined_auto_recomputes_some_layers_within_the_budget():
+    """``remat="auto"`` on 2 stages x 2 devices (1F1B, B = 2): a budget no plan without remat
+    fits is met by recomputing some of the layers (the first stage, two microbatches in
+    flight), each stage's predicted memory within it."""
+    with pytest.raises(PipelinePlanError, match="no pipeline fits"):
+        alpa_lite.plan(*MODEL, MESH, **PIPELINE_AUTO)
+    plan = alpa_lite.plan(*MODEL, MESH, remat="auto", **PIPELINE_AUTO)
+    recomputed = [len(s.plan.remat) for s in plan.stages]
+    assert 0 < sum(recomputed) < sum(s.layers[1] - s.layers[0] for s in plan.stages)
+    assert plan.stages[0].in_flight == 2 and recomputed[0] > 0
+    for s in plan.stages:
+        assert s.memory_bytes == pytest.approx(s.weight_bytes + s.in_flight * s.act_bytes + s.remat_bytes)
+        assert s.memory_bytes <= PIPELINE_AUTO["memory_budget"]
+        assert (s.remat_bytes > 0) == bool(s.plan.remat)
