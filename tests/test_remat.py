@@ -19,14 +19,15 @@ from test_ilp import random_graph
 WORKER = str(Path(__file__).parent / "workers" / "remat.py")
 
 
-def with_remat(seed: int, forced: bool):
+def with_remat(seed: int, forced: bool, keep_scale: float = 1.0):
     """A random cost graph with two layers of activations that may be recomputed, each reading
-    two values whose forward moves it runs again (``RematGroup.edges``)."""
+    two values whose forward moves it runs again (``RematGroup.edges``); kept, their activations
+    count ``keep_scale`` times (microbatches in flight)."""
     g = random_graph(300 + seed)
     rng = random.Random(seed)
     n = len(g.costs)
     for vars_ in (range(0, n // 2), range(n // 2, n)):
-        grp = RematGroup(forced=forced)
+        grp = RematGroup(forced=forced, keep_scale=keep_scale)
         for v in vars_:
             grp.act[v] = [rng.uniform(0, 6) for _ in g.costs[v]]
             grp.extra[v] = [rng.uniform(0, 3) for _ in g.costs[v]]
@@ -38,9 +39,9 @@ def with_remat(seed: int, forced: bool):
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("forced", [False, True])
-def test_remat_ilp_matches_brute_force(seed, forced):
-    g = with_remat(seed, forced)
+@pytest.mark.parametrize("forced, keep_scale", [(False, 1.0), (True, 1.0), (False, 3.0)])
+def test_remat_ilp_matches_brute_force(seed, forced, keep_scale):
+    g = with_remat(seed, forced, keep_scale)
     remats = [(True, True)] if forced else list(itertools.product((False, True), repeat=2))
     mems = [g.memory_of(c, r) for c in itertools.product(*(range(len(c)) for c in g.costs)) for r in remats]
     for budget in (float("inf"), min(mems) + 0.3 * (max(mems) - min(mems))):
