@@ -5,7 +5,8 @@ as the stage's specs say, once per step after the last microbatch, and a weight 
 (tied embeddings) gets the sum of both stages' gradients. The matrix: {2 stages x 2 devices,
 1 stage x 4 devices} x {GPipe, 1F1B} x {B = 1, 2, 4} x {data parallel, Megatron, ZeRO-3 (S01R),
 auto}, then tied embeddings across 2 stages x 2 devices and inside one stage of 4, every layer
-recomputed (``remat="all"``) on 2 stages x 2 devices, and a stage without parameters, and
+recomputed (``remat="all"``) on 2 stages x 2 devices, and some (``remat="auto"`` under a memory
+budget, 1F1B), and a stage without parameters, and
 ZB-H1 (split backward) on 4 stages x 1 device (B = 2 < S and B = 4)
 and 2 stages x 2 devices (Megatron inside, and the tied embedding), and interleaved 1F1B with
 2 chunks per device group (``interleaved_cases``). Every plan is trained with SGD (exact zeros stay zero, errors stay linear)
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from alpa_lite.runtime.launch import torchrun
+from test_remat import PIPELINE_AUTO
 
 WORKER = str(Path(__file__).parent / "workers" / "pipeline_sync.py")
 SCHEDULES = ["gpipe", "1f1b"]
@@ -44,6 +46,8 @@ def cases() -> dict:
     out["tied/2x2/dp"] = gpt | {"plan": {"num_stages": 2, "num_microbatches": 2, "force_data_parallel": True}}
     out["tied/1x4/dp"] = gpt | {"plan": {"num_stages": 1, "num_microbatches": 2, "force_data_parallel": True}}
     out["remat/2x2/all"] = gpt | {"plan": {"num_stages": 2, "num_microbatches": 2, "remat": "all"}}
+    out["remat/2x2/auto"] = {"model": "gpt-tiny", "batch": 16, "seq": 64, "schedules": ["1f1b"],
+                             "plan": PIPELINE_AUTO | {"remat": "auto"}}
     out["parameter-free/2x2"] = {"model": "parameter-free-tail", "batch": 8, "schedules": SCHEDULES, "plan": {
         "num_stages": 2, "num_layers": 2, "num_microbatches": 2, "force_data_parallel": True}}
     zb = {"schedules": ["zb-h1"]}
@@ -132,6 +136,12 @@ def test_stages_recompute_their_layers(results):
     for schedule in SCHEDULES:  # every layer of both stages under torch.utils.checkpoint
         assert all(s["remat_layers"] > 0 for s in results[f"remat/2x2/all/{schedule}"]["stages"])
         assert all(s["remat_layers"] == 0 for s in results[f"tied/2x2/dp/{schedule}"]["stages"])
+
+
+def test_stages_recompute_the_layers_chosen(results):
+    # remat="auto": the first stage recomputes some of its layers under the budget, not all
+    stages = results["remat/2x2/auto/1f1b"]["stages"]
+    assert stages[0]["remat_layers"] > 0 and sum(s["remat_layers"] for s in stages) < 9
 
 
 def test_zb_h1_layouts(results):

@@ -10,6 +10,7 @@ import pytest
 
 import alpa_lite
 from alpa_lite.compiler.ilp import MemoryBudgetError, RematGroup, brute_force, solve
+from alpa_lite.compiler.stage_dp import PipelinePlanError
 from alpa_lite.core.mesh import LogicalMesh
 from alpa_lite.runtime.launch import torchrun
 from alpa_lite.zoo.models import build_model
@@ -18,14 +19,15 @@ from test_ilp import random_graph
 WORKER = str(Path(__file__).parent / "workers" / "remat.py")
 
 
-def with_remat(seed: int, forced: bool):
+def with_remat(seed: int, forced: bool, keep_scale: float = 1.0):
     """A random cost graph with two layers of activations that may be recomputed, each reading
-    two values whose forward moves it runs again (``RematGroup.edges``)."""
+    two values whose forward moves it runs again (``RematGroup.edges``); kept, their activations
+    count ``keep_scale`` times (microbatches in flight)."""
     g = random_graph(300 + seed)
     rng = random.Random(seed)
     n = len(g.costs)
     for vars_ in (range(0, n // 2), range(n // 2, n)):
-        grp = RematGroup(forced=forced)
+        grp = RematGroup(forced=forced, keep_scale=keep_scale)
         for v in vars_:
             grp.act[v] = [rng.uniform(0, 6) for _ in g.costs[v]]
             grp.extra[v] = [rng.uniform(0, 3) for _ in g.costs[v]]
@@ -37,9 +39,9 @@ def with_remat(seed: int, forced: bool):
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("forced", [False, True])
-def test_remat_ilp_matches_brute_force(seed, forced):
-    g = with_remat(seed, forced)
+@pytest.mark.parametrize("forced, keep_scale", [(False, 1.0), (True, 1.0), (False, 3.0)])
+def test_remat_ilp_matches_brute_force(seed, forced, keep_scale):
+    g = with_remat(seed, forced, keep_scale)
     remats = [(True, True)] if forced else list(itertools.product((False, True), repeat=2))
     mems = [g.memory_of(c, r) for c in itertools.product(*(range(len(c)) for c in g.costs)) for r in remats]
     for budget in (float("inf"), min(mems) + 0.3 * (max(mems) - min(mems))):
@@ -55,6 +57,9 @@ def test_remat_ilp_matches_brute_force(seed, forced):
 
 MODEL = build_model("gpt-tiny", 16, 64, device="cpu")  # the graph the ranks capture
 MESH = LogicalMesh((2, 2), cluster="cpu-gloo")
+# 2 stages x 2 devices, 1F1B, B = 2, under 0.85 x the 2.90 MB the first stage of the plan without
+# remat needs (also trained on 4 ranks: tests/test_pipeline_sync.py, "remat/2x2/auto")
+PIPELINE_AUTO = {"num_stages": 2, "num_microbatches": 2, "schedule": "1f1b", "memory_budget": 2.45e6}
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +132,19 @@ def test_pipelined_plan_recomputes_every_stage():
     assert first.in_flight == 2 and first.memory_bytes < kept.stages[0].memory_bytes
     assert any(phase == "recompute" for _, phase in remat.collective_counts())
     assert alpa_lite.core.plan.load_plan(remat.to_json()).stages[0].remat_bytes == first.remat_bytes
+
+
+def test_pipelined_auto_recomputes_some_layers_within_the_budget():
+    """``remat="auto"`` on 2 stages x 2 devices (1F1B, B = 2): a budget no plan without remat
+    fits is met by recomputing some of the layers (the first stage, two microbatches in
+    flight), each stage's predicted memory within it."""
+    with pytest.raises(PipelinePlanError, match="no pipeline fits"):
+        alpa_lite.plan(*MODEL, MESH, **PIPELINE_AUTO)
+    plan = alpa_lite.plan(*MODEL, MESH, remat="auto", **PIPELINE_AUTO)
+    recomputed = [len(s.plan.remat) for s in plan.stages]
+    assert 0 < sum(recomputed) < sum(s.layers[1] - s.layers[0] for s in plan.stages)
+    assert plan.stages[0].in_flight == 2 and recomputed[0] > 0
+    for s in plan.stages:
+        assert s.memory_bytes == pytest.approx(s.weight_bytes + s.in_flight * s.act_bytes + s.remat_bytes)
+        assert s.memory_bytes <= PIPELINE_AUTO["memory_budget"]
+        assert (s.remat_bytes > 0) == bool(s.plan.remat)

@@ -158,7 +158,7 @@ def test_stage_count_reachable_only_without_the_balance_pruning():
     assert len(p.stages) == 4 and sorted(r for s in p.stages for r in s.ranks) == [0, 1, 2, 3]
 
 
-def _tiny_stage_costs(cluster_shape=(2, 2), batch=8, seq=16):
+def _tiny_stage_costs(cluster_shape=(2, 2), batch=8, seq=16, options=None):
     from alpa_lite.core.capture import capture
     from alpa_lite.compiler.clustering import cluster_layers
     from alpa_lite.compiler.stage_costs import GraphStageCosts
@@ -167,7 +167,7 @@ def _tiny_stage_costs(cluster_shape=(2, 2), batch=8, seq=16):
     cg = capture(model, example)
     mesh = LogicalMesh(cluster_shape, cluster="a100")
     return GraphStageCosts(cg, cluster_layers(cg, 4), mesh.as_cluster(), mesh.memory_bytes, max_in_flight=4,
-                           num_microbatches=4)
+                           num_microbatches=4, options=options)
 
 
 def test_ilp_answer_reused_only_when_provably_the_same():
@@ -194,6 +194,28 @@ def test_ilp_answer_reused_only_when_provably_the_same():
     assert costs._solve("j", 2, 20.0, solver("E", (0.0, 0.0))) is None  # tighter than an infeasible one
     assert costs._solve("j", 1, 40.0, solver("F", (0.0, 0.0))) == "F"  # looser than it: solved
     assert calls == ["A", "C", "D", None, "F"]
+
+
+def test_kept_layer_answer_not_reused_where_it_does_not_fit():
+    """``remat="auto"``: a layer kept under a loose budget has its activations in the answer's
+    ``a`` (counted per microbatch in flight), so a budget they do not fit at 2 in flight is solved
+    again (the layer recomputed: its activations once, in ``w``); the loose one is then reused."""
+    from alpa_lite.core.options import PlanOptions
+
+    costs = _tiny_stage_costs(options=PlanOptions(remat="auto"))
+    names = costs.subset(1, 2)
+    assert costs.remat(1, 2) == [costs.layers[1].nodes]
+    kept = costs._layer_part(1, names, (2, 2), 2, costs.memory_bytes, {})
+    (w, a), = [e[3] for e in costs._cache.values() for e in e]
+    assert not kept[6] and kept[5] == 0 and a == kept[3] > 0
+    tight = w + 1.5 * a
+    again = costs._layer_part(1, names, (2, 2), 2, tight, {})
+    assert costs.stats["ilp_solves"] == 2 and costs.stats["cache_hits"] == 0
+    w2, a2 = next(iter(costs._cache.values()))[-1][3]
+    assert again[6] and again[5] > 0 and a2 == again[3] < a and w2 == again[2] + again[5]
+    assert w2 + 2 * a2 <= tight
+    assert costs._layer_part(1, names, (2, 2), 2, costs.memory_bytes, {}) == kept
+    assert costs.stats["cache_hits"] == 1
 
 
 def test_stage_costs_from_worker_processes_equal_serial():

@@ -51,7 +51,9 @@ only the largest recomputed layer is live at once (during its backward), at ``E_
     minimize    ... + sum_l w_l,           w_l >= E_l(s) - V_l (1 - r_l), w_l >= 0
 
 with ``U_l`` / ``V_l`` the largest ``A_l`` / ``E_l`` over strategies (big-M linearization of
-``r_l A_l(s)`` and ``r_l E_l(s)``).
+``r_l A_l(s)`` and ``r_l E_l(s)``). In a pipeline stage a kept layer's activations are held by
+each of the ``c`` microbatches in flight (``RematGroup.keep_scale``): ``k_l >= c (A_l(s) - U_l
+r_l)``, while ``z`` (one layer recomputed at a time) counts once.
 """
 from __future__ import annotations
 
@@ -90,12 +92,15 @@ class RematGroup:
         edges: ``(u, v) -> matrix``: seconds of the forward moves the recomputation runs again,
             ``matrix[p][q]`` when u picks p and v picks q (``CostGraph.edges``).
         forced: recomputed whatever it costs (``remat="all"``); else the ILP chooses.
+        keep_scale: how many times kept activations count (microbatches in flight of a pipeline
+            stage, ``stage_costs.solve_stage``'s ``act_scale``); recomputed ones count once.
     """
 
     act: dict[int, list[float]] = field(default_factory=dict)
     extra: dict[int, list[float]] = field(default_factory=dict)
     edges: dict[tuple[int, int], list[list[float]]] = field(default_factory=dict)
     forced: bool = False
+    keep_scale: float = 1.0
 
     def at(self, terms: dict[int, list[float]], choice) -> float:
         return sum(vec[choice[v]] for v, vec in terms.items())
@@ -187,7 +192,8 @@ class CostGraph:
         """Bytes per device: kept activations, plus the largest recomputed layer's."""
         flags = list(remat) + [False] * (len(self.remat) - len(remat))
         acts = [(g.at(g.act, choice), r) for g, r in zip(self.remat, flags)]
-        return (sum(m[p] for m, p in zip(self.memory, choice)) + sum(a for a, r in acts if not r)
+        return (sum(m[p] for m, p in zip(self.memory, choice))
+                + sum(g.keep_scale * a for g, (a, r) in zip(self.remat, acts) if not r)
                 + max((a for a, r in acts if r), default=0.0))
 
     def min_memory(self) -> float:
@@ -419,7 +425,8 @@ def _remat_terms(prob, graph: CostGraph, s, add, unit: float):
             continue
         k = pulp.LpVariable(f"remat_keep_{i}", lowBound=0)
         terms.append((k, 1.0))
-        at_least(k, a + [(r, -big_a)], f"remat_keep_{i}")
+        c = g.keep_scale
+        at_least(k, [(x, c * y) for x, y in a] + [(r, -c * big_a)], f"remat_keep_{i}")
         at_least(z, a + [(r, big_a), (None, -big_a)], f"remat_peak_{i}")
         at_least(w, e + [(r, big_e), (None, -big_e)], f"remat_cost_{i}")
     return rs, terms

@@ -255,10 +255,10 @@ def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budg
     shape, scale = st.option.payload[:2]
     mesh = costs.cluster.logical_mesh(shape)
     view = stage_view(cg, names)
+    remat = [layers[st.start + i].nodes for i in st.option.remat]  # the option's choice, forced
     if len(st.option.payload) == 2:  # one ILP for the stage (exact mode, or the chain's fallback)
         sol = solve_stage(cg, names, mesh, budget, scale, costs.table(shape, st.start, st.end), options,
-                          sync_weight=costs.sync_weight, sends=costs.sends(st.start, st.end),
-                          remat=costs.remat(st.start, st.end))
+                          sync_weight=costs.sync_weight, sends=costs.sends(st.start, st.end), remat=remat)
         nodes, compute = sol.nodes, sol.compute_seconds
         limits = solver_limits(f"layers {st.start}-{st.end - 1}", sol.gap)
     else:  # the chain of per-layer solutions the DP priced, on this stage's own layers
@@ -270,14 +270,15 @@ def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budg
         for j in range(st.start, st.end):
             part = costs.subset(j, j + 1)
             sol = solve_stage(cg, part, mesh, st.option.payload[2], scale, costs.table(shape, j, j + 1), options,
-                              fixed=dict(fixed), sync_weight=costs.sync_weight, remat=costs.remat(j, j + 1))
+                              fixed=dict(fixed), sync_weight=costs.sync_weight,
+                              remat=[layers[j].nodes] if j - st.start in st.option.remat else [])
             compute += sol.compute_seconds
             limits += solver_limits(f"layer {j}", sol.gap)
             for n, np_ in sol.nodes.items():
                 (boundary if np_.strategy == "boundary" else real)[n] = np_
             fixed.update({n: real[n].out_specs for n in part if n in real})
         nodes = {n: np_ for n, np_ in boundary.items() if n not in real} | real
-    remat = [list(layer) for layer in costs.remat(st.start, st.end)]
+    remat = [list(layer) for layer in remat]
     nodes, grad_sync, collectives = training_step(view, nodes, mesh, options.bucket_bytes,
                                                   options.gradient_reduce_dtype, remat)  # the whole stage's syncs
     plan = Plan(mesh=mesh, param_specs=param_specs_of(view, nodes),

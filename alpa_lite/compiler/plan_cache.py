@@ -33,7 +33,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
-VERSION = 2  # 2: stage ILPs offer ZeRO-1/2 (their answers of version 1 are of other ILPs)
+VERSION = 3  # 2: stage ILPs offer ZeRO-1/2 (their answers of version 1 are of other ILPs); 3: answers name the
+# layers recomputed (remat="auto" in stages)
 
 
 class CacheFile:

@@ -43,7 +43,7 @@ import multiprocessing
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx
@@ -155,9 +155,10 @@ class GraphStageCosts:
         return 2 * (link.alpha + nbytes * link.beta)
 
     def remat(self, start: int, end: int) -> list[tuple[str, ...]]:
-        """The layers of ``[start, end)`` a stage recomputes: every recomputable one
-        (``intra_op.recomputable``) under ``remat="all"``, none otherwise."""
-        if self.options.remat != "all":
+        """The layers of ``[start, end)`` a stage may recompute: every recomputable one
+        (``intra_op.recomputable``) under ``remat="all"`` (all recomputed) or ``"auto"`` (the
+        stage ILP chooses each), none otherwise."""
+        if not self.options.remat:
             return []
         return [layer.nodes for layer in self.layers[start:end] if recomputable(self.cg, layer.nodes)]
 
@@ -315,11 +316,11 @@ class GraphStageCosts:
                      for n in self.sends(start, end))
         return StageOption(sum(p[0] for p in parts) + gather, sum(p[2] for p in parts), sum(p[3] for p in parts),
                            sum(p[1] for p in parts), payload=(shape, scale, budget),
-                           remat_bytes=max(p[5] for p in parts))
+                           remat_bytes=max(p[5] for p in parts), remat=tuple(i for i, p in enumerate(parts) if p[6]))
 
     def _layer_part(self, layer, names, shape, scale, budget, fixed) -> tuple | None:
-        """``(seconds, once, weight, act, out specs by position, recompute peak)`` of one layer given
-        ``fixed``."""
+        """``(seconds, once, weight, act, out specs by position, recompute peak, recomputed)`` of one
+        layer given ``fixed``."""
         ext = [a.name for n in names for a in self.cg.node(n).all_input_nodes if a.name not in names]
         given = {n: fixed[n] for n in dict.fromkeys(ext + names) if n in fixed}
         key = (self._signature(names), tuple(given.get(n) for n in dict.fromkeys(ext + names)), shape)
@@ -327,9 +328,11 @@ class GraphStageCosts:
         def part():
             sol = solve_stage(self.cg, names, self.cluster.logical_mesh(shape), budget, scale,
                               self.table(shape, layer, layer + 1), self.options, fixed=given,
-                              sync_weight=self.sync_weight, remat=self.remat(layer, layer + 1))
+                              sync_weight=self.sync_weight, remat=self.remat(layer, layer + 1),
+                              remat_forced=self.options.remat == "all")
             return (sol.seconds, sol.once_seconds, sol.weight_bytes, sol.act_bytes,
-                    [sol.nodes[n].out_specs if n in sol.nodes else None for n in names], sol.remat_peak), sol.ilp_memory
+                    [sol.nodes[n].out_specs if n in sol.nodes else None for n in names], sol.remat_peak,
+                    bool(sol.remat)), sol.ilp_memory
 
         return self._solve(key, scale, budget, part)
 
@@ -339,9 +342,11 @@ class GraphStageCosts:
         def option():
             mesh = self.cluster.logical_mesh(shape)
             sol = solve_stage(self.cg, names, mesh, self.memory_bytes, scale, self.table(shape, start, end),
-                              self.options, sync_weight=self.sync_weight, sends=sends, remat=self.remat(start, end))
+                              self.options, sync_weight=self.sync_weight, sends=sends, remat=self.remat(start, end),
+                              remat_forced=self.options.remat == "all")
+            again = tuple(j - start for j in range(start, end) if self.layers[j].nodes in sol.remat)
             return StageOption(sol.seconds, sol.weight_bytes, sol.act_bytes, sol.once_seconds,
-                               payload=(shape, scale), remat_bytes=sol.remat_peak), sol.ilp_memory
+                               payload=(shape, scale), remat_bytes=sol.remat_peak, remat=again), sol.ilp_memory
 
         return self._solve((sig, tuple(names.index(n) for n in sends), shape), scale, self.memory_bytes, option)
 
@@ -438,8 +443,8 @@ class StageSolution:
     ``w + act_scale a <= memory_bytes`` (``w`` includes weights an earlier layer placed, which
     ``weight_bytes`` leaves out, and ``remat_peak``). ``act_bytes``: kept per microbatch (of
     recomputed layers, only the values they do not read alone); ``remat_peak``: the largest
-    recomputed layer's activations, live once (one layer is recomputed at a time). ``gap``:
-    ``ilp.Solution.gap`` (None: proven optimal)."""
+    recomputed layer's activations, live once (one layer is recomputed at a time); ``remat``: the
+    layers recomputed (node names). ``gap``: ``ilp.Solution.gap`` (None: proven optimal)."""
 
     seconds: float
     once_seconds: float
@@ -450,12 +455,14 @@ class StageSolution:
     ilp_memory: tuple[float, float]
     gap: float | None = None
     remat_peak: float = 0.0
+    remat: list[tuple[str, ...]] = field(default_factory=list)
 
 
 def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int = 1, table=None,
                 options: PlanOptions | None = None,
                 fixed: dict[str, tuple[ShardingSpec, ...]] | None = None, sync_weight: float = 1.0,
-                sends: Sequence[str] = (), remat: Sequence[tuple[str, ...]] = ()) -> StageSolution:
+                sends: Sequence[str] = (), remat: Sequence[tuple[str, ...]] = (),
+                remat_forced: bool = True) -> StageSolution:
     """Solve the intra-op ILP (section 4) of the subgraph ``names`` on ``mesh``.
 
     The memory constraint counts activations ``act_scale`` times (microbatches in flight).
@@ -471,9 +478,11 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
     them out and ``once_seconds`` holds the bucketed all-reduces (reduce-scatters) and
     all-gathers. ``sends``: values later stages consume; the
     all-gather that sends them on replicated (``send_gather_seconds``) is in the objective.
-    ``remat``: layers the stage recomputes (every one: ``PlanOptions.remat="all"``); their
-    activations count once, not per microbatch (one layer is recomputed at a time), and their
-    recomputed forward is in the objective (``ilp.RematGroup``).
+    ``remat``: layers the stage may recompute (``ilp.RematGroup``), all of them with
+    ``remat_forced`` (``PlanOptions.remat="all"``, or the layers a plan chose), else the ILP
+    chooses each (``"auto"``): a recomputed layer's activations count once, not per microbatch
+    (one layer is recomputed at a time), and its recomputed forward is in the objective; a kept
+    one's count ``act_scale`` times. ``StageSolution.remat``: the layers recomputed.
 
     Raises:
         _Infeasible: nothing fits ``memory_bytes``, or a forced spec leaves no strategy.
@@ -491,7 +500,7 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
     except ValueError as e:
         raise _Infeasible(str(e)) from None
     graph, where = build_cost_graph(cg, table, mesh, share_layers=options.share_layers, nodes=subset,
-                                    remat=list(remat), remat_forced=True, options=options)
+                                    remat=list(remat), remat_forced=remat_forced, options=options)
     reshard = reshard_costs(mesh, options)
     casts = cg.param_casts
     for n in names:  # operands produced in a known spec by an earlier layer: charge their resharding
@@ -518,6 +527,8 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
     unscaled = graph.memory
     if act_scale != 1:
         graph.memory = [m if v in weight_vars else [x * act_scale for x in m] for v, m in enumerate(graph.memory)]
+        for g in graph.remat:
+            g.keep_scale = act_scale
     try:
         sol = solve(graph, memory_bytes, time_limit=options.time_limit, solver=options.solver,
                     switches=tuple(options.restrictions()))
@@ -526,7 +537,9 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
     chosen = {n: table[n].strategies[w.index[sol.choice[w.var]]] for n, w in where.items()}
     nodes = {n: node_plan(s, table[n]) for n, s in chosen.items()}
     weights = sum(s.memory for n, s in chosen.items() if (n in cg.param_fqns or n in cg.buffer_fqns) and n not in fixed)
-    recomputed = [g.at(g.act, sol.choice) for g in graph.remat]
+    recomputed = [g.at(g.act, sol.choice) for g, r in zip(graph.remat, sol.remat) if r]
+    kept_groups = sum(g.at(g.act, sol.choice) for g, r in zip(graph.remat, sol.remat) if not r)
+    remat = [layer for layer, r in zip(remat, sol.remat) if r]
     peak = max(recomputed, default=0.0)
     acts = sum(s.memory for n, s in chosen.items() if not (n in cg.param_fqns or n in cg.buffer_fqns)
                and kept_for_backward(cg.node(n))) - sum(recomputed)
@@ -560,10 +573,11 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
     again = {n for layer in remat for n in layer}
     compute = sum(s.compute * (1 + (n in again) / (1 + BACKWARD_FLOPS_FACTOR)) for n, s in chosen.items())
     seconds = sol.objective + (1 - sync_weight) * sync_all - sync_deferred - updates
-    terms = [peak, 0.0]  # the ILP's memory: sum over weight variables, sum over the others (unscaled)
+    terms = [peak, kept_groups]  # the ILP's memory: weight variables, the others (unscaled)
     for v, m in enumerate(unscaled):
         terms[v not in weight_vars] += m[sol.choice[v]]
-    return StageSolution(max(seconds, 0.0), once, weights, acts, nodes, compute, tuple(terms), sol.gap, peak)
+    return StageSolution(max(seconds, 0.0), once, weights, acts, nodes, compute, tuple(terms), sol.gap, peak,
+                         [tuple(layer) for layer in remat])
 
 
 def _discount_gradient_sync(cg, table, where, graph, names, reshard, weight: float) -> None:

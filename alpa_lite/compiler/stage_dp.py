@@ -52,6 +52,8 @@ class StageOption:
         payload: what the cost model needs to rebuild this option (not compared).
         remat_bytes: activations of the largest recomputed layer, live once whatever the number
             of microbatches in flight (``PlanOptions.remat``: one layer is recomputed at a time).
+        remat: the layers recomputed, as offsets from the range's first layer (``remat="all"``:
+            every recomputable one; ``"auto"``: the stage ILP's choice under the memory budget).
     """
 
     seconds: float
@@ -60,6 +62,7 @@ class StageOption:
     once_seconds: float = 0.0
     payload: object = field(default=None, compare=False)
     remat_bytes: float = 0.0
+    remat: tuple[int, ...] = ()
 
     def fits(self, in_flight: int, memory_bytes: float) -> bool:
         return self.weight_bytes + in_flight * self.act_bytes + self.remat_bytes <= memory_bytes
