@@ -89,7 +89,8 @@ def test_megatron_sequence_parallelism_emerges():
     # activation here) reduced, cheaper than gathering its weight in forward and backward
     assert all(c.nbytes <= activation / 4 for c in scatters if c not in full)
     assert set(rows) - set(block_rows) <= {n for n, f in weight.items() if f == "lm_head.weight"}
-    head = set(rows) - set(block_rows)  # the vocabulary projection's logits: reduce-scattered or all-reduced
+    head = {n for n in p.nodes if p.captured.node(n).target is aten.linear.default  # the vocabulary projection:
+            and p.captured.param_fqns.get(p.captured.node(n).args[1].name) == "lm_head.weight"}  # its logits reduced
     assert not [c for c in forward if c.kind == "all-reduce" and c.nbytes >= activation / 4 and c.tensor not in head]
     norms = [np_ for n, np_ in p.nodes.items() if p.captured.node(n).target is aten.layer_norm.default]
     assert len(norms) == 5 and all(str(np_.out_specs[0]) == "RS1R" for np_ in norms)

@@ -216,11 +216,23 @@ def all_gather_async(x: torch.Tensor, dim: int, axes: tuple[int, ...], mesh: Mes
         work = dist.all_gather(parts, x.contiguous(), group=mesh.group(axes), async_op=True)
         if _timing:
             work.wait()
+    _in_flight.append(work)
 
     def wait() -> torch.Tensor:
         work.wait()
         return torch.cat(parts, dim=dim)
     return wait
+
+
+_in_flight: list = []  # the async all-gathers issued since the last ``wait_all_gathers``
+
+
+def wait_all_gathers() -> None:
+    """Wait on every async all-gather issued since the last call, at the end of a step: one whose
+    use never came (a prefetched copy whose readers run no backward) is done before the step
+    returns, not still in flight when the process exits (gloo aborts the process then)."""
+    while _in_flight:
+        _in_flight.pop().wait()
 
 
 def all_gather_bucket(part: torch.Tensor, axes: tuple[int, ...], mesh: MeshGroups, phase: str = "update"

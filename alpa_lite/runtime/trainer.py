@@ -28,7 +28,7 @@ from ..core.options import compute_dtype_of, reduce_dtype_of
 from ..core.plan import Plan, PlanError, gradient_buckets
 from ..core.spec import ShardingSpec
 from . import checkpoint
-from .collectives import COUNTS, MeshGroups, gather_full, local_slice
+from .collectives import COUNTS, MeshGroups, gather_full, local_slice, wait_all_gathers
 from .executor import LocalExecutor
 from .grad_sync import BucketSync
 from .init import local_constants, local_shards, store_buffer_mutations
@@ -144,6 +144,7 @@ class Trainer:
             for p in self.params.values():
                 p.grad = None
             loss = self._train_step(flat)
+            wait_all_gathers()
             finite = True
             if self.scaler is not None:  # fp16: every rank skips the step on an inf / nan anywhere
                 finite = self.scaler.unscale([h.grad for _, h, _ in self._gradient_holders() if h.grad is not None])
