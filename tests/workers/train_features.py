@@ -131,8 +131,8 @@ def accumulation_and_clipping(model, batches) -> dict:
         losses = [loss, trainer.step(*batches[1])]
         out[f"{plan}_k{k}"] = {"losses": losses, "ref_losses": ref_losses, "grad_err": err(grads, ref_grads) / scale,
                                "grad_rel": max(float((grads[n] - g).norm() / g.norm()) for n, g in ref_grads.items()),
-                               "runtime_counts": ran, **plan_counts, "valid_microbatches": sum(  # those it back-propagates
-                                   bool((t != -100).any()) for t in batches[0][1].chunk(k)),
+                               "runtime_counts": ran, **plan_counts,  # microbatches back-propagated:
+                               "valid_microbatches": sum(bool((t != -100).any()) for t in batches[0][1].chunk(k)),
                                "param_err": err(trainer.state_dict(), ref_params), "norm": norm, "inf": inf,
                                "same": same_on_every_rank(norm),
                                "micro_rows": int(trainer.cg.node(trainer.cg.input_names[0]).meta["val"].shape[0])}
@@ -197,7 +197,7 @@ def checkpoints(model, batches, root: Path) -> dict:
         warnings.simplefilter("always")
         again.load(root / "ckpt_step0")
     out["step0"] = {"warnings": [str(w.message) for w in caught], "state": len(again.optimizer.state),
-                    "param_err": err(again.state_dict(), {k: v.detach() for k, v in model.named_parameters(remove_duplicate=False)})}
+                    "param_err": err(again.state_dict(), model.state_dict())}
     again.load(root / "ckpt_zero2")
     out["zero2"] = {"losses": losses + [again.step(*batches[3])], "extra": {"step": 2},
                     "param_err": err(again.state_dict(), ref_params)}
@@ -208,7 +208,8 @@ def checkpoints(model, batches, root: Path) -> dict:
     out["fresh_optimizer"] = {"losses": fresh_losses, "param_err": err(fresh_params, ref_params)}
     # a model-only checkpoint (another program's dcp.save of the step-2 parameters): loaded with a
     # warning, fresh AdamW states: the run continues as the one-process fresh-optimizer resume
-    dcp.save({f"model.{k}": v for k, v in m.state_dict().items()}, storage_writer=dcp.FileSystemWriter(root / "c_model"))
+    dcp.save({f"model.{k}": v for k, v in m.state_dict().items()},
+             storage_writer=dcp.FileSystemWriter(root / "c_model"))
     trainer, _ = train(model, "megatron", batches, 0, seed=5)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
