@@ -17,6 +17,13 @@ failed save leaves what was there.
 shape, sharding, world size, or a pipelined plan); DCP reads the overlapping chunks of the saved
 ones. A weight several pipeline stages hold is saved by the first and read by all. Optimizer
 hyperparameters (learning rate ...) come from the new trainer's optimizer, not the checkpoint.
+Every checkpoint ``save`` writes holds the scalar ``optim.complete`` (``COMPLETE``): its optimizer
+states are all the saving optimizer had, so a parameter without any (saved before its first
+update, or by a stateless optimizer such as plain SGD) starts with a fresh state, silently. A
+checkpoint without it (a model-only one, written by another program with ``dcp.save`` of
+``model.<fqn>`` tensors) loads too: the parameters it has no optimizer state for start with a
+fresh one (as on a first step), and ``load`` warns, naming the first one's missing
+``optim.state.<fqn>.*`` key.
 
 ``save_full(trainer, path)``: the full state dict (``Trainer.state_dict``) on rank 0, as
 safetensors for a ``.safetensors`` path, else ``torch.save``; also written to a temporary name
@@ -28,6 +35,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -35,6 +43,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 EXTRA = "extra.json"
+COMPLETE = "optim.complete"
 
 
 class CheckpointError(RuntimeError):
@@ -53,7 +62,7 @@ def _dtensor(trainer, fqn: str, local: torch.Tensor):
 
 def _sharded_state(trainer) -> dict[str, object]:
     """The flat DCP state dict of this rank (module docstring)."""
-    state: dict[str, object] = {}
+    state: dict[str, object] = {COMPLETE: torch.ones((), dtype=torch.int8)}
     for fqn, x in {**trainer.params, **trainer.buffers}.items():
         if trainer.owns(fqn):
             state[f"model.{fqn}"] = _dtensor(trainer, fqn, x.detach())
@@ -154,6 +163,11 @@ def load(trainer, path: str | Path) -> dict:
     Returns:
         the ``extra`` dict given to ``save``.
 
+    Warns:
+        UserWarning: the checkpoint was not written by ``save`` and holds no optimizer state for
+            some of this rank's parameters (the message names the first missing key): they are
+            loaded, and their optimizer state is fresh (module docstring).
+
     Raises:
         CheckpointError: no checkpoint at ``path``; a file the metadata names is missing or too
             short; ``.metadata`` is corrupt; a parameter of the model is not in the checkpoint
@@ -197,6 +211,12 @@ def load(trainer, path: str | Path) -> dict:
             if f"model.{fqn}" in local:
                 x.copy_(local[f"model.{fqn}"])
     if trainer.optimizer is not None:
+        if COMPLETE not in saved:
+            missing = [f for f in trainer.params if not any(k.startswith(f"optim.state.{f}.") for k in saved)]
+            if missing:
+                warnings.warn(f"checkpoint {path} was not written by Trainer.save and has no optimizer state for "
+                              f"{len(missing)} of this rank's {len(trainer.params)} parameters (no "
+                              f"'optim.state.{missing[0]}.*'): they start with a fresh optimizer state", stacklevel=3)
         _load_optimizer(trainer, local)
     extra = path / EXTRA
     return json.loads(extra.read_text()) if extra.is_file() else {}

@@ -303,8 +303,9 @@ class Trainer:
         checkpoint.save(self, path, extra)
 
     def load(self, path: str | Path) -> dict:
-        """Read a checkpoint written by ``save`` under any plan (``runtime/checkpoint.py``); call on
-        every rank. Returns the ``extra`` dict it was saved with."""
+        """Read a checkpoint written by ``save`` under any plan (``runtime/checkpoint.py``; a
+        model-only one too: a warning, and a fresh optimizer state); call on every rank. Returns
+        the ``extra`` dict it was saved with."""
         return checkpoint.load(self, path)
 
     def save_full(self, path: str | Path) -> None:

@@ -8,13 +8,17 @@ batch: a microbatch of 2 rows then has no valid target at all.
 """
 import argparse
 import copy
+import importlib.util
 import math
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from alpa_lite import parallelize
+from alpa_lite.runtime import collective_counts
 from alpa_lite.runtime.checkpoint import CheckpointError
 from alpa_lite.runtime.launch import init_distributed
 from alpa_lite.zoo.models import build_model
@@ -34,6 +38,7 @@ PLANS = {  # name -> (mesh, options)
     "zero2": ((2, 2), {"force_data_parallel": True, "zero_stage": 2}),
     "zero1": ((2, 2), {"force_data_parallel": True, "zero_stage": 1}),
     "pipeline": ((1, 4), {"num_stages": 2, "num_microbatches": 2, "num_layers": 2}),
+    "pipeline_4x1": ((1, 4), {"num_stages": 4, "num_microbatches": 4}),
     "auto": ((2, 2), {}),
     "dp_1x2": ((1, 2), {"force_data_parallel": True}),  # --resume: 2 ranks
     "auto_1x2": ((1, 2), {}),
@@ -93,9 +98,25 @@ def reference_sgd(model, batches, max_norm):
     return norms, {k: v.detach() for k, v in m.named_parameters(remove_duplicate=False)}
 
 
+def step_counts(trainer, batch) -> tuple[dict, dict, dict]:
+    """Collectives of one ``trainer.step(*batch)`` by ``"kind|phase"``, and the plan's (made for one
+    microbatch) split into those of a microbatch and those of a step (gradient buckets, updates)."""
+    before = collective_counts()
+    loss = trainer.step(*batch)
+    ran = {f"{k}|{ph}": n - before.get((k, ph), 0) for (k, ph), n in collective_counts().items()
+           if n != before.get((k, ph), 0)}
+    per_microbatch, per_step = {}, {}
+    for c in trainer.plan.collectives:
+        once = c.phase == "update" or c.node.startswith("gradient bucket")
+        counts = per_step if once else per_microbatch
+        counts[f"{c.kind}|{c.phase}"] = counts.get(f"{c.kind}|{c.phase}", 0) + 1
+    return loss, ran, {"per_microbatch": per_microbatch, "per_step": per_step}
+
+
 def accumulation_and_clipping(model, batches) -> dict:
     """K microbatches, one update: the whole batch's loss, gradients and parameters; the global
-    norms (2 and inf) of their gradients equal one process's. ``max_grad_norm`` on the other
+    norms (2 and inf) of their gradients equal one process's; the step's collectives: the
+    plan's per microbatch K times, its gradient buckets once. ``max_grad_norm`` on the other
     plans: the norm before clipping and the clipped SGD run equal one process's."""
     ref_losses, ref_grads, ref_params = reference(model, batches[:2], LR)
     scale = max(float(g.abs().max()) for g in ref_grads.values())
@@ -104,11 +125,14 @@ def accumulation_and_clipping(model, batches) -> dict:
     for plan, k in (("megatron", 4), ("dp", 2)):
         trainer = parallelize(copy.deepcopy(model), PLANS[plan][0], batches[0], optimizer=adamw, accumulate=k,
                               **PLANS[plan][1])
-        losses = [trainer.step(*batches[0])]
+        loss, ran, plan_counts = step_counts(trainer, batches[0])
         grads = trainer.gradients()
         norm, inf = float(trainer.grad_norm()), float(trainer.grad_norm(math.inf))
-        losses.append(trainer.step(*batches[1]))
+        losses = [loss, trainer.step(*batches[1])]
         out[f"{plan}_k{k}"] = {"losses": losses, "ref_losses": ref_losses, "grad_err": err(grads, ref_grads) / scale,
+                               "grad_rel": max(float((grads[n] - g).norm() / g.norm()) for n, g in ref_grads.items()),
+                               "runtime_counts": ran, **plan_counts,  # microbatches back-propagated:
+                               "valid_microbatches": sum(bool((t != -100).any()) for t in batches[0][1].chunk(k)),
                                "param_err": err(trainer.state_dict(), ref_params), "norm": norm, "inf": inf,
                                "same": same_on_every_rank(norm),
                                "micro_rows": int(trainer.cg.node(trainer.cg.input_names[0]).meta["val"].shape[0])}
@@ -116,7 +140,7 @@ def accumulation_and_clipping(model, batches) -> dict:
     ref_norms, ref_clipped = reference_sgd(model, batches[:2], max_norm)
     out["unclipped_move"] = err(reference_sgd(model, batches[:2], math.inf)[1], ref_clipped)
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.5)  # noqa: E731 - SGD: a clipped step moves by less
-    for plan in ("2d", "zero3", "zero2", "zero1", "pipeline"):
+    for plan in ("dp", "megatron", "2d", "zero3", "zero2", "zero1", "pipeline"):
         trainer, _ = train(model, plan, batches, 1, optimizer=sgd, max_grad_norm=max_norm)
         first = trainer.last_grad_norm
         trainer.step(*batches[1])
@@ -125,14 +149,37 @@ def accumulation_and_clipping(model, batches) -> dict:
     return out
 
 
+def full_export(trainer, path: Path, ref_params: dict) -> dict | None:
+    """``trainer.save_full(path)`` read back: its names vs ``trainer.state_dict()``'s and the
+    single-process model's, whether its tensors equal ``state_dict()``'s, and how far they are
+    from ``ref_params``. None for a ``.safetensors`` path without the safetensors package."""
+    if path.suffix == ".safetensors" and importlib.util.find_spec("safetensors") is None:
+        return None
+    trainer.save_full(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+        saved = load_file(str(path))
+    else:
+        saved = torch.load(path)
+    state = trainer.state_dict()
+    return {"names": sorted(saved), "state_dict_names": sorted(state), "equal": all(
+        torch.equal(saved[k], v) for k, v in state.items() if k in saved), "ref_err": err(saved, ref_params)}
+
+
 def checkpoints(model, batches, root: Path) -> dict:
-    """Save on 2x2 Megatron after 2 steps; load into other plans; continue as the uninterrupted run."""
+    """Save on 2x2 Megatron after 2 steps; load into other plans; continue as the uninterrupted run.
+    Export it in full; load a model-only checkpoint (no optimizer state) and one saved before the
+    first step."""
     ref_losses, _, ref_params = reference(model, batches, LR)
+    step2 = reference(model, batches[:2], LR)[2]
     source, losses = train(model, "megatron", batches, 2)
     path = root / "ckpt"
     source.save(path, extra={"step": 2})
-    out = {"source": {"losses": losses + [source.step(*b) for b in batches[2:]], "ref_losses": ref_losses}}
-    for plan in ("dp_1x4", "pipeline", "auto"):
+    out = {"full": {"model_names": sorted(model.state_dict()),
+                    "pt": full_export(source, root / "ckpt_full.pt", step2),
+                    "safetensors": full_export(source, root / "ckpt_full.safetensors", step2)}}
+    out["source"] = {"losses": losses + [source.step(*b) for b in batches[2:]], "ref_losses": ref_losses}
+    for plan in ("dp_1x4", "pipeline", "pipeline_4x1", "auto"):
         trainer, _ = train(model, plan, batches, 0, seed=5)
         extra = trainer.load(path)
         out[plan] = {"losses": [trainer.step(*b) for b in batches[2:]], "extra": extra,
@@ -143,14 +190,33 @@ def checkpoints(model, batches, root: Path) -> dict:
     losses = [trainer.step(*batches[2])]
     trainer.save(root / "ckpt_zero2", extra={"step": 3})
     again, _ = train(model, "dp_1x4", batches, 0, seed=6)
+    # a checkpoint saved before the first step (no optimizer state yet) loads silently
+    unstepped, _ = train(model, "pipeline", batches, 0)
+    unstepped.save(root / "ckpt_step0")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again.load(root / "ckpt_step0")
+    out["step0"] = {"warnings": [str(w.message) for w in caught], "state": len(again.optimizer.state),
+                    "param_err": err(again.state_dict(), model.state_dict())}
     again.load(root / "ckpt_zero2")
     out["zero2"] = {"losses": losses + [again.step(*batches[3])], "extra": {"step": 2},
                     "param_err": err(again.state_dict(), ref_params)}
     # one process resumed with the parameters but a fresh AdamW: what a lost optimizer state changes
     m = copy.deepcopy(model)
-    m.load_state_dict(reference(model, batches[:2], LR)[2], strict=False)
+    m.load_state_dict(step2, strict=False)
     fresh_losses, _, fresh_params = reference(m, batches[2:], LR)
     out["fresh_optimizer"] = {"losses": fresh_losses, "param_err": err(fresh_params, ref_params)}
+    # a model-only checkpoint (another program's dcp.save of the step-2 parameters): loaded with a
+    # warning, fresh AdamW states: the run continues as the one-process fresh-optimizer resume
+    dcp.save({f"model.{k}": v for k, v in m.state_dict().items()},
+             storage_writer=dcp.FileSystemWriter(root / "c_model"))
+    trainer, _ = train(model, "megatron", batches, 0, seed=5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.load(root / "c_model")
+    out["model_only"] = {"warnings": [str(w.message) for w in caught], "state": len(trainer.optimizer.state),
+                         "losses": [trainer.step(*b) for b in batches[2:]],
+                         "param_err": err(trainer.state_dict(), fresh_params)}
     out["errors"] = checkpoint_errors(batches, source, path, root)
     return out
 
