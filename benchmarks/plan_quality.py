@@ -76,8 +76,9 @@ def megatron_specs(cg, tp: int) -> dict[str, str]:
 @dataclass(frozen=True)
 class Suite:
     """A benchmark suite: ``cases`` (model, cluster shape), the global batch, the sequence length
-    (None: not a language model), the grid's tensor-parallel degrees and whether the grid adds,
-    for every ``tp > 1``, Megatron-SP and Ulysses points (``sequence_grid``)."""
+    (None: not a language model), the grid's tensor-parallel degrees, whether the grid adds,
+    for every ``tp > 1``, Megatron-SP and Ulysses points (``sequence_grid``), and the models'
+    config overrides (``build_model``)."""
 
     title: str
     cases: tuple[tuple[str, tuple[int, int]], ...]
@@ -85,6 +86,7 @@ class Suite:
     seq: int | None
     tp_degrees: tuple[int, ...]
     sequence_grid: bool = False
+    overrides: tuple[tuple[str, object], ...] = ()
 
 
 SUITES = {  # OSDI'22, Table 4 and section 8.1
@@ -96,9 +98,12 @@ SUITES = {  # OSDI'22, Table 4 and section 8.1
                                      ("wide-resnet-2b", (1, 8)), ("wide-resnet-4b", (2, 8)),
                                      ("wide-resnet-6.8b", (4, 8)), ("wide-resnet-13b", (8, 8))), 1536, None, (1,)),
 }
-for _seq in (8192, 32768):  # long sequences (Korthikanti et al. 2022; Jacobs et al. 2023): 8 and 64 A100s
+# long sequences (Korthikanti et al. 2022; Jacobs et al. 2023): 8 and 64 A100s, Megatron's per-head
+# qkv layout (GPTConfig.qkv_layout: a column-parallel qkv gives whole heads, as in Megatron-LM)
+for _seq in (8192, 32768):
     SUITES[f"gpt-{_seq // 1024}k"] = Suite("GPT-3 long sequence", (("gpt3-1.3b", (1, 8)), ("gpt3-2.6b", (8, 8))), 8,
-                                           _seq, (1, 2, 4, 8), sequence_grid=True)
+                                           _seq, (1, 2, 4, 8), sequence_grid=True,
+                                           overrides=(("qkv_layout", "megatron"),))
 
 
 def sequence_split(example, dp: int) -> dict[str, str]:
@@ -205,7 +210,7 @@ def run(suites, models, presets, microbatches, num_layers, schedule, time_limit,
             for name, shape in suite.cases:
                 if (models and name not in models) or (key, preset, name) in done:
                     continue
-                model, example = build_model(name, suite.global_batch, suite.seq, device="meta")
+                model, example = build_model(name, suite.global_batch, suite.seq, device="meta", **dict(suite.overrides))
                 t0 = time.perf_counter()
                 try:
                     p = plan(model, example, LogicalMesh(shape, cluster=preset), time_limit=time_limit,
