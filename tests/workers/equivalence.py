@@ -109,10 +109,11 @@ def main():
                          "plan_counts": {f"{k}|{ph}": n for (k, ph), n in trainer.plan.collective_counts().items()},
                          "param_specs": trainer.plan.param_specs,
                          "collectives": [c.to_dict() for c in trainer.plan.collectives],
-                         "layer_norm_in_specs": [str(trainer.plan.nodes[n.name].in_specs[0])
-                                                 for n in trainer.plan.captured.graph.nodes
-                                                 if n.target is torch.ops.aten.layer_norm.default],
                          "dtensor_mismatch": dtensor_bad}
+        if "plan" in options:  # planned here: the captured graph is at hand
+            results[name]["layer_norm_in_specs"] = [
+                str(trainer.plan.nodes[n.name].in_specs[0]) for n in options["plan"].captured.graph.nodes
+                if n.target is torch.ops.aten.layer_norm.default]
     if args.check_init:
         results["init"] = check_init(args, tuple(int(x) for x in args.mesh.split("x")))
     finish(results, args.out)
