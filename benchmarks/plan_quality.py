@@ -214,7 +214,8 @@ def run(suites, models, presets, microbatches, num_layers, schedule, time_limit,
             for name, shape in suite.cases:
                 if (models and name not in models) or (key, preset, name) in done:
                     continue
-                model, example = build_model(name, suite.global_batch, suite.seq, device="meta", **dict(suite.overrides))
+                model, example = build_model(name, suite.global_batch, suite.seq, device="meta",
+                                             **dict(suite.overrides))
                 t0 = time.perf_counter()
                 try:
                     p = plan(model, example, LogicalMesh(shape, cluster=preset), time_limit=time_limit,

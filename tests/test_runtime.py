@@ -132,7 +132,8 @@ def test_runtime_collectives_equal_the_plan(results):
                        if c["nbytes"] == activation and c["kind"] in ("all-gather", "reduce-scatter"))
         # per layer forward: an all-gather before qkv and fc, a reduce-scatter after each
         # row-parallel linear; backward the duals; all on axis 1
-        assert moves == sorted([(ph, k) for ph in ("forward", "backward") for k in ("all-gather", "reduce-scatter")] * 4)
+        assert moves == sorted([(ph, k) for ph in ("forward", "backward")
+                                for k in ("all-gather", "reduce-scatter")] * 4)
         assert all(c["mesh_axes"] == [1] for c in r["collectives"])
         assert not [c for c in r["collectives"] if c["kind"] == "all-reduce" and c["nbytes"] >= activation]
 
