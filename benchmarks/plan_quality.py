@@ -13,7 +13,8 @@ batch 8), on the ``a100`` and ``v100`` cluster presets, the predicted training-s
   vocab-parallel weights (Narayanan et al., SC21) and, for MoE, the same plus the experts split
   over their expert dim (expert parallelism, GShard / DeepSpeed-MoE); Wide-ResNet has no tensor
   parallelism (``tp = 1``: Alpa's PP-DP baseline); 1F1B; the long-sequence suites add, for
-  ``tp > 1``, Megatron-SP and Ulysses points (``grid_points``);
+  ``tp > 1``, Megatron-SP and Ulysses points (``grid_points``) and report the best ``tp`` point
+  alone too ("tp grid": the grid without sequence parallelism);
 - **no pipeline**: ``alpa_lite.plan`` without ``pipeline`` (the intra-op plan on the whole mesh,
   one microbatch); the pipelined search holds it (B = 1, one stage), so alpa-lite is never slower;
 - **data parallel**: one stage, batch over every device, weights replicated;
@@ -76,8 +77,9 @@ def megatron_specs(cg, tp: int) -> dict[str, str]:
 @dataclass(frozen=True)
 class Suite:
     """A benchmark suite: ``cases`` (model, cluster shape), the global batch, the sequence length
-    (None: not a language model), the grid's tensor-parallel degrees and whether the grid adds,
-    for every ``tp > 1``, Megatron-SP and Ulysses points (``sequence_grid``)."""
+    (None: not a language model), the grid's tensor-parallel degrees, whether the grid adds,
+    for every ``tp > 1``, Megatron-SP and Ulysses points (``sequence_grid``), and the models'
+    config overrides (``build_model``)."""
 
     title: str
     cases: tuple[tuple[str, tuple[int, int]], ...]
@@ -85,6 +87,7 @@ class Suite:
     seq: int | None
     tp_degrees: tuple[int, ...]
     sequence_grid: bool = False
+    overrides: tuple[tuple[str, object], ...] = ()
 
 
 SUITES = {  # OSDI'22, Table 4 and section 8.1
@@ -96,9 +99,12 @@ SUITES = {  # OSDI'22, Table 4 and section 8.1
                                      ("wide-resnet-2b", (1, 8)), ("wide-resnet-4b", (2, 8)),
                                      ("wide-resnet-6.8b", (4, 8)), ("wide-resnet-13b", (8, 8))), 1536, None, (1,)),
 }
-for _seq in (8192, 32768):  # long sequences (Korthikanti et al. 2022; Jacobs et al. 2023): 8 and 64 A100s
+# long sequences (Korthikanti et al. 2022; Jacobs et al. 2023): 8 and 64 A100s, Megatron's per-head
+# qkv layout (GPTConfig.qkv_layout: a column-parallel qkv gives whole heads, as in Megatron-LM)
+for _seq in (8192, 32768):
     SUITES[f"gpt-{_seq // 1024}k"] = Suite("GPT-3 long sequence", (("gpt3-1.3b", (1, 8)), ("gpt3-2.6b", (8, 8))), 8,
-                                           _seq, (1, 2, 4, 8), sequence_grid=True)
+                                           _seq, (1, 2, 4, 8), sequence_grid=True,
+                                           overrides=(("qkv_layout", "megatron"),))
 
 
 def sequence_split(example, dp: int) -> dict[str, str]:
@@ -154,8 +160,8 @@ def baselines(model, example, suite: Suite, cluster_shape, preset, microbatches,
     mesh = LogicalMesh(cluster_shape, cluster=preset)
     cluster, budget = mesh.as_cluster(), mesh.memory_bytes
     free_options = PlanOptions(time_limit=time_limit)
-    best = {k: (math.inf, None) for k in ("grid", "data parallel", "zero-1", "zero-2", "zero-3",
-                                          "equal-layer pipeline")}
+    best = {k: (math.inf, None) for k in ("grid", *(("tp grid",) if suite.sequence_grid else ()), "data parallel",
+                                          "zero-1", "zero-2", "zero-3", "equal-layer pipeline")}
 
     def offer(kind, value, config):
         if value is not None and value < best[kind][0]:
@@ -183,7 +189,10 @@ def baselines(model, example, suite: Suite, cluster_shape, preset, microbatches,
                 for point, grid in grid_points(cg, example, suite, dp, tp, time_limit):
                     costs = GraphStageCosts(cg, layers, cluster, budget, max_in_flight=min(b, pp), options=grid,
                                             shapes=lambda sub, s=(dp, tp): [s], num_microbatches=b)
-                    offer("grid", evaluate(costs, L, pp, devices, b, m), f"{point} dp={dp} tp={tp} pp={pp} B={b}")
+                    value = evaluate(costs, L, pp, devices, b, m)
+                    offer("grid", value, f"{point} dp={dp} tp={tp} pp={pp} B={b}")
+                    if suite.sequence_grid and point == "tp":  # the grid without its SP / Ulysses points
+                        offer("tp grid", value, f"dp={dp} tp={tp} pp={pp} B={b}")
         shape = submesh_of(devices, m) if devices <= m else (n, m)
         for kind, stage in (("data parallel", None), ("zero-1", 1), ("zero-2", 2), ("zero-3", 3)):
             if size % devices:
@@ -205,7 +214,8 @@ def run(suites, models, presets, microbatches, num_layers, schedule, time_limit,
             for name, shape in suite.cases:
                 if (models and name not in models) or (key, preset, name) in done:
                     continue
-                model, example = build_model(name, suite.global_batch, suite.seq, device="meta")
+                model, example = build_model(name, suite.global_batch, suite.seq, device="meta",
+                                             **dict(suite.overrides))
                 t0 = time.perf_counter()
                 try:
                     p = plan(model, example, LogicalMesh(shape, cluster=preset), time_limit=time_limit,
@@ -248,18 +258,22 @@ def table(rows, key: str) -> Table:
     seq = f", seq {suite.seq}" if suite.seq else ""
     t = Table(title=f"{suite.title} suite, global batch {suite.global_batch}{seq}: predicted step time (s)")
     grid_point = ("grid point",) if suite.sequence_grid else ()
+    tp_grid = ("tp grid", "ratio (tp grid)") if suite.sequence_grid else ()
     for col in ("cluster", "model", "GPUs", "alpa-lite", "schedule", "no pipeline", "grid best", *grid_point, "ratio",
-                "data parallel", "ZeRO-1", "ZeRO-2", "ZeRO-3", "equal-layer PP", "plan time", "ILPs at time limit"):
+                *tp_grid, "data parallel", "ZeRO-1", "ZeRO-2", "ZeRO-3", "equal-layer PP", "plan time",
+                "ILPs at time limit"):
         t.add_column(col, justify="left" if col in ("cluster", "model", "schedule", "grid point") else "right")
     fmt = lambda x: "-" if x is None or not math.isfinite(x) else f"{x:.3f}"
     measured = lambda r, k: fmt(r[k]) if k in r else "?"  # noqa: E731 (rows measured before ZeRO-1/2 were)
+    ratio = lambda r, k: (f"{r['alpa_lite_s'] / r[k]:.3f}x" if math.isfinite(r.get(k, math.inf))  # noqa: E731
+                          and math.isfinite(r["alpa_lite_s"]) else "-")
     for r in suite_rows(rows, key):
-        ratio = r["alpa_lite_s"] / r["grid"] if math.isfinite(r["grid"]) else math.nan
         limits = r.get("solver_limits")  # rows measured before these were recorded: "?"
         point = (r["grid config"] or "-",) if suite.sequence_grid else ()
+        tp = ((fmt(r["tp grid"]), ratio(r, "tp grid")) if "tp grid" in r else ("?", "?")) if suite.sequence_grid else ()
         t.add_row(r["preset"], r["model"], str(r["devices"]), fmt(r["alpa_lite_s"]),
                   r.get("schedule", "1f1b") if math.isfinite(r["alpa_lite_s"]) else "-",  # older rows: 1F1B only
-                  fmt(r.get("no_pipeline_s")), fmt(r["grid"]), *point, "-" if math.isnan(ratio) else f"{ratio:.3f}x",
+                  fmt(r.get("no_pipeline_s")), fmt(r["grid"]), *point, ratio(r, "grid"), *tp,
                   fmt(r["data parallel"]), measured(r, "zero-1"), measured(r, "zero-2"), fmt(r["zero-3"]),
                   fmt(r["equal-layer pipeline"]), f"{r['plan_time_s']:.1f} s",
                   "?" if limits is None else str(len(limits)))
@@ -320,7 +334,7 @@ def main():
         rows = run(args.suites.split(","), [m for m in args.models.split(",") if m], args.presets.split(","),
                    [int(b) for b in args.microbatches.split(",")], args.layers, args.schedule, args.time_limit, console,
                    out)
-    record = Console(record=True, width=160, file=io.StringIO())
+    record = Console(record=True, width=200, file=io.StringIO())
     for key in SUITES:
         if any(r["suite"] == key for r in rows):
             console.print(table(rows, key))

@@ -118,6 +118,28 @@ def test_gpt_tiny_cpu_loss_at_init():
     torch.testing.assert_close(ep.module()(idx, tgt), loss.detach())
 
 
+def test_megatron_qkv_layout_is_a_permutation_of_gpt2s():
+    """``qkv_layout="megatron"`` reads the fused qkv output per head, ``[q_h; k_h; v_h]``: with the
+    gpt2 layout's qkv rows (and bias) permuted into that order, the loss and every other
+    gradient are the same."""
+    (gpt2, inputs), (megatron, _) = (build_model("gpt-tiny", batch=2, seq=16, device="cpu", qkv_layout=q)
+                                     for q in ("gpt2", "megatron"))
+    h, nh = gpt2.config.hidden, gpt2.config.num_heads
+    hd = h // nh
+    # megatron row (head i, part j in q/k/v, feature d) <- gpt2 row j * h + i * hd + d
+    order = torch.arange(3 * h).view(3, nh, hd).transpose(0, 1).reshape(-1)
+    state = {k: (v[order] if ".attn.qkv." in k else v) for k, v in gpt2.state_dict().items()}
+    megatron.load_state_dict(state)
+    loss_a, loss_b = gpt2(*inputs), megatron(*inputs)
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-6, atol=0)
+    loss_a.backward()
+    loss_b.backward()
+    for (k, a), b in zip(gpt2.named_parameters(), megatron.parameters()):
+        torch.testing.assert_close(b.grad, a.grad[order] if ".attn.qkv." in k else a.grad, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="qkv_layout must be one of"):
+        build_model("gpt-tiny", batch=1, qkv_layout="per-head")
+
+
 @pytest.mark.parametrize("name", ["mlp", "moe", "wide-resnet", "bert", "gpt2-hf", "llama"])
 def test_small_models_run_and_export_on_cpu(name):
     if name in HF_MODEL_NAMES:

@@ -53,6 +53,11 @@ CASES = {
                         "param_specs": megatron("blocks.", 2)},
         "megatron-sp-sgd": {"plan_mesh": {"cluster": "cpu-gloo", "mesh_alpha": [0, 0]}, "batch_axis": 0,
                             "param_specs": megatron("blocks.", 2), "optimizer": "sgd"},
+        # the plan shape of tests/test_partial.py's Megatron-SP on 1 x 4 (Megatron's per-head qkv
+        # layout; 2 sequences of 16 tokens: fewer tokens than hidden features, as there)
+        "megatron-sp-1x4": {"mesh": "1x4", "model": {"batch": 2, "qkv_layout": "megatron"},
+                            "plan_mesh": {"cluster": "cpu-gloo", "mesh_alpha": [0, 0]},
+                            "param_specs": megatron("blocks.", 2)},
         "zero": {"force_data_parallel": True,
                  "param_specs": zero3([f"blocks.{i}.{m}.weight" for i in range(2)
                                        for m in ("attn.qkv", "attn.proj", "ffn.fc", "ffn.proj")])},
@@ -119,6 +124,18 @@ def test_runtime_collectives_equal_the_plan(results):
             assert r["plan_counts"] == {"all-reduce|forward": 2 * bert_layer.LAYERS, "all-reduce|backward": 2 * bert_layer.LAYERS}
     if "megatron-sp" in res:  # partial results reduce-scattered forward, all-gathered backward
         assert "reduce-scatter|forward" in res["megatron-sp"]["plan_counts"]
+    if "megatron-sp-1x4" in res:  # Megatron-SP's shape (Korthikanti et al. 2022, section 4.2.2)
+        r = res["megatron-sp-1x4"]
+        assert r["layer_norm_in_specs"] == ["RS1R"] * 5  # 2 per layer and ln_f, on sequence shards
+        activation = 2 * 16 * 64 * 4  # b s h fp32
+        moves = sorted((c["phase"], c["kind"]) for c in r["collectives"]
+                       if c["nbytes"] == activation and c["kind"] in ("all-gather", "reduce-scatter"))
+        # per layer forward: an all-gather before qkv and fc, a reduce-scatter after each
+        # row-parallel linear; backward the duals; all on axis 1
+        assert moves == sorted([(ph, k) for ph in ("forward", "backward")
+                                for k in ("all-gather", "reduce-scatter")] * 4)
+        assert all(c["mesh_axes"] == [1] for c in r["collectives"])
+        assert not [c for c in r["collectives"] if c["kind"] == "all-reduce" and c["nbytes"] >= activation]
 
 
 def test_forced_specs_are_used(results):

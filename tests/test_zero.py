@@ -21,6 +21,9 @@ HIDDEN = 64  # the worker's MLP
 MESH = LogicalMesh((1, 4))  # the a100 preset: alpha 5 us, 300 GB/s per axis
 
 
+TP = {"layers.0.weight": "S1R", "layers.1.weight": "RS1", "layers.2.weight": "S1R", "layers.3.weight": "RS1"}
+
+
 def mlp_plan(**options) -> Plan:
     """A DP-shaped MLP (hidden 64, batch 256: activations 4x the weights) on 1x4, batch on axis 1."""
     with torch.device("meta"):
@@ -90,12 +93,35 @@ def test_ample_memory_picks_replicated():
                                                           ("all-reduce", "backward"): 1}
 
 
+def test_ilp_picks_zero2_jointly_with_tensor_parallelism():
+    """Nothing forced: MLP hidden 1024 (4 layers), batch 16 on axis 0 of 2 x 2 A100s. One byte
+    below the free plan's footprint the ILP takes Megatron's weights on axis 1 (column, row,
+    column, row) and ZeRO-2 on axis 0 for every parameter (not ZeRO-3): exactly the plan that
+    forcing those weights and ``zero_stage=2`` gives."""
+    mesh = LogicalMesh((2, 2), cluster="a100")
+    with torch.device("meta"):
+        model = MLP(1024, layers=4)
+    x = torch.zeros(16, 1024, device="meta")
+    free = plan(model, (x, x.clone()), mesh, batch_axis=0)
+    assert stages(free) != {2}  # the budget changes the plan
+    p = plan(model, (x, x.clone()), mesh, batch_axis=0, memory_budget=free.memory_bytes - 1)
+    assert {f: str(s) for f, s in p.param_specs.items()} == {**TP, "layers.0.bias": "S1", "layers.1.bias": "R",
+                                                              "layers.2.bias": "S1", "layers.3.bias": "R"}
+    assert set(p.zero_stages.values()) == {(2, (0,))}
+    forced = plan(model, (x, x.clone()), mesh, batch_axis=0, param_specs=TP, zero_stage=2)
+    assert (p.step_seconds, p.memory_bytes) == (forced.step_seconds, forced.memory_bytes)
+    # ZeRO-2 on axis 0: each device's tensor-parallel shards (4 x 1024 x 512 weights, 2 x 512 and
+    # 2 x 1024 biases, fp32) reduce-scattered in one bucket, the updated slices all-gathered
+    local = (4 * 1024 * 512 + 2 * 512 + 2 * 1024) * 4
+    zero = [(c.kind, c.phase, c.nbytes) for c in p.collectives if c.mesh_axes == (0,) and c.nbytes > 4]
+    assert sorted(zero) == [("all-gather", "update", local), ("reduce-scatter", "backward", local)]
+
+
 def test_zero_stage_needs_data_parallel_axes():
     with pytest.raises(ValueError, match="zero_stage needs the data-parallel mesh axes"):
         plan(MLP(8), (torch.zeros(4, 8), torch.zeros(4, 8)), MESH, zero_stage=2)
 
 
-TP = {"layers.0.weight": "S1R", "layers.1.weight": "RS1", "layers.2.weight": "S1R", "layers.3.weight": "RS1"}
 CASES = {f"{name}-{opt}": {"mesh": mesh, "optimizer": opt, "options": options}
          for opt in ("sgd", "adamw")
          for name, mesh, options in (("zero1", (1, 4), {"batch_axis": 1, "zero_stage": 1}),

@@ -121,7 +121,15 @@ class MLP(nn.Module):
 
 @dataclass
 class GPTConfig:
-    """Shape of a :class:`GPT`. ``seq_len`` is the size of the learned position table."""
+    """Shape of a :class:`GPT`. ``seq_len`` is the size of the learned position table.
+
+    ``qkv_layout``: how the fused ``qkv`` projection's ``3 * hidden`` output features are laid
+    out. ``"gpt2"`` (GPT-2, nanoGPT): ``[q; k; v]``, each ``hidden`` wide, split apart on the
+    feature dim. ``"megatron"`` (Megatron-LM, Shoeybi et al. 2019): per head, ``[q_h; k_h; v_h]``
+    (the output viewed as ``[B, T, heads, 3 * head_dim]`` and split on the last dim), so that a
+    column-parallel split of the weight's output features over ``n | heads`` devices gives each
+    device whole heads and attention runs locally; with ``"gpt2"`` it must reshard q, k and v.
+    """
 
     vocab_size: int = 50304
     seq_len: int = 1024
@@ -131,18 +139,31 @@ class GPTConfig:
     ffn_mult: int = 4
     bias: bool = True
     layer_norm_eps: float = 1e-5
+    qkv_layout: str = "gpt2"
 
     def __post_init__(self):
         if self.hidden % self.num_heads:
             raise ValueError(f"hidden ({self.hidden}) must be divisible by num_heads ({self.num_heads})")
+        _check_qkv_layout(self.qkv_layout)
+
+
+QKV_LAYOUTS = ("gpt2", "megatron")
+
+
+def _check_qkv_layout(layout: str) -> None:
+    if layout not in QKV_LAYOUTS:
+        raise ValueError(f"qkv_layout must be one of {QKV_LAYOUTS}, got {layout!r}")
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention: one fused qkv projection, SDPA, output projection."""
+    """Multi-head causal self-attention: one fused qkv projection, SDPA, output projection.
 
-    def __init__(self, hidden: int, num_heads: int, bias: bool = True):
+    ``qkv_layout``: see :class:`GPTConfig`."""
+
+    def __init__(self, hidden: int, num_heads: int, bias: bool = True, qkv_layout: str = "gpt2"):
         super().__init__()
-        self.num_heads = num_heads
+        _check_qkv_layout(qkv_layout)
+        self.num_heads, self.qkv_layout = num_heads, qkv_layout
         self.qkv = nn.Linear(hidden, 3 * hidden, bias=bias)
         self.proj = nn.Linear(hidden, hidden, bias=bias)
         self.proj.residual_out = True  # scaled init, see init_weights
@@ -150,11 +171,10 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, H = x.shape
         nh = self.num_heads
-        q, k, v = self.qkv(x).split(H, dim=2)
-        # [B, T, H] -> [B, nh, T, hd]
-        q = q.view(B, T, nh, H // nh).transpose(1, 2)
-        k = k.view(B, T, nh, H // nh).transpose(1, 2)
-        v = v.view(B, T, nh, H // nh).transpose(1, 2)
+        if self.qkv_layout == "megatron":  # [B, T, nh, 3 hd] -> 3 x [B, nh, T, hd]
+            q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(B, T, nh, 3 * (H // nh)).split(H // nh, dim=3))
+        else:  # [B, T, 3 H] -> 3 x [B, T, H] -> [B, nh, T, hd]
+            q, k, v = (t.view(B, T, nh, H // nh).transpose(1, 2) for t in self.qkv(x).split(H, dim=2))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, H)
         return self.proj(y)
@@ -179,10 +199,11 @@ class Block(nn.Module):
     ``ffn`` is a :class:`FeedForward` or, in the MoE model, a :class:`MoELayer`.
     """
 
-    def __init__(self, hidden: int, num_heads: int, ffn: nn.Module, bias: bool = True, eps: float = 1e-5):
+    def __init__(self, hidden: int, num_heads: int, ffn: nn.Module, bias: bool = True, eps: float = 1e-5,
+                 qkv_layout: str = "gpt2"):
         super().__init__()
         self.ln1 = nn.LayerNorm(hidden, eps=eps, bias=bias)
-        self.attn = CausalSelfAttention(hidden, num_heads, bias=bias)
+        self.attn = CausalSelfAttention(hidden, num_heads, bias=bias, qkv_layout=qkv_layout)
         self.ln2 = nn.LayerNorm(hidden, eps=eps, bias=bias)
         self.ffn = ffn
 
@@ -210,7 +231,7 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(c.seq_len, c.hidden)
         self.blocks = nn.ModuleList(
             Block(c.hidden, c.num_heads, FeedForward(c.hidden, c.ffn_mult * c.hidden, c.bias), c.bias,
-                  c.layer_norm_eps)
+                  c.layer_norm_eps, c.qkv_layout)
             for _ in range(c.num_layers)
         )
         self.ln_f = nn.LayerNorm(c.hidden, eps=c.layer_norm_eps, bias=c.bias)

@@ -66,18 +66,31 @@ def main():
     ap.add_argument("--check-init", action="store_true", help="also check meta init and load_state_dict")
     args = ap.parse_args()
     init_distributed(60)
-    model, example = build_model(args.model, args.batch, args.seq, device="cpu")
-    batches = [build_model(args.model, args.batch, args.seq, device="cpu", seed=100 + s)[1] for s in range(STEPS)]
     optimizers = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
-    refs = {k: reference(model, batches, LR, opt) for k, opt in optimizers.items()}
-    shape = tuple(int(x) for x in args.mesh.split("x"))
+    runs = {}  # (model batch and overrides, optimizer) -> model, example, single-process reference
+
+    def run_of(batch: int, overrides: dict, opt: str):
+        key = (batch, json.dumps(overrides, sort_keys=True), opt)
+        if key not in runs:
+            model, example = build_model(args.model, batch, args.seq, device="cpu", **overrides)
+            batches = [build_model(args.model, batch, args.seq, device="cpu", seed=100 + s, **overrides)[1]
+                       for s in range(STEPS)]
+            runs[key] = model, example, batches, reference(model, batches, LR, optimizers[opt])
+        return runs[key]
+
     results = {}
     for name, options in json.loads(args.plans).items():
         # "optimizer": "sgd" | "adamw" (default); "plan_mesh": LogicalMesh fields (a cluster
-        # description) to plan on, the same plan on every rank, instead of the run's cluster
+        # description) to plan on, the same plan on every rank, instead of the run's cluster;
+        # "mesh": this plan's mesh shape ("1x4") instead of --mesh; "model": {"batch": ...,
+        # config overrides} of the model this plan trains instead of --batch and the defaults
         options = dict(options)
-        opt = optimizers[options.pop("optimizer", "adamw")]
-        ref_losses, ref_grads, ref_params = refs[[k for k, v in optimizers.items() if v is opt][0]]
+        opt_name = options.pop("optimizer", "adamw")
+        opt = optimizers[opt_name]
+        shape = tuple(int(x) for x in options.pop("mesh", args.mesh).split("x"))
+        overrides = dict(options.pop("model", {}))
+        model, example, batches, (ref_losses, ref_grads, ref_params) = run_of(
+            overrides.pop("batch", args.batch), overrides, opt_name)
         if "plan_mesh" in options:
             mesh = LogicalMesh(shape, **options.pop("plan_mesh"))
             options = {"plan": alpa_plan(copy.deepcopy(model), example, mesh, **options)}
@@ -95,9 +108,14 @@ def main():
                          "param_err": param_err, "param_scale": param_scale, "runtime_counts": runtime,
                          "plan_counts": {f"{k}|{ph}": n for (k, ph), n in trainer.plan.collective_counts().items()},
                          "param_specs": trainer.plan.param_specs,
+                         "collectives": [c.to_dict() for c in trainer.plan.collectives],
                          "dtensor_mismatch": dtensor_bad}
+        if "plan" in options:  # planned here: the captured graph is at hand
+            results[name]["layer_norm_in_specs"] = [
+                str(trainer.plan.nodes[n.name].in_specs[0]) for n in options["plan"].captured.graph.nodes
+                if n.target is torch.ops.aten.layer_norm.default]
     if args.check_init:
-        results["init"] = check_init(args, shape)
+        results["init"] = check_init(args, tuple(int(x) for x in args.mesh.split("x")))
     finish(results, args.out)
 
 
