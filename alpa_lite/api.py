@@ -132,23 +132,21 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
             plan accumulates over its own microbatches: raise ``num_microbatches`` instead.
         max_grad_norm: clip the gradients to this global L2 norm before every update
             (``Trainer.clip_grad_norm_``); None: no clipping.
-        compile: run each rank's step as its plan lowered to one ``torch.fx.GraphModule``
-            (local shapes, functional collectives) under ``torch.compile``: True for the
-            ``"inductor"`` backend, or a backend name such as ``"aot_eager"``
-            (``runtime/program.py``); SPMD plans only. False: the interpreter.
+        compile: run each rank's step as its plan lowered to ``torch.fx.GraphModule`` s (local
+            shapes, functional collectives) under ``torch.compile``: True for the ``"inductor"``
+            backend, or a backend name such as ``"aot_eager"`` (``runtime/program.py``). An SPMD
+            plan's microbatch is one graph; a pipeline stage's forward and backward are two (AOT
+            autograd), the schedule and the transfers between stages staying in the runtime.
+            False: the interpreter.
 
     Raises:
         ValueError: the mesh does not match the world size, or an option is invalid (``accumulate``
-            with a pipelined plan, or one that does not divide the batch; ``compile`` with a
-            pipelined plan, or a plan with random ops, remat or in-place writes to stored tensors).
+            with a pipelined plan, or one that does not divide the batch; ``compile`` with the
+            ZB-H1 schedule, or a plan with random ops, remat or in-place writes to stored tensors).
         PlanError: the plan is corrupt or was made for another model or mesh.
     """
     if plan is not None and not isinstance(plan, (Plan, PipelinePlan)):
         plan = load_plan(plan)
-    if compile and (isinstance(plan, PipelinePlan)
-                    or (plan is None and split_options(options, pipeline, option_fields)[1] is not None)):
-        raise ValueError("compile=True runs SPMD plans; a pipelined plan runs in the interpreter "
-                         "(parallelize without compile)")
     init_distributed(timeout_s)
     dmesh = device_mesh(mesh)
     shape = tuple(dmesh.mesh.shape)
@@ -171,7 +169,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
                             f"batch is {batch}")
         n = batch // plan.num_microbatches
         captured = plan.captured or _capture_rows(model, inputs, loss_fn, targets, example_kwargs, n, compute_dtype)
-        trainer = PipelineTrainer(model, captured, plan, optimizer, seed, init_fn, timeout_s)
+        trainer = PipelineTrainer(model, captured, plan, optimizer, seed, init_fn, timeout_s, compile)
     else:
         captured = plan.captured or capture(model, inputs, loss_fn, targets, example_kwargs, compute_dtype)
         trainer = ParallelTrainer(model, dmesh, captured, plan, optimizer, seed, init_fn, accumulate, compile)

@@ -51,8 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="gradient accumulation: --batch is K microbatches, one optimizer update per step")
     p.add_argument("--max-grad-norm", type=float, default=None, help="clip gradients to this global L2 norm")
     p.add_argument("--compile", action="store_true",
-                   help="run each rank's step as its plan lowered to one torch.fx graph under torch.compile "
-                        "(inductor); SPMD plans without dropout or remat")
+                   help="run each rank's step as its plan lowered to torch.fx graphs under torch.compile "
+                        "(inductor; a pipeline stage's forward and backward as two graphs); plans without "
+                        "dropout or remat, pipeline schedules other than zb-h1")
     p.add_argument("--save", default=None, metavar="DIR",
                    help="write a sharded checkpoint (parameters, optimizer state, step) here at the end")
     p.add_argument("--resume", default=None, metavar="DIR",

@@ -60,10 +60,11 @@ from ..core.schedules import get_schedule
 from ..core.spec import ShardingSpec
 from .collectives import GatheredParameters, MeshGroups, local_slice, reshard, synchronize_device
 from .init import store_buffer_mutations
+from .program import StageProgram
 from .trainer import Trainer
 
 _CHUNK_STATE = ("stage", "sp", "index", "groups", "view", "_written", "executor", "constants", "buckets", "zero",
-                "_placeholders", "bucket_sync")
+                "_placeholders", "bucket_sync", "program")
 
 
 class _ActivationMeter:
@@ -109,11 +110,17 @@ class PipelineTrainer(Trainer):
             stage without parameters: it has nothing to update).
         timeout_s: timeout of the stage process groups' collectives, seconds (point-to-point
             transfers run on the default group, whose timeout ``init_distributed`` set).
+        compile: run each chunk's forward of a microbatch, and its backward, as its
+            ``StageProgram`` (``program.py``: AOT autograd's forward and backward graphs on local
+            shapes, intra-stage collectives as functional collectives) under ``torch.compile``:
+            True for the ``"inductor"`` backend, or a backend name (``"aot_eager"`` ...); the
+            schedule, sends and receives stay here. False: the interpreter.
 
     Attributes:
         stages: this rank's stage indices (one per chunk); stage: the current chunk's;
         peak_activation_bytes: the most bytes of tensors saved for backward this rank held during
             the last step (all microbatches of all chunks in flight).
+        program: the current chunk's ``StageProgram`` under ``compile``, else None.
         busy_seconds: seconds this rank spent in the last step's compute actions (forward,
             backward, weight passes; ``_compute``); schedule_seconds: seconds from the start of
             its schedule to its last transfer done. Its idle share of a step whose ranks start
@@ -123,12 +130,19 @@ class PipelineTrainer(Trainer):
     Raises:
         PlanError: the plan's stages do not tile the world, two of a rank's chunks share a
             parameter or buffer, or the plan was made for another model.
+        ValueError: ``compile`` with a schedule that splits the backward (ZB-H1), or with a stage
+            plan the lowering does not cover (``program.py``).
     """
 
     def __init__(self, model, captured, plan: PipelinePlan, optimizer: Callable, seed: int = 0, init_fn=None,
-                 timeout_s: float = 120.0):
-        world, rank = dist.get_world_size(), dist.get_rank()
+                 timeout_s: float = 120.0, compile: bool | str = False):
         self.schedule = get_schedule(plan.schedule, plan.chunks)
+        if compile and self.schedule.split_backward:
+            raise ValueError(f"compile=True cannot run the {plan.schedule} schedule: a compiled stage's backward is "
+                             "one graph (AOT autograd) that gives the input and the weight gradients together, and "
+                             f"{plan.schedule} runs them as two passes at different times; use 1f1b, gpipe or "
+                             "interleaved, or run without compile")
+        world, rank = dist.get_world_size(), dist.get_rank()
         self.num_stages, self.num_microbatches = len(plan.stages), plan.num_microbatches
         self.num_devices = self.num_stages // self.schedule.chunks  # p device groups
         all_ranks = sorted(r for s in plan.stages[:self.num_devices] for r in s.ranks)
@@ -158,6 +172,8 @@ class PipelineTrainer(Trainer):
                     and self.reduction.denominator not in (*self.sp.nodes, *self.sp.recv)):
                 raise PlanError(f"the loss's denominator {self.reduction.denominator} is not on the last stage")
             self._build(model, self.sp.plan, lambda _: None, seed, init_fn)
+            self.program = StageProgram(self.executor, self._run_stage, self._kept(),
+                                        "inductor" if compile is True else compile) if compile else None
             params |= self.params
             buffers |= self.buffers
             self.chunks.append({k: getattr(self, k) for k in _CHUNK_STATE})
@@ -168,6 +184,13 @@ class PipelineTrainer(Trainer):
         self.peak_activation_bytes = 0
         self.busy_seconds = self.schedule_seconds = 0.0
         self._stage_meshes = None
+
+    def _kept(self) -> list[str]:
+        """What the current chunk's forward computes that the runtime reads besides the sent
+        values: the mutated buffers' new values, and on the last stage the loss and its
+        denominator (``_loss_term``)."""
+        last = [self.cg.loss_name, self.reduction.denominator] if self.stage == self.num_stages - 1 else []
+        return list(self.view.buffer_mutations) + [n for n in last if n in self.sp.nodes]
 
     def _check_chunks_disjoint(self) -> None:
         """The stages of one device group hold disjoint parameters and buffers (checked on every rank alike)."""
@@ -328,22 +351,33 @@ class PipelineTrainer(Trainer):
         # a received activation is an autograd leaf, which no op may write in place (relu_, +=):
         # the stage's in-place ops write a copy of it
         values |= {n: t.clone() if n in self._written else t for n, t in received.items()}
+        if self.program is not None:  # the compiled stage (``program.StageProgram``)
+            sent, kept = self.program(values)
+            values |= kept
+        else:
+            sent = self._run_stage(values, gathered)
+        store_buffer_mutations(self.view, self.sp.plan, values, self.buffers, self.groups)
+        if self.stage != self.num_stages - 1:
+            return sent, None
+        return sent, self._loss_term(values)
+
+    def _run_stage(self, values: dict[str, object], gathered: GatheredParameters | None = None) -> list[torch.Tensor]:
+        """The stage's nodes run on ``values`` (placeholders and received values by name; every
+        computed value is added), then the values it sends, each it produced all-gathered to the
+        replicated spec that crosses; returns those (``self.sp.send`` order)."""
         moved = {}  # operands resharded for this microbatch, once per value and wanted spec
         for name in self.sp.nodes:
             values[name] = self.executor._call(self.cg.node(name), values, moved, gathered)
-        store_buffer_mutations(self.view, self.sp.plan, values, self.buffers, self.groups)
         sent = []
         for name in self.sp.send:
             x = values[name]
-            if name not in received:  # produced here: gather to the replicated spec that crosses
+            if name not in self.sp.recv:  # produced here: gather to the replicated spec that crosses
                 spec = self._spec(name)
                 shape = self._meta(name)[0]
                 x = reshard(x, spec, ShardingSpec.replicated(spec.ndim), () if name in self.cg.requires_grad else None,
                             shape, self.groups)
             sent.append(x)
-        if self.stage != self.num_stages - 1:
-            return sent, None
-        return sent, self._loss_term(values)
+        return sent
 
     def _loss_term(self, values) -> torch.Tensor | None:
         """``w_m L_m`` of this microbatch (None when ``w_m = 0``: a token mean without a valid
@@ -381,7 +415,7 @@ class PipelineTrainer(Trainer):
             if action.kind == "recv_act":
                 received[key] = self._recv_acts(mb)
             elif action.kind == "forward":
-                gathered = self.executor.gathered_parameters()
+                gathered = self.executor.gathered_parameters() if self.program is None else None
                 with self._compute("forward"), meter.hooks(key, gathered):
                     saved[key] = self._forward(mb, batch, received.get(key, {}), gathered)
                 meter.forward_done(key)

@@ -1,27 +1,44 @@
-"""One rank's training step of an SPMD plan lowered to a ``torch.fx.GraphModule`` and run under
-``torch.compile`` (``parallelize(..., compile=True)``); the interpreter (``executor.py``) stays
-the debug path.
+"""One rank's training step lowered to ``torch.fx`` graphs and run under ``torch.compile``
+(``parallelize(..., compile=True)``); the interpreter (``executor.py``) stays the debug path.
 
-The lowering traces (``make_fx`` on fake tensors of this rank's local shapes) what the
-interpreter runs for one microbatch: the forward on local shards with the plan's collectives,
-the loss weighted as ``ParallelTrainer._accumulate`` weighs it, and its backward through the
-collectives' explicit duals (``collectives.py``), every collective issued as a
-``torch.distributed._functional_collectives`` op (``functional_collectives``). The result is
-one graph per rank: aten ops on local shapes and ``_c10d_functional`` collectives, each followed
-by its ``wait_tensor``, in the interpreter's order, so its values are the interpreter's. It
-takes the placeholders' local values and the loss scale, and returns the weighted loss, its
-weight, the trainable parameters' gradients, the new values of the mutated buffers and the
-loss denominators. The deferred data-parallel gradient buckets, ZeRO's collectives and the
-optimizer stay outside it, in the trainer (the buckets all start after the step's backward).
+An SPMD plan (``RankProgram``): the lowering traces (``make_fx`` on fake tensors of this rank's
+local shapes) what the interpreter runs for one microbatch: the forward on local shards with the
+plan's collectives, the loss weighted as ``ParallelTrainer._accumulate`` weighs it, and its
+backward through the collectives' explicit duals (``collectives.py``), every collective issued
+as a ``torch.distributed._functional_collectives`` op (``functional_collectives``). The result
+is one graph per rank: aten ops on local shapes and ``_c10d_functional`` collectives, each
+followed by its ``wait_tensor``, in the interpreter's order, so its values are the
+interpreter's. It takes the placeholders' local values and the loss scale, and returns the
+weighted loss, its weight, the trainable parameters' gradients, the new values of the mutated
+buffers and the loss denominators. The deferred data-parallel gradient buckets, ZeRO's
+collectives and the optimizer stay outside it, in the trainer (the buckets all start after the
+step's backward).
 
-A ZeRO-3 parameter's gathered copy is kept for backward in the program (the interpreter gathers
-it again, ``collectives.GatheredParameters``, whose saved-tensor hooks key on storage addresses
-that traced tensors do not have): the program's backward lacks those re-gathers of the plan.
+A pipeline stage (``StageProgram``): its forward of one microbatch (the stage's nodes with its
+intra-stage collectives, and the all-gathers of the values it sends to replicated) is traced by
+AOT autograd (``torch._functorch.aot_autograd.aot_function``) with its backward, through the
+same explicit duals and functional collectives, into one joint graph, which the default
+partitioner splits as eager autograd runs it (the forward's ops, collectives included, in the
+forward graph; the tensors backward reads saved): a forward and a backward ``GraphModule`` on
+local shapes, each compiled with the backend and run as one ``torch.autograd.Function``. So the
+pipeline runtime (``pipeline.py``) keeps the schedule, the sends and receives between stages
+and the gradient buckets: it calls the program where it ran the stage's nodes, and its
+``torch.autograd.backward`` from the received gradients (or the weighted loss) runs the
+compiled backward, whose parameter gradients accumulate into ``.grad`` over the microbatches
+(the bucket hooks fire as in the interpreter). A schedule that splits the backward (ZB-H1) is
+refused: the compiled backward is one graph giving the input and the weight gradients together.
+
+A ZeRO-3 parameter's gathered copy is kept for backward in both programs (the interpreter
+gathers it again, ``collectives.GatheredParameters``, whose saved-tensor hooks key on storage
+addresses that traced tensors do not have): the programs' backward lacks those re-gathers.
 
 Not lowered (``ValueError`` when the program is built): random ops that draw (the interpreter
-seeds each with its per-shard seed between ops; a dropout of probability 0 is lowered),
-activation checkpointing (``Plan.remat``) and in-place writes to stored tensors. Pipelined plans
-are refused by ``parallelize``.
+seeds the generator per shard and per run between ops, ``manual_seed``, a side effect a trace
+does not record: the graph would draw from the generator's state at run time, not from the
+seeds that keep replicated shards' masks equal), activation checkpointing (``Plan.remat``: under
+a trace ``torch.utils.checkpoint`` takes only a ``context_fn`` of two ``TorchDispatchMode`` s,
+and the executor's opens ``collectives.recomputing``, which counts the recomputed collectives in
+the ``"recompute"`` phase) and in-place writes to stored tensors.
 """
 from __future__ import annotations
 
@@ -29,6 +46,8 @@ from collections import Counter
 from collections.abc import Callable
 
 import torch
+from torch._functorch.aot_autograd import aot_function, make_boxed_func
+from torch._functorch.partitioners import default_partition
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..core.aten import bind_args
@@ -47,9 +66,37 @@ def _draws(d: Dispatch) -> bool:
     return not (isinstance(p, (int, float)) and p == 0)
 
 
+def _check_lowerable(executor: LocalExecutor) -> None:
+    """Raise ``ValueError`` naming what of ``executor``'s plan the lowering does not cover
+    (module docstring): random ops that draw, in-place writes to stored tensors, recomputed layers."""
+    problems = [f"random op {n}" for n, d in executor.dispatch.items() if d.random and _draws(d)]
+    problems += [f"in-place write {n}" for n, d in executor.dispatch.items() if d.written or d.mutates]
+    problems += ["activation checkpointing (remat)"] if executor.plan.remat else []
+    if problems:
+        raise ValueError("compile=True cannot lower this plan (run it without compile): "
+                         + ", ".join(problems[:5]) + (" ..." if len(problems) > 5 else ""))
+
+
+def _compiled(graph_module: torch.fx.GraphModule, backend: str | None) -> Callable:
+    """``graph_module`` under ``torch.compile(backend=backend)`` (one graph), or as is for None."""
+    return torch.compile(graph_module, backend=backend, fullgraph=True) if backend else graph_module
+
+
+def _graph_collectives(*graph_modules: torch.fx.GraphModule) -> Counter:
+    """The ``_c10d_functional`` collectives in ``graph_modules`` by kind (``"all-reduce"`` ...)."""
+    kinds = Counter()
+    for gm in graph_modules:
+        for node in gm.graph.nodes:
+            name = getattr(node.target, "_opname", None) if node.op == "call_function" else None
+            if name in _KINDS and node.target.namespace == "_c10d_functional":
+                kinds[_KINDS[name]] += 1
+    return kinds
+
+
 class RankProgram:
-    """This rank's step as a ``torch.fx.GraphModule`` (module docstring), traced on its first
-    call and compiled with ``torch.compile(backend=backend)`` (None: the GraphModule runs as is).
+    """This rank's step of an SPMD plan as a ``torch.fx.GraphModule`` (module docstring), traced
+    on its first call and compiled with ``torch.compile(backend=backend)`` (None: the GraphModule
+    runs as is).
 
     Args:
         executor: the rank's interpreter of the plan (its dispatch tables are what is lowered).
@@ -66,12 +113,7 @@ class RankProgram:
     """
 
     def __init__(self, executor: LocalExecutor, weight: Callable, kept: list[str], backend: str | None):
-        unsupported = [f"random op {n}" for n, d in executor.dispatch.items() if d.random and _draws(d)]
-        unsupported += [f"in-place write {n}" for n, d in executor.dispatch.items() if d.written or d.mutates]
-        unsupported += ["activation checkpointing (remat)"] if executor.plan.remat else []
-        if unsupported:
-            raise ValueError("compile=True cannot lower this plan (run it without compile): "
-                             + ", ".join(unsupported[:5]) + (" ..." if len(unsupported) > 5 else ""))
+        _check_lowerable(executor)
         self.executor, self.weight, self.kept, self.backend = executor, weight, list(kept), backend
         self.graph_module: torch.fx.GraphModule | None = None
         self._compiled = None
@@ -89,8 +131,7 @@ class RankProgram:
         flat = [env[n] for n in self._names] + [torch.tensor(float(scale))]
         if self.graph_module is None:
             self.graph_module = make_fx(self._step, tracing_mode="fake")(*flat)
-            self._compiled = (torch.compile(self.graph_module, backend=self.backend, fullgraph=True)
-                              if self.backend else self.graph_module)
+            self._compiled = _compiled(self.graph_module, self.backend)
         with torch.no_grad():
             out = list(self._compiled(*flat))
         term, weight = out[0], out[1]
@@ -120,9 +161,84 @@ class RankProgram:
         """Collectives in the graph by kind (``"all-reduce"`` ...): the plan's forward and
         backward ones (``Plan.collectives`` of those phases, gradient buckets excluded), less the
         backward re-gathers of ZeRO-3 copies (module docstring)."""
-        kinds = Counter()
-        for node in self.graph_module.graph.nodes:
-            name = getattr(node.target, "_opname", None) if node.op == "call_function" else None
-            if name in _KINDS and node.target.namespace == "_c10d_functional":
-                kinds[_KINDS[name]] += 1
-        return kinds
+        return _graph_collectives(self.graph_module)
+
+
+class StageProgram:
+    """One pipeline stage's forward of a microbatch, and its backward, as two compiled
+    ``torch.fx.GraphModule`` s on this rank's local shapes (module docstring): traced by AOT
+    autograd on the first call, split by the default partitioner, each compiled with
+    ``torch.compile(backend=backend)`` (None: run as traced), and run as one autograd function,
+    so ``torch.autograd.backward`` from its outputs runs the compiled backward.
+
+    Args:
+        executor: the stage's interpreter of its plan (what is refused is read from it).
+        run: ``env -> sent``: the stage's forward as the interpreter runs it
+            (``PipelineTrainer._run_stage``): ``env`` maps placeholder and received value names
+            to local tensors, gets every value it computes added, and the values sent to the
+            next stage are returned (a list of tensors).
+        kept: names of computed values returned besides the sent ones (the loss, the loss's
+            denominator, the mutated buffers' new values).
+        backend: a ``torch.compile`` backend name, or None.
+
+    Attributes:
+        forward_module, backward_module: the partitioned ``GraphModule`` s (None before the
+            first call).
+
+    Raises:
+        ValueError: the stage's plan has random ops that draw, recomputed layers or in-place
+            writes to stored tensors (the message names them).
+    """
+
+    def __init__(self, executor: LocalExecutor, run: Callable, kept: list[str], backend: str | None):
+        _check_lowerable(executor)
+        self.executor, self.run, self.kept, self.backend = executor, run, list(kept), backend
+        self.forward_module: torch.fx.GraphModule | None = None
+        self.backward_module: torch.fx.GraphModule | None = None
+        self._function = None
+        self._names: list[str] = []  # the tensors of ``env``, in the order the function takes them
+        self._fixed: dict[str, object] = {}  # the rest of ``env`` (not tensors), fixed at the trace
+        self._sent = 0
+        self._denominators: list[str] = []
+
+    def __call__(self, env: dict[str, object]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        """Run the stage's forward of one microbatch on ``env`` (as ``run``'s). Returns ``(sent
+        values, kept values by name)``, in autograd's graph through the compiled backward; the
+        executor's ``denominators`` are set as a run sets them."""
+        if self._function is None:
+            self._names = [n for n, v in env.items() if isinstance(v, torch.Tensor)]
+            self._fixed = {n: v for n, v in env.items() if not isinstance(v, torch.Tensor)}
+            self._function = aot_function(self._forward, fw_compiler=self._compile, bw_compiler=self._compile,
+                                          partition_fn=self._partition)
+        with functional_collectives():  # the first call traces the joint graph
+            out = list(self._function(*(env[n] for n in self._names)))
+        sent, rest = out[:self._sent], out[self._sent:]
+        self.executor.denominators.update(zip(self._denominators, rest[len(self.kept):]))
+        return sent, dict(zip(self.kept, rest))
+
+    def _forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The traced function: the stage's forward on ``tensors`` (``__call__``)."""
+        env = dict(zip(self._names, tensors)) | self._fixed
+        sent = self.run(env)
+        self._sent, self._denominators = len(sent), list(self.executor.denominators)
+        return (*sent, *(env[n] for n in self.kept), *(self.executor.denominators[n] for n in self._denominators))
+
+    def _compile(self, graph_module: torch.fx.GraphModule, _example_inputs) -> Callable:
+        """AOT autograd's compiler of the forward and the backward graph: ``_compiled``, taking
+        its arguments as one list (AOT autograd's boxed calling convention)."""
+        return make_boxed_func(_compiled(graph_module, self.backend))
+
+    def _partition(self, joint: torch.fx.GraphModule, inputs, **kwargs):
+        """The default partitioner's split of the joint graph, kept as ``forward_module`` and
+        ``backward_module``."""
+        self.forward_module, self.backward_module = default_partition(joint, inputs, **kwargs)
+        return self.forward_module, self.backward_module
+
+    def collectives(self, phase: str | None = None) -> Counter:
+        """Collectives in the forward graph (``phase="forward"``), the backward graph
+        (``"backward"``) or both (None), by kind (``"all-reduce"`` ...): one microbatch's of the
+        stage plan in that phase (``Plan.collectives``, gradient buckets excluded), the forward's
+        all-gathers of the sent values to replicated, less the backward re-gathers of ZeRO-3
+        copies (module docstring)."""
+        graphs = {"forward": [self.forward_module], "backward": [self.backward_module]}
+        return _graph_collectives(*graphs.get(phase, [self.forward_module, self.backward_module]))

@@ -1,9 +1,12 @@
 """Run on every rank by torchrun: each plan trains 3 AdamW steps twice from the same weights, in
 the interpreter and as the compiled per-rank program (``parallelize(..., compile=backend)``).
-Rank 0 writes, per plan: both runs' losses, the largest parameter difference, the collectives in
-each rank's traced GraphModule next to the plan's forward and backward ones, and whether the
-collectives counted outside the program during the compiled steps (only the gradient buckets:
-the program's collectives are not counted) next to the plan's buckets."""
+Rank 0 writes, per plan: both runs' losses, the largest parameter difference, per rank the
+collectives in its traced graphs (an SPMD step's one GraphModule; a pipeline stage's forward and
+backward GraphModules) next to what its plan issues there (the forward and backward collectives
+of one microbatch, a pipeline stage's all-gathers of its sent values to replicated included),
+per rank the collectives counted outside the program during the compiled steps (only the
+gradient buckets: the program's collectives are not counted) next to its plan's buckets, and per
+rank the buckets of the last step that started during backward, of its buckets."""
 import argparse
 import copy
 import json
@@ -14,6 +17,7 @@ import torch.distributed as dist
 
 from alpa_lite import parallelize
 from alpa_lite.core.resharding import forward_steps
+from alpa_lite.core.spec import ShardingSpec
 from alpa_lite.runtime import collective_counts
 from alpa_lite.runtime.launch import init_distributed
 from alpa_lite.zoo.models import build_model
@@ -33,40 +37,75 @@ def train(model, example, batches, options: dict):
     return trainer, losses, interpreted
 
 
+def expected(trainer) -> tuple[Counter, Counter]:
+    """This rank's plan: (collectives of one microbatch by kind, by "kind|phase" for a pipeline
+    stage's two graphs; the gradient buckets of the 3 steps by "kind|phase")."""
+    pipelined = trainer.plan.kind == "pipeline"
+    stage = trainer.plan.stages[trainer.stages[0]] if pipelined else None
+    plan = stage.plan if pipelined else trainer.plan
+    key = (lambda kind, phase: f"{kind}|{phase}") if pipelined else (lambda kind, phase: kind)
+    counts, buckets = Counter(), Counter()
+    for c in plan.collectives:
+        if c.node.startswith("gradient bucket"):
+            buckets[f"{c.kind}|{c.phase}"] += STEPS
+        elif c.phase in ("forward", "backward"):
+            counts[key(c.kind, c.phase)] += 1
+    ex = trainer.program.executor
+    for (_, src, dst, _), shape in ex.regathered.items():  # ZeRO-3 copies the program keeps for backward
+        for step in forward_steps(src, dst, shape, 4, ex.mesh.shape):
+            counts[key(step.kind, "backward")] -= step.is_collective
+    for name in stage.send if pipelined else ():  # each value the stage computed, gathered to replicated
+        if name not in stage.recv:
+            spec, shape = plan.nodes[name].out_specs[0], tuple(trainer.cg.node(name).meta["val"].shape)
+            for step in forward_steps(spec, ShardingSpec.replicated(spec.ndim), shape, 4, ex.mesh.shape):
+                counts[key(step.kind, "forward")] += step.is_collective
+    return +counts, buckets
+
+
+def traced(program, pipelined: bool) -> tuple[list, dict[str, int]]:
+    """This rank's traced graphs, and their collectives keyed as ``expected`` keys them."""
+    if not pipelined:
+        return [program.graph_module], dict(program.collectives())
+    return [program.forward_module, program.backward_module], {
+        f"{k}|{ph}": n for ph in ("forward", "backward") for k, n in program.collectives(ph).items()}
+
+
+def every_rank(x):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, x)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--plans", required=True, help="JSON object: plan name -> parallelize options")
+    ap.add_argument("--plans", required=True, help="JSON object: plan name -> parallelize options (and "
+                                                   "model_layers: the GPT's blocks, default 1)")
     ap.add_argument("--backend", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     init_distributed(60)
-    model, example = build_model("gpt-tiny", 8, 16, device="cpu", num_layers=1)
-    batches = [build_model("gpt-tiny", 8, 16, device="cpu", seed=100 + s, num_layers=1)[1] for s in range(STEPS)]
     results = {}
     for name, options in json.loads(args.plans).items():
+        layers = options.pop("model_layers", 1)
+        model, example = build_model("gpt-tiny", 8, 16, device="cpu", num_layers=layers)
+        batches = [build_model("gpt-tiny", 8, 16, device="cpu", seed=100 + s, num_layers=layers)[1]
+                   for s in range(STEPS)]
         plain, plain_losses, _ = train(model, example, batches, options)
         compiled, losses, interpreted = train(model, example, batches, {"plan": plain.plan, "compile": args.backend})
         got, want = compiled.state_dict(), plain.state_dict()
-        graph = dict(compiled.program.collectives())
-        graphs = [None] * dist.get_world_size()
-        dist.all_gather_object(graphs, graph)
-        plan_counts, buckets = Counter(), Counter()
-        for c in plain.plan.collectives:
-            if c.node.startswith("gradient bucket"):
-                buckets[f"{c.kind}|{c.phase}"] += STEPS
-            elif c.phase in ("forward", "backward"):
-                plan_counts[c.kind] += 1
-        ex = compiled.program.executor
-        for (_, src, dst, _), shape in ex.regathered.items():  # ZeRO-3 copies the program keeps for backward
-            for step in forward_steps(src, dst, shape, 4, ex.mesh.shape):
-                plan_counts[step.kind] -= step.is_collective
-        traced = [None] * dist.get_world_size()
-        dist.all_gather_object(traced, isinstance(compiled.program.graph_module, torch.fx.GraphModule))
+        plan_counts, buckets = expected(compiled)
+        graphs, graph_counts = traced(compiled.program, plain.plan.kind == "pipeline")
         results[name] = {"losses": losses, "plain_losses": plain_losses,
                          "param_diff": max(float((got[k] - v).abs().max()) for k, v in want.items()),
-                         "graph_collectives": graphs, "plan_collectives": dict(plan_counts),
-                         "interpreted_during_compiled": interpreted, "buckets_3_steps": dict(buckets),
-                         "graph_module": all(traced)}
+                         "graph_collectives": every_rank(graph_counts),
+                         "plan_collectives": every_rank(dict(plan_counts)),
+                         "interpreted_during_compiled": every_rank(interpreted),
+                         "buckets_3_steps": every_rank(dict(buckets)),
+                         "early_buckets": every_rank((compiled.bucket_sync.launched_in_backward,
+                                                      len(compiled.bucket_sync.buckets))),
+                         "stage_devices": [len(s.ranks) for s in getattr(plain.plan, "stages", [])],
+                         "schedule": getattr(plain.plan, "schedule", None),
+                         "graph_module": all(every_rank(all(isinstance(g, torch.fx.GraphModule) for g in graphs)))}
     finish(results, args.out)
 
 
