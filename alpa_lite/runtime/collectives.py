@@ -80,19 +80,33 @@ def functional() -> bool:
 
 
 @contextmanager
-def _issued(kind: str, phase: str):
-    """Count one collective of ``kind`` in ``phase``; time it into ``SECONDS`` while timing is on."""
+def _issued(kind: str, phase: str, axes: tuple[int, ...] | None = None, what: str = ""):
+    """Count one collective of ``kind`` in ``phase`` (over mesh ``axes``, moving ``what``); time
+    it into ``SECONDS`` while timing is on.
+
+    Raises:
+        RuntimeError: the collective failed or timed out (a peer died or stopped); the message
+            names this rank, the collective and its mesh axes.
+    """
     if _recomputing and phase == "forward":
         phase = "recompute"
     COUNTS[(kind, phase)] += 1
-    if not _timing:
+    try:
+        if not _timing:
+            yield
+            return
+        synchronize_device()
+        t0 = time.perf_counter()
         yield
-        return
-    synchronize_device()
-    t0 = time.perf_counter()
-    yield
-    synchronize_device()
-    SECONDS[(kind, phase)] += time.perf_counter() - t0
+        synchronize_device()
+        SECONDS[(kind, phase)] += time.perf_counter() - t0
+    except RuntimeError as e:
+        raise failed(f"the {kind} {what or 'in ' + phase} over mesh axes {axes}", e) from e
+
+
+def failed(what: str, error: Exception) -> RuntimeError:
+    """The error of a collective ``what`` that failed with ``error``: it names this rank."""
+    return RuntimeError(f"rank {dist.get_rank()}: {what} failed (a peer died, stopped or timed out): {error}")
 
 
 @dataclass(frozen=True)
@@ -144,7 +158,7 @@ def run_step(x: torch.Tensor, step: Step, mesh: MeshGroups, phase: str) -> torch
         raise ValueError(f"unknown resharding step {step.kind}")
     if _functional:
         return _functional_step(x, step, n, group)
-    with _issued(step.kind, phase):
+    with _issued(step.kind, phase, (step.axis,)):
         if step.kind == "all-reduce":
             x = x.contiguous().clone()
             dist.all_reduce(x, group=group)
@@ -432,7 +446,7 @@ def _all_reduce(x: torch.Tensor, axes, mesh: MeshGroups, phase: str, op) -> torc
         return x
     x = x.contiguous().clone()
     for axis in axes:
-        with _issued("all-reduce", phase):
+        with _issued("all-reduce", phase, (axis,)):
             dist.all_reduce(x, op=op, group=mesh.groups[axis])
     return x
 

@@ -18,7 +18,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from .collectives import MeshGroups, all_reduce_async
+from .collectives import MeshGroups, all_reduce_async, failed
 
 
 class BucketSync:
@@ -95,9 +95,8 @@ class BucketSync:
             try:
                 work.wait()
             except RuntimeError as e:
-                raise RuntimeError(f"rank {dist.get_rank()}: the all-reduce of gradient bucket "
-                                   f"{len(self.buckets) - 1 - k} over mesh axes {axes} failed (a peer died "
-                                   f"or timed out): {e}") from e
+                raise failed(f"the all-reduce of gradient bucket {len(self.buckets) - 1 - k} over mesh axes {axes}",
+                             e) from e
             offset = 0
             for p in members:
                 p.grad.copy_(flat[offset: offset + p.numel()].view_as(p))

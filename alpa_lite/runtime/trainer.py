@@ -32,7 +32,7 @@ from .collectives import COUNTS, MeshGroups, gather_full, local_slice, wait_all_
 from .executor import LocalExecutor
 from .grad_sync import BucketSync
 from .init import local_constants, local_shards, store_buffer_mutations
-from .launch import default_device
+from .launch import default_device, job_timeout
 from .precision import LossScaler
 from .program import RankProgram
 from .report import REPORT_JSON_ENV, StepTimer, print_report, write_record
@@ -377,7 +377,8 @@ class ParallelTrainer(Trainer):
 
     Args:
         model: the module (meta or real parameters; ``runtime.init`` semantics).
-        device_mesh: the 2D torch ``DeviceMesh`` of the plan's shape.
+        device_mesh: the 2D torch ``DeviceMesh`` of the plan's shape; its axis groups get the
+            default group's collective timeout (``launch.job_timeout``).
         captured: the ``CapturedGraph`` of the model (the plan's fingerprint).
         plan: the ``Plan``.
         optimizer: ``params -> torch.optim.Optimizer`` over this rank's shards.
@@ -417,6 +418,8 @@ class ParallelTrainer(Trainer):
         groups = tuple(device_mesh.get_group(a) for a in range(2))
         ranks = sorted(int(r) for r in device_mesh.mesh.flatten())
         flat = dist.group.WORLD if len(ranks) == dist.get_world_size() else dist.new_group(ranks)
+        for g in {*groups, flat}:  # the job's timeout: a collective whose peer stopped fails as the job's do
+            g.set_timeout(job_timeout())
         self.groups = MeshGroups(shape, coord, groups, flat)
         self.num_microbatches = accumulate
         if accumulate > 1 and plan.loss_reduction.problems:
