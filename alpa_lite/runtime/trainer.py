@@ -28,7 +28,7 @@ from ..core.options import compute_dtype_of, reduce_dtype_of
 from ..core.plan import Plan, PlanError, gradient_buckets
 from ..core.spec import ShardingSpec
 from . import checkpoint
-from .collectives import COUNTS, MeshGroups, gather_full, local_slice, wait_all_gathers
+from .collectives import COUNTS, MeshGroups, finish_gradients, gather_full, local_slice, wait_all_gathers
 from .executor import LocalExecutor
 from .grad_sync import BucketSync
 from .init import local_constants, local_shards, store_buffer_mutations
@@ -191,7 +191,10 @@ class Trainer:
     def _sync_buckets(self) -> None:
         """Finish the deferred data-parallel gradients' synchronization (``Plan.grad_sync``): the
         all-reduces the hooks started during backward, then the rest (``grad_sync.BucketSync``);
-        then the ZeRO-2 reduce-scatters, one per bucket, after backward."""
+        then the ZeRO-2 reduce-scatters, one per bucket, after backward. The ZeRO-3 groups'
+        gradient reduce-scatters, started during backward, are waited on first
+        (``collectives.finish_gradients``)."""
+        finish_gradients()
         self.bucket_sync.finish()
         for kind, axes, members in self.buckets:
             if kind == "reduce-scatter":

@@ -57,9 +57,13 @@ def main():
             elif c.phase in ("forward", "backward"):
                 plan_counts[c.kind] += 1
         ex = compiled.program.executor
-        for (_, src, dst, _), shape in ex.regathered.items():  # ZeRO-3 copies the program keeps for backward
-            for step in forward_steps(src, dst, shape, 4, ex.mesh.shape):
-                plan_counts[step.kind] -= step.is_collective
+        for key, shape in ex.regathered.items():  # ZeRO-3 copies the program keeps for backward
+            if key not in ex.member:
+                for step in forward_steps(key[1], key[2], shape, 4, ex.mesh.shape):
+                    plan_counts[step.kind] -= step.is_collective
+        for keys in ex.groups:  # the program moves a group's m members one by one, keeping their copies:
+            plan_counts["all-gather"] += len(keys) - 2  # m forward, none again in backward (the plan: 1 and 1)
+            plan_counts["reduce-scatter"] += len(keys) - 1  # m (the plan: 1)
         traced = [None] * dist.get_world_size()
         dist.all_gather_object(traced, isinstance(compiled.program.graph_module, torch.fx.GraphModule))
         results[name] = {"losses": losses, "plain_losses": plain_losses,
