@@ -174,18 +174,22 @@ class Plan:
 
     @property
     def overlap_seconds(self) -> float:
-        """Predicted gradient-bucket all-reduce time hidden behind backward compute, seconds.
+        """Predicted gradient-synchronization time hidden behind backward compute, seconds.
 
-        The runtime starts each bucket's all-reduce as soon as backward has produced its
-        gradients, last layers first (``runtime/grad_sync.py``, as DDP: Li et al., VLDB 2020,
-        section 3.2.3). Every bucket but bucket 0 (the first layers' gradients, ready only when
-        backward ends) can run under the remaining backward compute, which is 2/3 of the step's
-        compute (backward is 2x forward FLOPs): hidden = min(buckets' time - bucket 0's,
-        2/3 compute). ZeRO-2's reduce-scatter buckets run after backward and hide nothing.
+        The runtime starts each gradient bucket's all-reduce (ZeRO-2: reduce-scatter) as soon as
+        backward has produced its gradients, last layers first (``runtime/grad_sync.py``, as DDP:
+        Li et al., VLDB 2020, section 3.2.3), and each ZeRO-3 group's gradient reduce-scatter
+        once the group's last gradient has arrived (``collectives.GatherGroup``, as FSDP). Every
+        one but the last to become ready (bucket 0 and group 0: the first layers' gradients,
+        ready only when backward ends) can run under the remaining backward compute, which is
+        2/3 of the step's compute (backward is 2x forward FLOPs): hidden = min(their time -
+        bucket 0's and group 0's, 2/3 compute).
         """
-        buckets = [c.seconds for c in self.collectives
-                   if c.node.startswith("gradient bucket") and c.kind == "all-reduce"]  # ZeRO-2's run after
-        return min(sum(buckets[1:]), 2 / 3 * self.compute_seconds) if buckets else 0.0
+        hidden = sum(c.seconds for c in self.collectives
+                     if (c.node.startswith("gradient bucket") and c.node != "gradient bucket 0")
+                     or (c.kind == "reduce-scatter" and c.tensor.startswith("ZeRO-3 group ")
+                         and not c.tensor.startswith("ZeRO-3 group 0 ")))
+        return min(hidden, 2 / 3 * self.compute_seconds)
 
     def collective_counts(self) -> dict[tuple[str, str], int]:
         """``(kind, phase) -> count`` over one training step."""

@@ -211,14 +211,18 @@ def all_reduce_async(flat: torch.Tensor, axes: tuple[int, ...], mesh: MeshGroups
     return work
 
 
-def reduce_scatter_bucket(parts: list[torch.Tensor], axes: tuple[int, ...], mesh: MeshGroups) -> torch.Tensor:
-    """One reduce-scatter over the devices of ``axes``: ``parts[j]`` (equal 1-D tensors) is what
-    this rank contributes to group rank ``j``; returns the sum over the group of the parts for
-    this rank (ZeRO-2's gradient bucket)."""
-    out = torch.empty_like(parts[0])
-    with _issued("reduce-scatter", "backward"):
-        dist.reduce_scatter(out, [p.contiguous() for p in parts], group=mesh.group(axes))
-    return out
+def reduce_scatter_async(flat: torch.Tensor, axes: tuple[int, ...], mesh: MeshGroups):
+    """Start one reduce-scatter over the devices of ``axes`` (``async_op=True``): ``flat``
+    (``n`` equal 1-D parts, one per group rank, concatenated) is what this rank contributes;
+    returns ``(work, out)``, ``out`` holding the group's sum of the parts for this rank once
+    ``work`` is waited on (ZeRO-2's gradient bucket). While timing is on it is waited on here,
+    as ``all_reduce_async``."""
+    out = flat.new_empty(flat.numel() // math.prod(mesh.shape[a] for a in axes))
+    with _issued("reduce-scatter", "backward", axes, "of a gradient bucket"):
+        work = dist.reduce_scatter_single(out, flat, group=mesh.group(axes), async_op=True)
+        if _timing:
+            work.wait()
+    return work, out
 
 
 def all_gather_async(x: torch.Tensor, dim: int, axes: tuple[int, ...], mesh: MeshGroups, phase: str):
@@ -344,14 +348,15 @@ class GatherGroup:
     parameter's dtype: the dual of a low-precision cast).
 
     Args:
-        shards: each member's local shard (the same dtype); dims: the dim each is gathered along;
-        shapes: each member's gathered (global) shape; params: the parameter (an autograd leaf)
-        whose gradient each member's is; axis, mesh: the mesh axis and this rank's ``MeshGroups``.
+        shards: each member's local shard (the same dtype); dims: the dim each is gathered along
+            (its gathered copy is the shard with that dim ``n`` times longer, ``n`` the devices of
+            ``axis``); params: the parameter (an autograd leaf) whose gradient each member's is;
+            axis, mesh: the mesh axis and this rank's ``MeshGroups``.
     """
 
-    def __init__(self, shards: list[torch.Tensor], dims: list[int], shapes: list[tuple], params: list[torch.Tensor],
-                 axis: int, mesh: MeshGroups):
-        self.shards, self.dims, self.shapes, self.params = [s.detach() for s in shards], dims, shapes, params
+    def __init__(self, shards: list[torch.Tensor], dims: list[int], params: list[torch.Tensor], axis: int,
+                 mesh: MeshGroups):
+        self.shards, self.dims, self.params = [s.detach() for s in shards], dims, params
         self.axis, self.mesh, self.n = axis, mesh, mesh.shape[axis]
         self.sizes = [s.numel() for s in self.shards]
         self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
@@ -392,9 +397,9 @@ class GatherGroup:
             except RuntimeError as e:
                 raise failed(f"the all-gather of a ZeRO-3 group ({phase}) over mesh axes ({self.axis},)", e) from e
             self._work = None
-        local = self.shards[i].shape
+        local, d = self.shards[i].shape, self.dims[i]
         part = self._out.view(self.n, self.total)[:, self.offsets[i]:self.offsets[i] + self.sizes[i]]
-        full = part.view(self.n, *local).movedim(0, self.dims[i]).reshape(self.shapes[i])
+        full = part.view(self.n, *local).movedim(0, d).reshape(*local[:d], self.n * local[d], *local[d + 1:])
         self._taken += 1
         if self._taken == len(self.shards):
             self._out = None

@@ -263,8 +263,7 @@ class LocalExecutor:
             steps = [forward_steps(spec, dst, self.regathered[k], values[src].element_size(), self.mesh.shape)[0]
                      for k in keys for src, spec, dst, _ in (k,)]
             return GatherGroup([values[k[0]] for k in keys], [st.dim for st in steps],
-                               [self.regathered[k] for k in keys], [values[self._param_of[k[0]]] for k in keys],
-                               steps[0].axis, self.mesh)
+                               [values[self._param_of[k[0]]] for k in keys], steps[0].axis, self.mesh)
         gathered.start_group(g, make)
 
     def _prefetch(self, gathered: GatheredParameters, values, unit) -> None:

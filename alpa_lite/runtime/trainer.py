@@ -77,7 +77,7 @@ class Trainer:
         optimizer: the ``torch.optim`` optimizer over the local shards (None: nothing to train here).
         groups: this rank's ``MeshGroups``; buckets: its deferred gradient buckets, all-reduced
             in ``reduce_dtype`` (the plan's ``PlanOptions.reduce_dtype``; None: fp32);
-            bucket_sync: their all-reduces (``grad_sync.BucketSync``).
+            bucket_sync: their all-reduces and ZeRO-2 reduce-scatters (``grad_sync.BucketSync``).
         zero: its ``ZeroPartition`` (the optimizer's slices of ZeRO-1/2 parameters).
         overlap: start each bucket's all-reduce during backward as soon as its gradients are
             ready (default); False: all of them after backward (the plain step, for debugging).
@@ -110,10 +110,9 @@ class Trainer:
         self.buckets = gradient_buckets(self.view, plan.nodes, plan.grad_sync, self.groups.shape, plan.bucket_bytes)
         self.reduce_dtype = reduce_dtype_of(self.plan.options)
         self.scaler = LossScaler() if compute_dtype_of(self.plan.options) is torch.float16 else None
-        self.bucket_sync = BucketSync([(axes, members) for kind, axes, members in self.buckets if kind == "all-reduce"],
-                                      {ph: self.params[fqn] for ph, fqn in self.view.param_fqns.items()}, self.groups,
-                                      self.reduce_dtype)
         self.zero = ZeroPartition(self.view, plan, self.params, self.groups)
+        self.bucket_sync = BucketSync(self.buckets, {ph: self.params[fqn] for ph, fqn in self.view.param_fqns.items()},
+                                      self.groups, self.reduce_dtype, self.zero, self.view.param_fqns)
         self.optimizer = optimizer(self.zero.optimizer_params()) if self.params else None
         self._placeholders = {fqn: ph for ph, fqn in {**self.view.param_fqns, **self.view.buffer_fqns}.items()}
 
@@ -189,20 +188,12 @@ class Trainer:
         return self.executor.denominators.get(name, values.get(name)).detach()
 
     def _sync_buckets(self) -> None:
-        """Finish the deferred data-parallel gradients' synchronization (``Plan.grad_sync``): the
-        all-reduces the hooks started during backward, then the rest (``grad_sync.BucketSync``);
-        then the ZeRO-2 reduce-scatters, one per bucket, after backward. The ZeRO-3 groups'
-        gradient reduce-scatters, started during backward, are waited on first
-        (``collectives.finish_gradients``)."""
+        """Finish the gradients' synchronization: the ZeRO-3 groups' reduce-scatters started
+        during backward (``collectives.finish_gradients``), then the deferred data-parallel
+        buckets (``Plan.grad_sync``): the all-reduces / ZeRO-2 reduce-scatters the hooks started
+        during backward, then the rest (``grad_sync.BucketSync``)."""
         finish_gradients()
         self.bucket_sync.finish()
-        for kind, axes, members in self.buckets:
-            if kind == "reduce-scatter":
-                fqns = [self.view.param_fqns[ph] for ph in members]
-                for f in fqns:
-                    if self.params[f].grad is None:
-                        self.params[f].grad = torch.zeros_like(self.params[f])
-                self.zero.reduce_scatter(fqns, axes)
         self.zero.slice_gradients()
 
     def _zero_partitions(self) -> list[ZeroPartition]:
