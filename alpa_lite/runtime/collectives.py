@@ -364,9 +364,10 @@ class GatherGroup:
         self.copies: list[_Copy | None] = [None] * len(shards)
         self._work = self._out = None
         self._phase = None  # the phase of the last all-gather issued
-        self._taken = 0  # members whose copy was split off the last gather
+        self._fulls: list[torch.Tensor | None] = []  # the last gather's copies not taken yet
         self._grads: list[torch.Tensor | None] = [None] * len(shards)
         self._reduce = None  # (work, output) of the gradients' reduce-scatter
+        self.done = False  # its gradients added into the parameters'
 
     def issue(self, phase: str) -> bool:
         """Start the all-gather of phase ``phase`` (``async_op=True``), once per phase; whether it
@@ -384,12 +385,13 @@ class GatherGroup:
             if _timing:
                 self._work.wait()
         _in_flight.append(self._work)
-        self._phase, self._taken = phase, 0
+        self._phase, self._fulls = phase, []
         return True
 
     def full(self, i: int, phase: str) -> torch.Tensor:
         """Member ``i``'s gathered copy from the all-gather of ``phase`` (issued now if it was not
-        prefetched); the flat buffer is dropped once every member has taken its copy."""
+        prefetched). The first one waits, copies every member's out of the flat buffer and drops
+        it (FSDP's copy-out); each member then takes its own."""
         self.issue(phase)
         if self._work is not None:
             try:
@@ -397,12 +399,13 @@ class GatherGroup:
             except RuntimeError as e:
                 raise failed(f"the all-gather of a ZeRO-3 group ({phase}) over mesh axes ({self.axis},)", e) from e
             self._work = None
-        local, d = self.shards[i].shape, self.dims[i]
-        part = self._out.view(self.n, self.total)[:, self.offsets[i]:self.offsets[i] + self.sizes[i]]
-        full = part.view(self.n, *local).movedim(0, d).reshape(*local[:d], self.n * local[d], *local[d + 1:])
-        self._taken += 1
-        if self._taken == len(self.shards):
+            rows = self._out.view(self.n, self.total)
+            for j, (shard, d) in enumerate(zip(self.shards, self.dims)):
+                local = shard.shape
+                part = rows[:, self.offsets[j]:self.offsets[j] + self.sizes[j]].view(self.n, *local)
+                self._fulls.append(part.movedim(0, d).reshape(*local[:d], self.n * local[d], *local[d + 1:]))
             self._out = None
+        full, self._fulls[i] = self._fulls[i], None
         return full
 
     def gradient(self, i: int, grad: torch.Tensor) -> None:
@@ -415,6 +418,11 @@ class GatherGroup:
             self._launch()
 
     def _launch(self) -> None:
+        """Start the reduce-scatter, once the one started before it is done (its input freed: at
+        most two groups' gradients in flight, as FSDP)."""
+        for other in _reducing:
+            if other is not self and other._reduce is not None:
+                other.finish()
         flat = self.shards[0].new_empty(self.n, self.total)
         for i, g in enumerate(self._grads):
             part = flat[:, self.offsets[i]:self.offsets[i] + self.sizes[i]].view(self.n, *self.shards[i].shape)
@@ -444,6 +452,7 @@ class GatherGroup:
         for i, p in enumerate(self.params):
             g = out[self.offsets[i]:self.offsets[i] + self.sizes[i]].view(self.shards[i].shape).to(p.dtype)
             p.grad = g if p.grad is None else p.grad + g
+        self.done = True
 
 
 _reducing: list[GatherGroup] = []  # groups of this step that received gradients, in the order they did
@@ -453,7 +462,7 @@ def finish_gradients() -> None:
     """Wait on the ZeRO-3 groups' gradient reduce-scatters of this step (``GatherGroup``),
     starting those some of whose gradients never came, in one order on every rank, and add the
     sums into the parameters' gradients; call after the last backward, before the optimizer."""
-    groups = list(_reducing)
+    groups = [g for g in _reducing if not g.done]
     _reducing.clear()
     for group in groups:
         group.finish()

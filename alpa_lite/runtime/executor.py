@@ -137,7 +137,7 @@ class LocalExecutor:
         # graph order, with their shapes; after its last reader a gathered copy is dropped, so
         # forward holds it no longer than needed. The members of a group (``core.plan.zero3_groups``)
         # move by its flat collectives; each unit (a group, or a use moved alone) prefetches the next
-        # one's all-gather. A low-precision cast a group gathers runs before the graph's first node.
+        # one's all-gather. A low-precision cast a group gathers runs when the group starts.
         self.regathered = zero3_uses(captured, plan.nodes, mesh.shape, plan.remat)
         self.last_reads = {(src, src_spec, dst, gp): name for name in (n.name for n in captured.graph.nodes)
                            for src, src_spec, dst, gp, _ in self.operands.get(name, ())
@@ -169,8 +169,6 @@ class LocalExecutor:
         gathered = self.gathered_parameters()
         ops = (n for n in self.cg.graph.nodes if n.op == "call_function")
         with gathered.hooks() if gathered is not None else contextlib.nullcontext():
-            if gathered is not None:  # the casts a ZeRO-3 group gathers, before its first use
-                self._run_nodes((n for n in self.cg.graph.nodes if n.name in self.early), values, moved, gathered)
             for layer, nodes in itertools.groupby(ops, key=lambda n: self.remat.get(n.name)):
                 if layer is not None and torch.is_grad_enabled():
                     reads = self._reads[layer]
@@ -225,10 +223,10 @@ class LocalExecutor:
                     if gathered is not None and key in self.regathered:
                         member = self.member.get(key)
                         if member is not None:
-                            self._start(gathered, values, member[0])
+                            self._start(gathered, values, moved, member[0])
                         moved[key] = gathered.move(key, values[src], src_spec, dst_spec, grad_partial, shape,
                                                    self.mesh, member)
-                        self._prefetch(gathered, values, member[0] if member is not None else key)
+                        self._prefetch(gathered, values, moved, member[0] if member is not None else key)
                     else:
                         moved[key] = reshard(values[src], src_spec, dst_spec, grad_partial, shape, self.mesh)
                 except RuntimeError as e:
@@ -256,23 +254,26 @@ class LocalExecutor:
             self._store(node.name, np_.out_specs[0], out, d.mutates, values)
         return out
 
-    def _start(self, gathered: GatheredParameters, values, g: int) -> None:
-        """Start ZeRO-3 group ``g``'s forward all-gather in this run (once)."""
+    def _start(self, gathered: GatheredParameters, values, moved: dict, g: int) -> None:
+        """Start ZeRO-3 group ``g``'s forward all-gather in this run (once); a low-precision cast
+        of a member not run yet runs now (``early``: its node then returns this value)."""
         def make():
             keys = self.groups[g]
+            for src in (k[0] for k in keys if k[0] not in values):
+                values[src] = self._call(self.cg.node(src), values, moved, gathered)
             steps = [forward_steps(spec, dst, self.regathered[k], values[src].element_size(), self.mesh.shape)[0]
                      for k in keys for src, spec, dst, _ in (k,)]
             return GatherGroup([values[k[0]] for k in keys], [st.dim for st in steps],
                                [values[self._param_of[k[0]]] for k in keys], steps[0].axis, self.mesh)
         gathered.start_group(g, make)
 
-    def _prefetch(self, gathered: GatheredParameters, values, unit) -> None:
+    def _prefetch(self, gathered: GatheredParameters, values, moved: dict, unit) -> None:
         """Start the all-gather of the ZeRO-3 unit after ``unit`` (a group's index or a use's key;
         ``next_gather``), unless a use's shard is not computed yet (a low-precision cast that has
         not run)."""
         nxt = self.next_gather.get(unit)
         if isinstance(nxt, int):
-            self._start(gathered, values, nxt)
+            self._start(gathered, values, moved, nxt)
         elif nxt is not None and values.get(nxt[0]) is not None and nxt not in gathered.started:
             gathered.prefetch(nxt, values[nxt[0]], nxt[1], nxt[2], self.regathered[nxt], self.mesh)
 

@@ -16,7 +16,9 @@ optimizer stay outside it, in the trainer (the buckets all start after the step'
 
 A ZeRO-3 parameter's gathered copy is kept for backward in the program (the interpreter gathers
 it again, ``collectives.GatheredParameters``, whose saved-tensor hooks key on storage addresses
-that traced tensors do not have): the program's backward lacks those re-gathers of the plan.
+that traced tensors do not have): the program's backward lacks those re-gathers of the plan,
+and it moves the members of a ZeRO-3 group (``core.plan.zero3_groups``) one by one, an all-gather
+and a gradient reduce-scatter each, where the plan lists the group's flat collectives.
 
 Not lowered (``ValueError`` when the program is built): random ops that draw (the interpreter
 seeds each with its per-shard seed between ops; a dropout of probability 0 is lowered),
@@ -119,7 +121,8 @@ class RankProgram:
     def collectives(self) -> Counter:
         """Collectives in the graph by kind (``"all-reduce"`` ...): the plan's forward and
         backward ones (``Plan.collectives`` of those phases, gradient buckets excluded), less the
-        backward re-gathers of ZeRO-3 copies (module docstring)."""
+        backward re-gathers of ZeRO-3 copies, with a ZeRO-3 group's moved per member (module
+        docstring)."""
         kinds = Counter()
         for node in self.graph_module.graph.nodes:
             name = getattr(node.target, "_opname", None) if node.op == "call_function" else None
