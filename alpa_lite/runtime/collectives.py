@@ -237,9 +237,23 @@ def all_gather_async(x: torch.Tensor, dim: int, axes: tuple[int, ...], mesh: Mes
     _in_flight.append(work)
 
     def wait() -> torch.Tensor:
-        work.wait()
+        _done(work, f"the all-gather ({phase}) over mesh axes {axes}")
         return torch.cat(parts, dim=dim)
     return wait
+
+
+def _done(work, what: str) -> None:
+    """Wait on an async all-gather ``what`` and forget its handle (and the buffers it holds).
+
+    Raises:
+        RuntimeError: it failed or timed out; the message names this rank.
+    """
+    try:
+        work.wait()
+    except RuntimeError as e:
+        raise failed(what, e) from e
+    if work in _in_flight:
+        _in_flight.remove(work)
 
 
 _in_flight: list = []  # the async all-gathers issued since the last ``wait_all_gathers``
@@ -394,10 +408,7 @@ class GatherGroup:
         it (FSDP's copy-out); each member then takes its own."""
         self.issue(phase)
         if self._work is not None:
-            try:
-                self._work.wait()
-            except RuntimeError as e:
-                raise failed(f"the all-gather of a ZeRO-3 group ({phase}) over mesh axes ({self.axis},)", e) from e
+            _done(self._work, f"the all-gather of a ZeRO-3 group ({phase}) over mesh axes ({self.axis},)")
             self._work = None
             rows = self._out.view(self.n, self.total)
             for j, (shard, d) in enumerate(zip(self.shards, self.dims)):
@@ -423,14 +434,11 @@ class GatherGroup:
         for other in _reducing:
             if other is not self and other._reduce is not None:
                 other.finish()
-        flat = self.shards[0].new_empty(self.n, self.total)
-        for i, g in enumerate(self._grads):
-            part = flat[:, self.offsets[i]:self.offsets[i] + self.sizes[i]].view(self.n, *self.shards[i].shape)
-            if g is None:  # a member whose readers' backward never came: its gradient is zero
-                part.zero_()
-            else:
-                d = self.dims[i]
-                part.copy_(g.unflatten(d, (self.n, g.shape[d] // self.n)).movedim(d, 0))
+        g = self._grads[0]
+        if len(self.shards) == 1 and self.dims[0] == 0 and g is not None and g.is_contiguous():
+            flat = g.view(self.n, self.total)  # one member split on dim 0: already laid out by rank
+        else:
+            flat = self._in_rank_order()
         self._grads = [None] * len(self.shards)
         out = flat.new_empty(self.total)
         with _issued("reduce-scatter", "backward", (self.axis,), "of a ZeRO-3 group's gradients"):
@@ -438,6 +446,19 @@ class GatherGroup:
             if _timing:
                 work.wait()
         self._reduce = (work, out)
+
+    def _in_rank_order(self) -> torch.Tensor:
+        """The reduce-scatter's input ``(n, total)``: row ``j`` holds every member's chunk ``j``
+        of its gradient along its gathered dim (a member whose readers' backward never came: zeros)."""
+        flat = self.shards[0].new_empty(self.n, self.total)
+        for i, g in enumerate(self._grads):
+            part = flat[:, self.offsets[i]:self.offsets[i] + self.sizes[i]].view(self.n, *self.shards[i].shape)
+            if g is None:
+                part.zero_()
+            else:
+                d = self.dims[i]
+                part.copy_(g.unflatten(d, (self.n, g.shape[d] // self.n)).movedim(d, 0))
+        return flat
 
     def finish(self) -> None:
         """Start the reduce-scatter if some member's gradient never came, wait, and add each
