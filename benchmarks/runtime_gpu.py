@@ -4,17 +4,21 @@
                                      [--batch 8] [--seq 1024] [--out docs/runtime_gpu.md]
     python benchmarks/runtime_gpu.py --smoke --out /tmp/x.md     # tiny GPT on CPU, seconds
 
-- one device (world size 1, mesh 1x1): the interpreted alpa-lite step (``parallelize``) vs
-  eager PyTorch and ``torch.compile``d PyTorch on the same model, AdamW, same batches. The
-  runners take turns (``--repeats`` rounds of ``--steps`` steps each, after ``--warmup`` steps),
-  so a slow phase of a shared machine hits all of them; the table gives each one's median step
-  and the spread of its steps (the 25th to 75th percentile, relative to the median) and peak
-  memory growth during its steps (CUDA only).
+- one device (world size 1, mesh 1x1): the interpreted alpa-lite step (``parallelize``) and the
+  compiled one (``parallelize(..., compile=backend)``: the rank's step lowered to one
+  ``torch.fx.GraphModule`` under ``torch.compile``, ``runtime/program.py``) vs eager PyTorch and
+  ``torch.compile``d PyTorch on the same model, AdamW, same batches. The runners take turns
+  (``--repeats`` rounds of ``--steps`` steps each, after ``--warmup`` steps), so a slow phase of
+  a shared machine hits all of them; the table gives each one's median step and the spread of
+  its steps (the 25th to 75th percentile, relative to the median) and peak memory growth during
+  its steps (CUDA only).
 - with >= 2 ranks (``--dp-ranks``, default: every GPU): alpa-lite's data-parallel plan vs
-  ``DistributedDataParallel`` over all ranks, the same way.
+  ``DistributedDataParallel``, and alpa-lite's Megatron plan (each block's FFN fc column-split
+  ``S1R``, proj row-split ``RS1``, the rest replicated, the batch replicated) vs DTensor
+  ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` on the same layers,
+  over all ranks, the same way (each alpa-lite row's ratio is to its PyTorch counterpart).
 Parameters are cast to the dtype (bf16: pure bf16 weights and optimizer state, the same for all
-runners). ``compile=True`` for alpa-lite (one compiled program per rank) does not exist yet: the
-table has no such column.
+runners).
 """
 from __future__ import annotations
 
@@ -72,12 +76,35 @@ def _runners(args, name: str, dtype: str, n: int):
                                               adamw(compiled.parameters()), False)
         trainer = parallelize(copy.deepcopy(model), (1, 1), example, optimizer=adamw)
         runners["alpa-lite interpreted"] = lambda b: trainer.step(*b)
+        program = parallelize(copy.deepcopy(model), (1, 1), example, optimizer=adamw, plan=trainer.plan,
+                              compile=args.compile_backend)
+        runners["alpa-lite compiled"] = lambda b: program.step(*b)
     else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
         ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model).to(device))
         runners["DDP"] = torch_step(ddp, adamw(ddp.parameters()), True)
         trainer = parallelize(copy.deepcopy(model), (1, n), example, optimizer=adamw, force_data_parallel=True)
         runners["alpa-lite DP"] = lambda b: trainer.step(*b)
+        layers = len(model.blocks)
+        tp = copy.deepcopy(model).to(device)
+        parallelize_module(tp, init_device_mesh(device.type, (n,)), {
+            f"blocks.{i}.ffn.{name}": style for i in range(layers)
+            for name, style in (("fc", ColwiseParallel()), ("proj", RowwiseParallel()))})
+        runners["DTensor TP"] = torch_step(tp, adamw(tp.parameters()), False)
+        specs = {fqn: "R" * p.dim() for fqn, p in model.named_parameters()}
+        for i in range(layers):
+            specs |= {f"blocks.{i}.ffn.fc.weight": "S1R", f"blocks.{i}.ffn.fc.bias": "S1",
+                      f"blocks.{i}.ffn.proj.weight": "RS1"}
+        megatron = parallelize(copy.deepcopy(model), (1, n), example, optimizer=adamw, param_specs=specs,
+                               input_specs={"0": "RR", "1": "RR"})
+        runners["alpa-lite Megatron TP"] = lambda b: megatron.step(*b)
     return runners, batches, device
+
+
+BASELINES = {"torch.compile": "eager PyTorch", "alpa-lite interpreted": "eager PyTorch",
+             "alpa-lite compiled": "torch.compile", "alpa-lite DP": "DDP", "alpa-lite Megatron TP": "DTensor TP"}
 
 
 def _measure(args, runners, batches, device) -> dict:
@@ -141,16 +168,18 @@ def _device_name() -> str:
     return f"CPU ({torch.get_num_threads()} threads per process)"
 
 
-def _table(r: dict, baseline: str) -> list[str]:
-    lines = ["| model | dtype | runner | median step ms | spread | time ratio vs " + baseline + " | peak MiB |",
-             "|---|---|---|---|---|---|---|"]
+def _table(r: dict) -> list[str]:
+    """The markdown rows of one run: each runner's time ratio is to its ``BASELINES`` entry (a
+    runner without one: 1)."""
+    lines = ["| model | dtype | runner | median step ms | spread | time ratio | vs | peak MiB |",
+             "|---|---|---|---|---|---|---|---|"]
     for key, runs in r["results"].items():
         model, dtype = key.split("|")
-        base = runs[baseline]["median_s"]
         for label, m in runs.items():
+            base = BASELINES.get(label, label)
             peak = "-" if m["peak_bytes"] is None else f"{m['peak_bytes'] / 2**20:.0f}"
             lines.append(f"| {model} | {dtype} | {label} | {m['median_s'] * 1e3:.2f} | ±{m['spread'] * 50:.1f}% | "
-                         f"{m['median_s'] / base:.3f} | {peak} |")
+                         f"{m['median_s'] / runs[base]['median_s']:.3f} | {'-' if base == label else base} | {peak} |")
     return lines
 
 
@@ -193,8 +222,8 @@ def main() -> int:
             return code
         r = json.loads(result.read_text())
         result.unlink()
-        title = "One device (world size 1, mesh 1x1)" if nproc == 1 else f"Data parallel over {nproc} ranks"
-        sections.append(f"## {title}: {r['device']}\n\n" + "\n".join(_table(r, "eager PyTorch" if nproc == 1 else "DDP")))
+        title = "One device (world size 1, mesh 1x1)" if nproc == 1 else f"DP and TP over {nproc} ranks"
+        sections.append(f"## {title}: {r['device']}\n\n" + "\n".join(_table(r)))
     text = ("# Runtime on GPUs\n\nCommand: `python benchmarks/runtime_gpu.py " + " ".join(argv) + "`: batch "
             f"{args.batch}, seq {args.seq}; per runner {args.repeats} rounds of {args.steps} timed steps after "
             f"{args.warmup} warm-up steps, the runners taking turns; spread: half the 25th-75th percentile range "

@@ -1,10 +1,12 @@
 """benchmarks/runtime_gpu.py still runs: its CPU smoke mode (a tiny GPT, a few steps) times every
-runner of both tables (world size 1, and DP vs DDP on 2 gloo ranks) and writes the doc. Speed
+runner of both tables (world size 1, and DP vs DDP and TP vs DTensor on 2 gloo ranks) and writes the doc. Speed
 itself is measured by the benchmark, not asserted here."""
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -15,9 +17,15 @@ def test_smoke_run_writes_both_tables(tmp_path):
                         "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     text = out.read_text()
-    assert "## One device (world size 1, mesh 1x1)" in text and "## Data parallel over 2 ranks" in text
-    rows = re.findall(r"^\| gpt-tiny \| fp32 \| ([^|]+) \| ([0-9.]+) \| ±([0-9.]+)% \| ([0-9.]+) \|", text, re.M)
-    assert [label.strip() for label, *_ in rows] == ["eager PyTorch", "torch.compile", "alpa-lite interpreted",
-                                                     "DDP", "alpa-lite DP"]
-    assert all(float(ms) > 0 for _, ms, _, _ in rows)
-    assert [float(ratio) for label, _, _, ratio in rows if label.strip() in ("eager PyTorch", "DDP")] == [1.0, 1.0]
+    assert "## One device (world size 1, mesh 1x1)" in text and "## DP and TP over 2 ranks" in text
+    rows = re.findall(r"^\| gpt-tiny \| fp32 \| ([^|]+) \| ([0-9.]+) \| ±([0-9.]+)% \| ([0-9.]+) \| ([^|]+) \|",
+                      text, re.M)
+    assert [(label.strip(), vs.strip()) for label, _, _, _, vs in rows] == [
+        ("eager PyTorch", "-"), ("torch.compile", "eager PyTorch"), ("alpa-lite interpreted", "eager PyTorch"),
+        ("alpa-lite compiled", "torch.compile"), ("DDP", "-"), ("alpa-lite DP", "DDP"), ("DTensor TP", "-"),
+        ("alpa-lite Megatron TP", "DTensor TP")]
+    ms = {label.strip(): float(t) for label, t, *_ in rows}
+    assert all(t > 0 for t in ms.values())
+    for label, t, _, ratio, vs in rows:  # each ratio is to the runner it names
+        base = ms.get(vs.strip(), float(t))
+        assert float(ratio) == pytest.approx(float(t) / base, rel=5e-3)

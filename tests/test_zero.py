@@ -55,13 +55,19 @@ def test_forced_stages_memory_and_collectives(forced):
                                              ("all-gather", "update"): 1}
     assert forced[2].collective_counts() == {("all-reduce", "forward"): 1, ("reduce-scatter", "backward"): 1,
                                              ("all-gather", "update"): 1}
-    # ZeRO-3: each of the 8 parameters all-gathered before use, again in backward (the gathered
-    # copy is not kept), its gradient reduce-scattered
-    assert forced[3].collective_counts() == {("all-reduce", "forward"): 1, ("all-gather", "forward"): 8,
-                                             ("all-gather", "backward"): 8, ("reduce-scatter", "backward"): 8}
-    gathers = [c for c in forced[3].collectives if c.kind == "all-gather"]
+    # ZeRO-3: the 8 parameters (17 KB gathered < 25 MiB) form one group (core.plan.zero3_groups):
+    # one flat all-gather before use, again in backward (the gathered copy is not kept), and one
+    # reduce-scatter of their gradients, each of the 8 parameters' gathered bytes
+    assert forced[3].collective_counts() == {("all-reduce", "forward"): 1, ("all-gather", "forward"): 1,
+                                             ("all-gather", "backward"): 1, ("reduce-scatter", "backward"): 1}
+    assert [c.nbytes for c in forced[3].collectives if c.tensor.startswith("ZeRO-3 group")] == [w] * 3
+    # groups of at most bucket_bytes gathered: a 64 x 64 weight (16 KiB) and its bias fit one 17 000 B group
+    small = mlp_plan(zero_stage=3, bucket_bytes=17_000)
+    assert small.collective_counts() == {("all-reduce", "forward"): 1, ("all-gather", "forward"): 4,
+                                         ("all-gather", "backward"): 4, ("reduce-scatter", "backward"): 4}
+    gathers = [c for c in small.collectives if c.kind == "all-gather"]
     nbytes = {phase: [c.nbytes for c in gathers if c.phase == phase] for phase in ("forward", "backward")}
-    assert nbytes["backward"] == nbytes["forward"][::-1]
+    assert nbytes["forward"] == [(64 * 64 + 64) * 4] * 4 and nbytes["backward"] == nbytes["forward"][::-1]
     assert {str(s) for s in forced[3].param_specs.values()} == {"S1R", "S1"}
     assert json.loads(forced[2].to_json())["zero_stages"]["layers.0.weight"] == {"stage": 2, "axes": [1]}
     assert Plan.from_json(forced[2].to_json()).zero_stages == forced[2].zero_stages
@@ -126,8 +132,10 @@ CASES = {f"{name}-{opt}": {"mesh": mesh, "optimizer": opt, "options": options}
          for opt in ("sgd", "adamw")
          for name, mesh, options in (("zero1", (1, 4), {"batch_axis": 1, "zero_stage": 1}),
                                      ("zero2", (1, 4), {"batch_axis": 1, "zero_stage": 2}),
-                                     ("zero3", (1, 4), {"batch_axis": 1, "zero_stage": 3}),
-                                     ("zero3-2x2", (2, 2), {"batch_axis": 0, "zero_stage": 3}),
+                                     # groups of one weight and its bias (core.plan.zero3_groups)
+                                     ("zero3", (1, 4), {"batch_axis": 1, "zero_stage": 3, "bucket_bytes": 17_000}),
+                                     ("zero3-2x2", (2, 2), {"batch_axis": 0, "zero_stage": 3,
+                                                            "bucket_bytes": 17_000}),
                                      ("zero2-tp", (2, 2), {"batch_axis": 0, "zero_stage": 2, "param_specs": TP}))}
 
 
@@ -154,13 +162,15 @@ def test_zero_trains_equal_to_one_process(trained, case):
 def test_zero3_saves_no_gathered_parameter_for_backward(trained, case):
     """Autograd saves activations of the local batch (16 rows over the batch axis) and, for the 3
     weights whose input needs a gradient, a view of the gathered weight: each is replaced by its
-    shard, gathered again in backward (as many all-gathers backward as forward)."""
+    shard, gathered again in backward (as many all-gathers backward as forward: one per group of a
+    weight and its bias)."""
     r = trained[case]
     assert r["saved_replaced"] == [[HIDDEN, HIDDEN]] * 3
     assert r["saved_kept"] == [[4 if CASES[case]["mesh"] == (1, 4) else 8, HIDDEN]] * 9
-    assert r["runtime_counts"]["all-gather|backward"] == r["runtime_counts"]["all-gather|forward"] == 8
-    # every gather but the first of each pass is issued one move ahead (async_op=True)
-    assert r["prefetched"] == {"forward": 7, "backward": 7}
+    assert r["runtime_counts"]["all-gather|backward"] == r["runtime_counts"]["all-gather|forward"] == 4
+    assert r["runtime_counts"]["reduce-scatter|backward"] == 4
+    # every group's gather but the first of each pass is issued one group ahead (async_op=True)
+    assert r["prefetched"] == {"forward": 3, "backward": 3}
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.endswith("adamw")])

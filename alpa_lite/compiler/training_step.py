@@ -9,7 +9,7 @@ import torch
 
 from ..core.capture import CapturedGraph
 from ..core.mesh import LogicalMesh
-from ..core.plan import Collective, NodePlan, gradient_buckets, local_bytes, update_buckets
+from ..core.plan import Collective, NodePlan, gradient_buckets, local_bytes, update_buckets, zero3_groups
 from ..core.resharding import backward_steps, forward_steps, is_gradient_sync, regathers, step_cost
 from .ops import STAT_TARGETS, signature, stat_reductions
 from .strategies import NodeStrategies, Strategy
@@ -91,6 +91,7 @@ def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Logica
     layer_of = {n: i for i, layer in enumerate(remat) for n in layer}
     recompute: list[list[Collective]] = [[] for _ in remat]
     moved = set()
+    grouped = _grouped_collectives(cg, nodes, mesh, bucket_bytes, remat)
     for name, np_ in nodes.items():
         node = cg.node(name)
         layer = layer_of.get(name)
@@ -104,6 +105,11 @@ def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Logica
             val = val[r] if isinstance(val, (tuple, list)) else val
             src = nodes[src_name].out_specs[r]
             args = (tuple(val.shape), val.element_size(), mesh.shape)
+            if layer is None and (src_name, src, dst, gp) in grouped:  # its group's collectives, listed once
+                fwd, bwd = grouped[(src_name, src, dst, gp)]
+                forward += [replace(c, node=name) for c in fwd]
+                backward += [replace(c, node=name) for c in bwd]
+                continue
             # a ZeRO-3 use outside a recomputed layer is gathered again in backward, before its gradient moves
             again = (layer is None and (src_name in cg.param_fqns or src_name in cg.param_casts)
                      and regathers(src, dst, gp, *args))
@@ -139,6 +145,32 @@ def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Logica
         buckets.append(Collective("all-gather", axes, nbytes, "update", f"parameter bucket {k}",
                                   f"{len(members)} parameters", mesh.all_gather_cost(nbytes, axes)))
     return forward + [c for cs in recompute[::-1] for c in cs] + backward[::-1] + buckets
+
+
+def _grouped_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: LogicalMesh, bucket_bytes: float,
+                         remat) -> dict[tuple, tuple[list[Collective], list[Collective]]]:
+    """ZeRO-3 use (``zero3_uses`` key) -> the collectives listed at it, forward and backward (in
+    forward order, reversed with the rest), for the uses of ``core.plan.zero3_groups``: a group's
+    all-gather at its first use forward; its gradients' reduce-scatter at that use and its
+    all-gather again at its last use backward (backward reaches the last use first)."""
+    out = {}
+    for g, keys in enumerate(zero3_groups(cg, nodes, mesh.shape, bucket_bytes, remat)):
+        gather = reduce = 0.0
+        for src, spec, dst, gp in keys:
+            val = cg.node(src).meta["val"]
+            args = (tuple(val.shape), val.element_size(), mesh.shape)
+            step = forward_steps(spec, dst, *args)[0]
+            gather += step.nbytes
+            reduce += backward_steps(spec, dst, gp, *args)[0].nbytes
+        axis, what = (step.axis,), f"ZeRO-3 group {g} ({len(keys)} parameters)"
+        ag = Collective("all-gather", axis, gather, "forward", "", what, mesh.collective_cost("all-gather", gather, axis))
+        rs = Collective("reduce-scatter", axis, reduce, "backward", "", what,
+                        mesh.collective_cost("reduce-scatter", reduce, axis))
+        out |= {key: ([], []) for key in keys}
+        out[keys[0]][0].append(ag)
+        out[keys[0]][1].append(rs)
+        out[keys[-1]][1].append(replace(ag, phase="backward"))
+    return out
 
 
 def param_specs_of(cg: CapturedGraph, nodes: dict[str, NodePlan]) -> dict[str, str]:

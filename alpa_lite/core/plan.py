@@ -23,6 +23,7 @@ import torch
 
 from .losses import LossReduction
 from .mesh import LogicalMesh
+from .resharding import backward_steps, forward_steps, regathers
 from .spec import ShardingSpec
 
 PLAN_VERSION = 2  # 2: "kind" ("spmd" | "pipeline"); version 1 files still load
@@ -173,18 +174,22 @@ class Plan:
 
     @property
     def overlap_seconds(self) -> float:
-        """Predicted gradient-bucket all-reduce time hidden behind backward compute, seconds.
+        """Predicted gradient-synchronization time hidden behind backward compute, seconds.
 
-        The runtime starts each bucket's all-reduce as soon as backward has produced its
-        gradients, last layers first (``runtime/grad_sync.py``, as DDP: Li et al., VLDB 2020,
-        section 3.2.3). Every bucket but bucket 0 (the first layers' gradients, ready only when
-        backward ends) can run under the remaining backward compute, which is 2/3 of the step's
-        compute (backward is 2x forward FLOPs): hidden = min(buckets' time - bucket 0's,
-        2/3 compute). ZeRO-2's reduce-scatter buckets run after backward and hide nothing.
+        The runtime starts each gradient bucket's all-reduce (ZeRO-2: reduce-scatter) as soon as
+        backward has produced its gradients, last layers first (``runtime/grad_sync.py``, as DDP:
+        Li et al., VLDB 2020, section 3.2.3), and each ZeRO-3 group's gradient reduce-scatter
+        once the group's last gradient has arrived (``collectives.GatherGroup``, as FSDP). Every
+        one but the last to become ready (bucket 0 and group 0: the first layers' gradients,
+        ready only when backward ends) can run under the remaining backward compute, which is
+        2/3 of the step's compute (backward is 2x forward FLOPs): hidden = min(their time -
+        bucket 0's and group 0's, 2/3 compute).
         """
-        buckets = [c.seconds for c in self.collectives
-                   if c.node.startswith("gradient bucket") and c.kind == "all-reduce"]  # ZeRO-2's run after
-        return min(sum(buckets[1:]), 2 / 3 * self.compute_seconds) if buckets else 0.0
+        hidden = sum(c.seconds for c in self.collectives
+                     if (c.node.startswith("gradient bucket") and c.node != "gradient bucket 0")
+                     or (c.kind == "reduce-scatter" and c.tensor.startswith("ZeRO-3 group ")
+                         and not c.tensor.startswith("ZeRO-3 group 0 ")))
+        return min(hidden, 2 / 3 * self.compute_seconds)
 
     def collective_counts(self) -> dict[tuple[str, str], int]:
         """``(kind, phase) -> count`` over one training step."""
@@ -514,3 +519,55 @@ def local_bytes(val, spec: ShardingSpec, mesh_shape, dtype: torch.dtype | None =
     ``dtype`` (None: its own)."""
     itemsize = val.element_size() if dtype is None else dtype.itemsize
     return itemsize * math.prod(spec.local_shape(tuple(val.shape), mesh_shape))
+
+
+def zero3_uses(cg, nodes: dict[str, NodePlan], mesh_shape, remat: list[list[str]] = ()) -> dict[tuple, tuple]:
+    """The ZeRO-3 uses outside recomputed layers: a parameter (or its low-precision cast) stored
+    split and all-gathered for an op, whose gathered copy is not kept for backward
+    (``resharding.regathers``). ``(value, its spec, wanted spec, gradient partial axes) -> global
+    shape``, in graph order of the first reader (the order every rank moves them in)."""
+    inside = {n for layer in remat for n in layer}
+    parameters = set(cg.param_fqns) | set(cg.param_casts)
+    uses: dict[tuple, tuple] = {}
+    for node in cg.graph.nodes:
+        np_ = nodes.get(node.name)
+        if np_ is None or node.name in inside:
+            continue
+        for src, dst, gp in zip(np_.inputs, np_.in_specs, np_.grad_partial):
+            val = cg.node(src).meta["val"] if src in parameters else None
+            if val is not None and regathers(nodes[src].out_specs[0], dst, gp, tuple(val.shape), val.element_size(),
+                                             mesh_shape):
+                uses.setdefault((src, nodes[src].out_specs[0], dst, gp), tuple(val.shape))
+    return uses
+
+
+def zero3_groups(cg, nodes: dict[str, NodePlan], mesh_shape, bucket_bytes: float, remat: list[list[str]] = ()
+                 ) -> list[list[tuple]]:
+    """ZeRO-3 uses (``zero3_uses`` keys) gathered by one flat all-gather, forward and again in
+    backward, and whose gradients are summed by one flat reduce-scatter: FSDP's parameter groups
+    (Zhao et al., "PyTorch FSDP", VLDB 2023, section 3.2; one collective per group instead of one
+    per parameter). A use qualifies when its move is one all-gather along a dim over one mesh axis,
+    its gradient's one reduce-scatter along the same dim and axis, and its value is a parameter
+    or a cast of one that keeps its spec; consecutive qualifying uses (graph order) of the same
+    axis and dtype form a group of at most ``bucket_bytes`` gathered (a larger single one is its
+    own group). Other uses are moved one by one (not listed here)."""
+    casts = cg.param_casts
+    groups: list[list[tuple]] = []
+    last, size = None, math.inf
+    for key, shape in zero3_uses(cg, nodes, mesh_shape, remat).items():
+        src, spec, dst, gp = key
+        val = cg.node(src).meta["val"]
+        if src in casts and (nodes[src].in_specs[0] != spec or nodes[src].grad_partial[0]):
+            continue
+        fwd = forward_steps(spec, dst, shape, val.element_size(), mesh_shape)
+        bwd = backward_steps(spec, dst, gp, shape, val.element_size(), mesh_shape)
+        if len(fwd) != 1 or len(bwd) != 1 or fwd[0].kind != "all-gather" or bwd[0].kind != "reduce-scatter" \
+                or (fwd[0].axis, fwd[0].dim) != (bwd[0].axis, bwd[0].dim):
+            continue
+        kind = (fwd[0].axis, val.dtype)
+        if kind != last or size + fwd[0].nbytes > bucket_bytes:
+            groups.append([])
+            last, size = kind, 0.0
+        groups[-1].append(key)
+        size += fwd[0].nbytes
+    return groups

@@ -80,19 +80,33 @@ def functional() -> bool:
 
 
 @contextmanager
-def _issued(kind: str, phase: str):
-    """Count one collective of ``kind`` in ``phase``; time it into ``SECONDS`` while timing is on."""
+def _issued(kind: str, phase: str, axes: tuple[int, ...] | None = None, what: str = ""):
+    """Count one collective of ``kind`` in ``phase`` (over mesh ``axes``, moving ``what``); time
+    it into ``SECONDS`` while timing is on.
+
+    Raises:
+        RuntimeError: the collective failed or timed out (a peer died or stopped); the message
+            names this rank, the collective and its mesh axes.
+    """
     if _recomputing and phase == "forward":
         phase = "recompute"
     COUNTS[(kind, phase)] += 1
-    if not _timing:
+    try:
+        if not _timing:
+            yield
+            return
+        synchronize_device()
+        t0 = time.perf_counter()
         yield
-        return
-    synchronize_device()
-    t0 = time.perf_counter()
-    yield
-    synchronize_device()
-    SECONDS[(kind, phase)] += time.perf_counter() - t0
+        synchronize_device()
+        SECONDS[(kind, phase)] += time.perf_counter() - t0
+    except RuntimeError as e:
+        raise failed(f"the {kind} {what or 'in ' + phase} over mesh axes {axes}", e) from e
+
+
+def failed(what: str, error: Exception) -> RuntimeError:
+    """The error of a collective ``what`` that failed with ``error``: it names this rank."""
+    return RuntimeError(f"rank {dist.get_rank()}: {what} failed (a peer died, stopped or timed out): {error}")
 
 
 @dataclass(frozen=True)
@@ -144,7 +158,7 @@ def run_step(x: torch.Tensor, step: Step, mesh: MeshGroups, phase: str) -> torch
         raise ValueError(f"unknown resharding step {step.kind}")
     if _functional:
         return _functional_step(x, step, n, group)
-    with _issued(step.kind, phase):
+    with _issued(step.kind, phase, (step.axis,)):
         if step.kind == "all-reduce":
             x = x.contiguous().clone()
             dist.all_reduce(x, group=group)
@@ -197,14 +211,18 @@ def all_reduce_async(flat: torch.Tensor, axes: tuple[int, ...], mesh: MeshGroups
     return work
 
 
-def reduce_scatter_bucket(parts: list[torch.Tensor], axes: tuple[int, ...], mesh: MeshGroups) -> torch.Tensor:
-    """One reduce-scatter over the devices of ``axes``: ``parts[j]`` (equal 1-D tensors) is what
-    this rank contributes to group rank ``j``; returns the sum over the group of the parts for
-    this rank (ZeRO-2's gradient bucket)."""
-    out = torch.empty_like(parts[0])
-    with _issued("reduce-scatter", "backward"):
-        dist.reduce_scatter(out, [p.contiguous() for p in parts], group=mesh.group(axes))
-    return out
+def reduce_scatter_async(flat: torch.Tensor, axes: tuple[int, ...], mesh: MeshGroups):
+    """Start one reduce-scatter over the devices of ``axes`` (``async_op=True``): ``flat``
+    (``n`` equal 1-D parts, one per group rank, concatenated) is what this rank contributes;
+    returns ``(work, out)``, ``out`` holding the group's sum of the parts for this rank once
+    ``work`` is waited on (ZeRO-2's gradient bucket). While timing is on it is waited on here,
+    as ``all_reduce_async``."""
+    out = flat.new_empty(flat.numel() // math.prod(mesh.shape[a] for a in axes))
+    with _issued("reduce-scatter", "backward", axes, "of a gradient bucket"):
+        work = dist.reduce_scatter_single(out, flat, group=mesh.group(axes), async_op=True)
+        if _timing:
+            work.wait()
+    return work, out
 
 
 def all_gather_async(x: torch.Tensor, dim: int, axes: tuple[int, ...], mesh: MeshGroups, phase: str):
@@ -219,9 +237,23 @@ def all_gather_async(x: torch.Tensor, dim: int, axes: tuple[int, ...], mesh: Mes
     _in_flight.append(work)
 
     def wait() -> torch.Tensor:
-        work.wait()
+        _done(work, f"the all-gather ({phase}) over mesh axes {axes}")
         return torch.cat(parts, dim=dim)
     return wait
+
+
+def _done(work, what: str) -> None:
+    """Wait on an async all-gather ``what`` and forget its handle (and the buffers it holds).
+
+    Raises:
+        RuntimeError: it failed or timed out; the message names this rank.
+    """
+    try:
+        work.wait()
+    except RuntimeError as e:
+        raise failed(what, e) from e
+    if work in _in_flight:
+        _in_flight.remove(work)
 
 
 _in_flight: list = []  # the async all-gathers issued since the last ``wait_all_gathers``
@@ -264,6 +296,9 @@ class Reshard(torch.autograd.Function):
         src, dst, grad_partial, shape, mesh, copy = ctx.args
         if copy is not None:
             copy.full = None
+            if copy.group is not None:  # summed by the group's one reduce-scatter, into the parameter's .grad
+                copy.group.gradient(copy.index, grad)
+                return None, None, None, None, None, None, None
         for step in backward_steps(src, dst, grad_partial or (), shape, grad.element_size(), mesh.shape):
             grad = run_step(grad, step, mesh, "backward")
         return grad, None, None, None, None, None, None
@@ -275,22 +310,28 @@ class _Copy:
     backward), the first step's all-gather when prefetched (``pending``: wait, then the tensor),
     and the ``GatheredParameters`` whose next backward gather this one's prefetches."""
 
-    __slots__ = ("shard", "move", "steps", "forward", "full", "pending", "owner", "regathered", "__weakref__")
+    __slots__ = ("shard", "move", "steps", "forward", "full", "pending", "owner", "regathered", "group", "index",
+                 "__weakref__")
 
-    def __init__(self, shard, move, owner):
+    def __init__(self, shard, move, owner, group: GatherGroup | None = None, index: int = 0):
         src, dst, shape, mesh = move
         self.shard, self.move, self.owner = shard.detach(), move, owner
         self.steps = forward_steps(src, dst, shape, shard.element_size(), mesh.shape)
         self.forward = self.full = self.pending = None
         self.regathered = False  # backward's gather issued
+        self.group, self.index = group, index  # a member of a GatherGroup: its all-gather and reduce-scatter
 
     def prefetch(self, phase: str) -> None:
         """Issue the first step now when it is an all-gather (``async_op=True``), waited on by ``run``."""
-        if self.steps[0].kind == "all-gather":
+        if self.group is not None:
+            self.group.issue(phase)
+        elif self.steps[0].kind == "all-gather":
             self.pending = all_gather_async(self.shard, self.steps[0].dim, (self.steps[0].axis,), self.move[3], phase)
 
     def run(self, x: torch.Tensor, phase: str) -> torch.Tensor:
         """``x`` (the shard) moved: the prefetched first step waited on, the others run now."""
+        if self.group is not None:
+            return self.group.full(self.index, phase)
         steps = self.steps
         if self.pending is not None:
             x, steps, self.pending = self.pending(), steps[1:], None
@@ -309,6 +350,143 @@ class _Copy:
 
     def prehook(self, grad_outputs):
         self.gather()
+
+
+class GatherGroup:
+    """One run's flat collectives of a ZeRO-3 group (``core.plan.zero3_groups``): the members'
+    shards (1-D concatenated, as FSDP's flat parameter: Zhao et al., VLDB 2023, section 3.2)
+    all-gathered by one ``all_gather_single`` over mesh ``axis`` (forward, and again in backward),
+    and their gradients summed by one ``reduce_scatter_single``, issued asynchronously once every
+    member's gradient has arrived in backward and waited on by ``finish_gradients`` before the
+    optimizer step, which adds each member's part to its parameter's ``.grad`` (cast to the
+    parameter's dtype: the dual of a low-precision cast).
+
+    Args:
+        shards: each member's local shard (the same dtype); dims: the dim each is gathered along
+            (its gathered copy is the shard with that dim ``n`` times longer, ``n`` the devices of
+            ``axis``); params: the parameter (an autograd leaf) whose gradient each member's is;
+            axis, mesh: the mesh axis and this rank's ``MeshGroups``.
+    """
+
+    def __init__(self, shards: list[torch.Tensor], dims: list[int], params: list[torch.Tensor], axis: int,
+                 mesh: MeshGroups):
+        self.shards, self.dims, self.params = [s.detach() for s in shards], dims, params
+        self.axis, self.mesh, self.n = axis, mesh, mesh.shape[axis]
+        self.sizes = [s.numel() for s in self.shards]
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        self.total = sum(self.sizes)
+        self.copies: list[_Copy | None] = [None] * len(shards)
+        self._work = self._out = None
+        self._phase = None  # the phase of the last all-gather issued
+        self._fulls: list[torch.Tensor | None] = []  # the last gather's copies not taken yet
+        self._grads: list[torch.Tensor | None] = [None] * len(shards)
+        self._reduce = None  # (work, output) of the gradients' reduce-scatter
+        self.done = False  # its gradients added into the parameters'
+
+    def issue(self, phase: str) -> bool:
+        """Start the all-gather of phase ``phase`` (``async_op=True``), once per phase; whether it
+        started now."""
+        if self._phase == phase:
+            return False
+        if phase == "backward":
+            for c in self.copies:
+                if c is not None:
+                    c.regathered = True
+        flat = torch.cat([s.reshape(-1) for s in self.shards])
+        self._out = flat.new_empty(self.n * self.total)
+        with _issued("all-gather", phase, (self.axis,), "of a ZeRO-3 group"):
+            self._work = dist.all_gather_single(self._out, flat, group=self.mesh.groups[self.axis], async_op=True)
+            if _timing:
+                self._work.wait()
+        _in_flight.append(self._work)
+        self._phase, self._fulls = phase, []
+        return True
+
+    def full(self, i: int, phase: str) -> torch.Tensor:
+        """Member ``i``'s gathered copy from the all-gather of ``phase`` (issued now if it was not
+        prefetched). The first one waits, copies every member's out of the flat buffer and drops
+        it (FSDP's copy-out); each member then takes its own."""
+        self.issue(phase)
+        if self._work is not None:
+            _done(self._work, f"the all-gather of a ZeRO-3 group ({phase}) over mesh axes ({self.axis},)")
+            self._work = None
+            rows = self._out.view(self.n, self.total)
+            for j, (shard, d) in enumerate(zip(self.shards, self.dims)):
+                local = shard.shape
+                part = rows[:, self.offsets[j]:self.offsets[j] + self.sizes[j]].view(self.n, *local)
+                self._fulls.append(part.movedim(0, d).reshape(*local[:d], self.n * local[d], *local[d + 1:]))
+            self._out = None
+        full, self._fulls[i] = self._fulls[i], None
+        return full
+
+    def gradient(self, i: int, grad: torch.Tensor) -> None:
+        """Member ``i``'s gradient (gathered shape) arrived in backward; the reduce-scatter starts
+        with the last one."""
+        if self not in _reducing:
+            _reducing.append(self)
+        self._grads[i] = grad
+        if all(g is not None for g in self._grads):
+            self._launch()
+
+    def _launch(self) -> None:
+        """Start the reduce-scatter, once the one started before it is done (its input freed: at
+        most two groups' gradients in flight, as FSDP)."""
+        for other in _reducing:
+            if other is not self and other._reduce is not None:
+                other.finish()
+        g = self._grads[0]
+        if len(self.shards) == 1 and self.dims[0] == 0 and g is not None and g.is_contiguous():
+            flat = g.view(self.n, self.total)  # one member split on dim 0: already laid out by rank
+        else:
+            flat = self._in_rank_order()
+        self._grads = [None] * len(self.shards)
+        out = flat.new_empty(self.total)
+        with _issued("reduce-scatter", "backward", (self.axis,), "of a ZeRO-3 group's gradients"):
+            work = dist.reduce_scatter_single(out, flat.view(-1), group=self.mesh.groups[self.axis], async_op=True)
+            if _timing:
+                work.wait()
+        self._reduce = (work, out)
+
+    def _in_rank_order(self) -> torch.Tensor:
+        """The reduce-scatter's input ``(n, total)``: row ``j`` holds every member's chunk ``j``
+        of its gradient along its gathered dim (a member whose readers' backward never came: zeros)."""
+        flat = self.shards[0].new_empty(self.n, self.total)
+        for i, g in enumerate(self._grads):
+            part = flat[:, self.offsets[i]:self.offsets[i] + self.sizes[i]].view(self.n, *self.shards[i].shape)
+            if g is None:
+                part.zero_()
+            else:
+                d = self.dims[i]
+                part.copy_(g.unflatten(d, (self.n, g.shape[d] // self.n)).movedim(d, 0))
+        return flat
+
+    def finish(self) -> None:
+        """Start the reduce-scatter if some member's gradient never came, wait, and add each
+        member's part into its parameter's ``.grad``."""
+        if self._reduce is None:
+            self._launch()
+        (work, out), self._reduce = self._reduce, None
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise failed(f"the reduce-scatter of a ZeRO-3 group's gradients over mesh axes ({self.axis},)", e) from e
+        for i, p in enumerate(self.params):
+            g = out[self.offsets[i]:self.offsets[i] + self.sizes[i]].view(self.shards[i].shape).to(p.dtype)
+            p.grad = g if p.grad is None else p.grad + g
+        self.done = True
+
+
+_reducing: list[GatherGroup] = []  # groups of this step that received gradients, in the order they did
+
+
+def finish_gradients() -> None:
+    """Wait on the ZeRO-3 groups' gradient reduce-scatters of this step (``GatherGroup``),
+    starting those some of whose gradients never came, in one order on every rank, and add the
+    sums into the parameters' gradients; call after the last backward, before the optimizer."""
+    groups = [g for g in _reducing if not g.done]
+    _reducing.clear()
+    for group in groups:
+        group.finish()
 
 
 @dataclass(frozen=True)
@@ -342,10 +520,19 @@ class GatheredParameters:
         self._copies: dict[int, _Copy] = {}  # storage address of a gathered copy -> its move
         self._prefetched: dict[tuple, _Copy] = {}  # key -> a move whose first all-gather is in flight
         self._order: list[_Copy] = []  # stack: the copies backward will gather, the next one last
+        self.groups: dict[int, GatherGroup] = {}  # this run's ZeRO-3 groups by index, once started
+        self.started: set[tuple] = set()  # keys of the uses moved alone whose move started (prefetched or run)
+
+    def start_group(self, g: int, make) -> None:
+        """Start group ``g``'s forward all-gather, once per run (``make()``: its ``GatherGroup``)."""
+        if g not in self.groups:
+            self.groups[g] = make()
+            self.groups[g].issue("forward")
 
     def prefetch(self, key: tuple, x, src, dst, shape, mesh) -> None:
         """Start the move ``key`` of shard ``x`` (``src`` -> ``dst``) ahead of its ``move``."""
         copy = self._prefetched[key] = _Copy(x, (src, dst, tuple(shape), mesh), self)
+        self.started.add(key)
         copy.prefetch("forward")
 
     def prefetch_backward(self) -> None:
@@ -357,9 +544,15 @@ class GatheredParameters:
             copy.regathered = True
             copy.prefetch("backward")
 
-    def move(self, key: tuple, x, src, dst, grad_partial, shape, mesh) -> torch.Tensor:
-        """``reshard`` of a ZeRO-3 use ``key`` (``x``: the shard in ``src``), its copy registered."""
-        copy = self._prefetched.pop(key, None) or _Copy(x, (src, dst, tuple(shape), mesh), self)
+    def move(self, key: tuple, x, src, dst, grad_partial, shape, mesh, member=None) -> torch.Tensor:
+        """``reshard`` of a ZeRO-3 use ``key`` (``x``: the shard in ``src``), its copy registered;
+        ``member``: ``(group index, position)`` when the use is a member of a started group."""
+        copy = self._prefetched.pop(key, None)
+        self.started.add(key)
+        if copy is None and member is not None:
+            group = self.groups[member[0]]
+            copy = group.copies[member[1]] = _Copy(x, (src, dst, tuple(shape), mesh), self, group, member[1])
+        copy = copy or _Copy(x, (src, dst, tuple(shape), mesh), self)
         full = Reshard.apply(x, src, dst, tuple(grad_partial), tuple(shape), mesh, copy)
         if full.untyped_storage().nbytes():
             copy.forward = weakref.ref(full)
@@ -432,7 +625,7 @@ def _all_reduce(x: torch.Tensor, axes, mesh: MeshGroups, phase: str, op) -> torc
         return x
     x = x.contiguous().clone()
     for axis in axes:
-        with _issued("all-reduce", phase):
+        with _issued("all-reduce", phase, (axis,)):
             dist.all_reduce(x, op=op, group=mesh.groups[axis])
     return x
 

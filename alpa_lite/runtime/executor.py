@@ -50,10 +50,10 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from ..core.aten import alias_root, bind_args, is_random, op_args, with_arg, written_args
 from ..core.capture import CapturedGraph
 from ..core.losses import MEAN, SUM, is_ratio, ratio_parts
-from ..core.plan import NodePlan, Plan
-from ..core.resharding import regathers
-from .collectives import (AllReducePartial, AllReduceShared, GatheredParameters, MeshGroups, all_reduce_max,
-                          functional, recomputing, reshard)
+from ..core.plan import NodePlan, Plan, zero3_groups, zero3_uses
+from ..core.resharding import forward_steps
+from .collectives import (AllReducePartial, AllReduceShared, GatheredParameters, GatherGroup, MeshGroups,
+                          all_reduce_max, functional, recomputing, reshard)
 
 aten = torch.ops.aten
 _SHAPE_ARG = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
@@ -133,18 +133,22 @@ class LocalExecutor:
                 shape = tuple((val[r] if isinstance(val, (tuple, list)) else val).shape)
                 ops.append((src, specs[src][r], np_.in_specs[i], np_.grad_partial[i], shape))
             self.operands[name] = ops
-        # ZeRO-3 uses outside recomputed layers (``resharding.regathers``), keyed as moved, in
-        # graph order (each prefetches the next one's gather) with their shapes; after its last
-        # reader a gathered copy is dropped, so forward holds it no longer than needed
-        parameters = set(captured.param_fqns) | set(captured.param_casts)
-        self.regathered, self.last_reads = {}, {}
-        for name in (n.name for n in captured.graph.nodes if n.name in self.operands):  # graph order
-            for src, src_spec, dst, gp, shape in self.operands[name]:
-                if name not in self.remat and src in parameters and regathers(
-                        src_spec, dst, gp, shape, captured.node(src).meta["val"].element_size(), mesh.shape):
-                    self.regathered.setdefault((src, src_spec, dst, gp), shape)
-                    self.last_reads[(src, src_spec, dst, gp)] = name
-        self.next_gather = dict(zip(self.regathered, list(self.regathered)[1:]))
+        # ZeRO-3 uses outside recomputed layers (``core.plan.zero3_uses``), keyed as moved, in
+        # graph order, with their shapes; after its last reader a gathered copy is dropped, so
+        # forward holds it no longer than needed. The members of a group (``core.plan.zero3_groups``)
+        # move by its flat collectives; each unit (a group, or a use moved alone) prefetches the next
+        # one's all-gather. A low-precision cast a group gathers runs when the group starts.
+        self.regathered = zero3_uses(captured, plan.nodes, mesh.shape, plan.remat)
+        self.last_reads = {(src, src_spec, dst, gp): name for name in (n.name for n in captured.graph.nodes)
+                           for src, src_spec, dst, gp, _ in self.operands.get(name, ())
+                           if (src, src_spec, dst, gp) in self.regathered}
+        self.groups = zero3_groups(captured, plan.nodes, mesh.shape, plan.bucket_bytes, plan.remat)
+        self.member = {key: (g, i) for g, keys in enumerate(self.groups) for i, key in enumerate(keys)}
+        units = list(dict.fromkeys(self.member[k][0] if k in self.member else k for k in self.regathered))
+        self.next_gather = dict(zip(units, units[1:]))
+        casts = captured.param_casts
+        self.early = {src for keys in self.groups for src, *_ in keys if src in casts}
+        self._param_of = {src: casts.get(src, src) for keys in self.groups for src, *_ in keys}
         self.dispatch: dict[str, Dispatch] = {}
         for node in captured.graph.nodes:
             if node.op != "call_function":
@@ -206,6 +210,8 @@ class LocalExecutor:
         """Run ``node`` on ``values``; ``moved`` holds this run's resharded operands, keyed by
         (value, its spec, wanted spec, gradient partial axes): each is moved once per run (a
         ZeRO-3 use, with ``gathered``, by ``gathered.move`` and dropped after its last reader)."""
+        if gathered is not None and node.name in self.early and node.name in values:
+            return values[node.name]  # run ahead for its ZeRO-3 group
         d = self.dispatch[node.name]
         if d.getitem is not None:
             return values[d.getitem[0]][d.getitem[1]]
@@ -215,9 +221,12 @@ class LocalExecutor:
             if key not in moved:
                 try:
                     if gathered is not None and key in self.regathered:
+                        member = self.member.get(key)
+                        if member is not None:
+                            self._start(gathered, values, moved, member[0])
                         moved[key] = gathered.move(key, values[src], src_spec, dst_spec, grad_partial, shape,
-                                                   self.mesh)
-                        self._prefetch(gathered, values, key)
+                                                   self.mesh, member)
+                        self._prefetch(gathered, values, moved, member[0] if member is not None else key)
                     else:
                         moved[key] = reshard(values[src], src_spec, dst_spec, grad_partial, shape, self.mesh)
                 except RuntimeError as e:
@@ -245,11 +254,27 @@ class LocalExecutor:
             self._store(node.name, np_.out_specs[0], out, d.mutates, values)
         return out
 
-    def _prefetch(self, gathered: GatheredParameters, values, key) -> None:
-        """Start the all-gather of the ZeRO-3 use after ``key`` (``next_gather``), unless its
-        shard is not computed yet (a low-precision cast that has not run)."""
-        nxt = self.next_gather.get(key)
-        if nxt is not None and values.get(nxt[0]) is not None:
+    def _start(self, gathered: GatheredParameters, values, moved: dict, g: int) -> None:
+        """Start ZeRO-3 group ``g``'s forward all-gather in this run (once); a low-precision cast
+        of a member not run yet runs now (``early``: its node then returns this value)."""
+        def make():
+            keys = self.groups[g]
+            for src in (k[0] for k in keys if k[0] not in values):
+                values[src] = self._call(self.cg.node(src), values, moved, gathered)
+            steps = [forward_steps(spec, dst, self.regathered[k], values[src].element_size(), self.mesh.shape)[0]
+                     for k in keys for src, spec, dst, _ in (k,)]
+            return GatherGroup([values[k[0]] for k in keys], [st.dim for st in steps],
+                               [values[self._param_of[k[0]]] for k in keys], steps[0].axis, self.mesh)
+        gathered.start_group(g, make)
+
+    def _prefetch(self, gathered: GatheredParameters, values, moved: dict, unit) -> None:
+        """Start the all-gather of the ZeRO-3 unit after ``unit`` (a group's index or a use's key;
+        ``next_gather``), unless a use's shard is not computed yet (a low-precision cast that has
+        not run)."""
+        nxt = self.next_gather.get(unit)
+        if isinstance(nxt, int):
+            self._start(gathered, values, moved, nxt)
+        elif nxt is not None and values.get(nxt[0]) is not None and nxt not in gathered.started:
             gathered.prefetch(nxt, values[nxt[0]], nxt[1], nxt[2], self.regathered[nxt], self.mesh)
 
     def _local(self, node, d: Dispatch, args, kwargs):

@@ -1,59 +1,70 @@
 """Bucketed data-parallel gradient synchronization, overlapped with backward.
 
-The plan's deferred gradients (``Plan.grad_sync``) are all-reduced in buckets
-(``core.plan.gradient_buckets``). As PyTorch DDP does (Li et al., "PyTorch Distributed", VLDB
-2020, section 3.2.3), a bucket's all-reduce starts asynchronously as soon as the last of its
-gradients has been accumulated during backward (a post-accumulate-grad hook on every parameter
-counts them), and every handle is waited on before the optimizer step. Buckets are launched in
-one fixed order on every rank, the reverse of graph order (backward produces the last layers'
-gradients first): a bucket that is ready waits for the ones before it in that order, so every
-rank issues the same collectives in the same order on each process group. A bucket whose
-gradients a backward never reached (unused parameters) is launched when the sync finishes, its
-missing gradients as zeros.
+The plan's deferred gradients (``Plan.grad_sync``) are all-reduced in buckets, or reduce-scattered
+for ZeRO-2 parameters (``core.plan.gradient_buckets``). As PyTorch DDP does (Li et al., "PyTorch
+Distributed", VLDB 2020, section 3.2.3), a bucket's collective starts asynchronously as soon as
+the last of its gradients has been accumulated during backward (a post-accumulate-grad hook on
+every parameter counts them), and every handle is waited on before the optimizer step. Buckets
+are launched in one fixed order on every rank, the reverse of graph order (backward produces the
+last layers' gradients first): a bucket that is ready waits for the ones before it in that order,
+so every rank issues the same collectives in the same order on each process group. A bucket
+whose gradients a backward never reached (unused parameters) is launched when the sync finishes,
+its missing gradients as zeros.
+
+An all-reduce bucket owns one flat buffer, allocated once (DDP's persistent buckets): the
+gradients are copied into it, it is all-reduced in place, and the sums are copied back into the
+gradients (cast, when the bucket is reduced in another dtype; a copy, so a gradient kept past the
+step is not overwritten by the next one's, as DDP's default ``gradient_as_bucket_view=False``).
+A ZeRO-2 bucket is reduce-scattered into the rank's slices (``zero.ZeroPartition``).
 """
 from __future__ import annotations
 
 from functools import partial
 
 import torch
-import torch.distributed as dist
 
-from .collectives import MeshGroups, all_reduce_async
+from .collectives import MeshGroups, all_reduce_async, failed
 
 
 class BucketSync:
-    """The gradient buckets of one rank and their all-reduces in flight.
+    """The gradient buckets of one rank and their collectives in flight.
 
     Args:
-        buckets: ``(mesh axes, [parameter placeholders])`` in graph order
-            (``core.plan.gradient_buckets``).
+        buckets: ``(kind, mesh axes, [parameter placeholders])`` in graph order
+            (``core.plan.gradient_buckets``; kind ``"all-reduce"`` or ``"reduce-scatter"``).
         params: placeholder -> this rank's parameter shard (an ``nn.Parameter``).
         mesh: this rank's ``MeshGroups``.
-        dtype: the dtype the buckets are all-reduced in (None: the gradients'; the sums are cast
-            back into the gradients).
+        dtype: the dtype the all-reduce buckets are reduced in (None: the gradients'; the sums
+            are cast back into the gradients).
+        zero: the ``ZeroPartition`` whose slices the reduce-scatter buckets fill, and
+            ``fqns``: placeholder -> FQN (both needed only with reduce-scatter buckets).
 
     Attributes:
-        launched_in_backward: buckets of the last synchronization whose all-reduce started from a
-            hook, while backward was still running (the others started in ``finish``).
+        launched_in_backward: buckets of the last synchronization whose collective started from
+            a hook, while backward was still running (the others started in ``finish``).
     """
 
-    def __init__(self, buckets: list[tuple[tuple[int, ...], list[str]]], params: dict[str, torch.Tensor],
-                 mesh: MeshGroups, dtype: torch.dtype | None = None):
-        self.mesh, self.dtype = mesh, dtype
-        self.buckets = [(axes, [params[ph] for ph in members]) for axes, members in reversed(buckets)]
+    def __init__(self, buckets: list[tuple[str, tuple[int, ...], list[str]]], params: dict[str, torch.Tensor],
+                 mesh: MeshGroups, dtype: torch.dtype | None = None, zero=None, fqns: dict[str, str] | None = None):
+        self.mesh, self.dtype, self.zero = mesh, dtype, zero
+        self.buckets = [(kind, axes, [params[ph] for ph in members], [fqns[ph] for ph in members] if zero else [])
+                        for kind, axes, members in reversed(buckets)]
+        self._flat: list[torch.Tensor | None] = [  # each all-reduce bucket's persistent buffer
+            torch.empty(sum(p.numel() for p in members), dtype=dtype or members[0].dtype, device=members[0].device)
+            if kind == "all-reduce" else None for kind, _, members, _ in self.buckets]
         self.armed = False
         self.launched_in_backward = 0
         self._missing: list[int] = []
         self._next = 0
         self._works: list[tuple[int, object, torch.Tensor]] = []
-        for k, (_, members) in enumerate(self.buckets):
+        for k, (_, _, members, _) in enumerate(self.buckets):
             for p in (p for p in members if p.requires_grad):
                 p.register_post_accumulate_grad_hook(partial(self._accumulated, k))
 
     def arm(self) -> None:
         """Launch each bucket from the hooks as its gradients become ready in the next backward
         (call right before the backward that completes the step's gradients)."""
-        self._missing = [len(members) for _, members in self.buckets]
+        self._missing = [len(members) for _, _, members, _ in self.buckets]
         self._next, self._works, self.launched_in_backward = 0, [], 0
         self.armed = True
 
@@ -67,22 +78,27 @@ class BucketSync:
 
     def _launch(self) -> None:
         k = self._next
-        axes, members = self.buckets[k]
+        kind, axes, members, fqns = self.buckets[k]
         for p in members:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in members])
-        flat = flat.to(self.dtype) if self.dtype is not None else flat
-        self._works.append((k, all_reduce_async(flat, axes, self.mesh), flat))
+        if kind == "reduce-scatter":
+            self._works.append((k, *self.zero.start_reduce_scatter(fqns, axes)))
+        else:
+            flat, offset = self._flat[k], 0
+            for p in members:
+                flat[offset: offset + p.numel()].copy_(p.grad.reshape(-1))
+                offset += p.numel()
+            self._works.append((k, all_reduce_async(flat, axes, self.mesh), flat))
         self._next += 1
 
     def finish(self) -> None:
-        """Launch the buckets not launched yet, wait for every all-reduce and write the sums into
-        the gradients.
+        """Launch the buckets not launched yet, wait for every collective and write the sums into
+        the gradients (ZeRO-2: into the slices' gradients, the full ones dropped).
 
         Raises:
-            RuntimeError: an all-reduce failed or timed out (a peer died); the message names
-                this rank, the bucket and its mesh axes.
+            RuntimeError: a collective failed or timed out (a peer died or stopped); the message
+                names this rank, the bucket and its mesh axes.
         """
         if not self.armed:
             self._next, self._works, self.launched_in_backward = 0, [], 0
@@ -91,14 +107,16 @@ class BucketSync:
             self._launch()
         works, self._works = self._works, []
         for k, work, flat in works:
-            axes, members = self.buckets[k]
+            kind, axes, members, fqns = self.buckets[k]
             try:
                 work.wait()
             except RuntimeError as e:
-                raise RuntimeError(f"rank {dist.get_rank()}: the all-reduce of gradient bucket "
-                                   f"{len(self.buckets) - 1 - k} over mesh axes {axes} failed (a peer died "
-                                   f"or timed out): {e}") from e
+                raise failed(f"the {kind} of gradient bucket {len(self.buckets) - 1 - k} over mesh axes {axes}",
+                             e) from e
+            if kind == "reduce-scatter":
+                self.zero.finish_reduce_scatter(fqns, flat)
+                continue
             offset = 0
-            for p in members:
+            for p in members:  # a copy, not a view: a gradient read after the step outlives the buffer's reuse
                 p.grad.copy_(flat[offset: offset + p.numel()].view_as(p))
                 offset += p.numel()

@@ -25,6 +25,17 @@ def default_device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def job_timeout() -> datetime.timedelta:
+    """The collective timeout of the default process group (``init_process_group(timeout=...)``,
+    ``init_distributed``'s ``timeout_s``). A group made later without a timeout of its own (a
+    ``DeviceMesh``'s axis groups, ``new_group``) gets torch's default (30 minutes on gloo), not
+    this one."""
+    import torch
+    import torch.distributed as dist
+
+    return dist.group.WORLD._get_backend(torch.device(default_device().type)).options._timeout
+
+
 def init_distributed(timeout_s: float = 120.0) -> None:
     """Initialize the default ``torch.distributed`` process group from torchrun's env vars.
 

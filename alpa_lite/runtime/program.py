@@ -30,7 +30,9 @@ refused: the compiled backward is one graph giving the input and the weight grad
 
 A ZeRO-3 parameter's gathered copy is kept for backward in both programs (the interpreter
 gathers it again, ``collectives.GatheredParameters``, whose saved-tensor hooks key on storage
-addresses that traced tensors do not have): the programs' backward lacks those re-gathers.
+addresses that traced tensors do not have): the programs' backward lacks those re-gathers of the
+plan, and they move the members of a ZeRO-3 group (``core.plan.zero3_groups``) one by one, an
+all-gather and a gradient reduce-scatter each, where the plan lists the group's flat collectives.
 
 Not lowered (``ValueError`` when the program is built): random ops that draw (the interpreter
 seeds the generator per shard and per run between ops, ``manual_seed``, a side effect a trace
@@ -160,7 +162,8 @@ class RankProgram:
     def collectives(self) -> Counter:
         """Collectives in the graph by kind (``"all-reduce"`` ...): the plan's forward and
         backward ones (``Plan.collectives`` of those phases, gradient buckets excluded), less the
-        backward re-gathers of ZeRO-3 copies (module docstring)."""
+        backward re-gathers of ZeRO-3 copies, with a ZeRO-3 group's moved per member (module
+        docstring)."""
         return _graph_collectives(self.graph_module)
 
 

@@ -28,11 +28,11 @@ from ..core.options import compute_dtype_of, reduce_dtype_of
 from ..core.plan import Plan, PlanError, gradient_buckets
 from ..core.spec import ShardingSpec
 from . import checkpoint
-from .collectives import COUNTS, MeshGroups, gather_full, local_slice, wait_all_gathers
+from .collectives import COUNTS, MeshGroups, finish_gradients, gather_full, local_slice, wait_all_gathers
 from .executor import LocalExecutor
 from .grad_sync import BucketSync
 from .init import local_constants, local_shards, store_buffer_mutations
-from .launch import default_device
+from .launch import default_device, job_timeout
 from .precision import LossScaler
 from .program import RankProgram
 from .report import REPORT_JSON_ENV, StepTimer, print_report, write_record
@@ -77,7 +77,7 @@ class Trainer:
         optimizer: the ``torch.optim`` optimizer over the local shards (None: nothing to train here).
         groups: this rank's ``MeshGroups``; buckets: its deferred gradient buckets, all-reduced
             in ``reduce_dtype`` (the plan's ``PlanOptions.reduce_dtype``; None: fp32);
-            bucket_sync: their all-reduces (``grad_sync.BucketSync``).
+            bucket_sync: their all-reduces and ZeRO-2 reduce-scatters (``grad_sync.BucketSync``).
         zero: its ``ZeroPartition`` (the optimizer's slices of ZeRO-1/2 parameters).
         overlap: start each bucket's all-reduce during backward as soon as its gradients are
             ready (default); False: all of them after backward (the plain step, for debugging).
@@ -110,10 +110,9 @@ class Trainer:
         self.buckets = gradient_buckets(self.view, plan.nodes, plan.grad_sync, self.groups.shape, plan.bucket_bytes)
         self.reduce_dtype = reduce_dtype_of(self.plan.options)
         self.scaler = LossScaler() if compute_dtype_of(self.plan.options) is torch.float16 else None
-        self.bucket_sync = BucketSync([(axes, members) for kind, axes, members in self.buckets if kind == "all-reduce"],
-                                      {ph: self.params[fqn] for ph, fqn in self.view.param_fqns.items()}, self.groups,
-                                      self.reduce_dtype)
         self.zero = ZeroPartition(self.view, plan, self.params, self.groups)
+        self.bucket_sync = BucketSync(self.buckets, {ph: self.params[fqn] for ph, fqn in self.view.param_fqns.items()},
+                                      self.groups, self.reduce_dtype, self.zero, self.view.param_fqns)
         self.optimizer = optimizer(self.zero.optimizer_params()) if self.params else None
         self._placeholders = {fqn: ph for ph, fqn in {**self.view.param_fqns, **self.view.buffer_fqns}.items()}
 
@@ -189,17 +188,12 @@ class Trainer:
         return self.executor.denominators.get(name, values.get(name)).detach()
 
     def _sync_buckets(self) -> None:
-        """Finish the deferred data-parallel gradients' synchronization (``Plan.grad_sync``): the
-        all-reduces the hooks started during backward, then the rest (``grad_sync.BucketSync``);
-        then the ZeRO-2 reduce-scatters, one per bucket, after backward."""
+        """Finish the gradients' synchronization: the ZeRO-3 groups' reduce-scatters started
+        during backward (``collectives.finish_gradients``), then the deferred data-parallel
+        buckets (``Plan.grad_sync``): the all-reduces / ZeRO-2 reduce-scatters the hooks started
+        during backward, then the rest (``grad_sync.BucketSync``)."""
+        finish_gradients()
         self.bucket_sync.finish()
-        for kind, axes, members in self.buckets:
-            if kind == "reduce-scatter":
-                fqns = [self.view.param_fqns[ph] for ph in members]
-                for f in fqns:
-                    if self.params[f].grad is None:
-                        self.params[f].grad = torch.zeros_like(self.params[f])
-                self.zero.reduce_scatter(fqns, axes)
         self.zero.slice_gradients()
 
     def _zero_partitions(self) -> list[ZeroPartition]:
@@ -378,7 +372,8 @@ class ParallelTrainer(Trainer):
 
     Args:
         model: the module (meta or real parameters; ``runtime.init`` semantics).
-        device_mesh: the 2D torch ``DeviceMesh`` of the plan's shape.
+        device_mesh: the 2D torch ``DeviceMesh`` of the plan's shape; its axis groups get the
+            default group's collective timeout (``launch.job_timeout``).
         captured: the ``CapturedGraph`` of the model (the plan's fingerprint).
         plan: the ``Plan``.
         optimizer: ``params -> torch.optim.Optimizer`` over this rank's shards.
@@ -418,6 +413,8 @@ class ParallelTrainer(Trainer):
         groups = tuple(device_mesh.get_group(a) for a in range(2))
         ranks = sorted(int(r) for r in device_mesh.mesh.flatten())
         flat = dist.group.WORLD if len(ranks) == dist.get_world_size() else dist.new_group(ranks)
+        for g in {*groups, flat}:  # the job's timeout: a collective whose peer stopped fails as the job's do
+            g.set_timeout(job_timeout())
         self.groups = MeshGroups(shape, coord, groups, flat)
         self.num_microbatches = accumulate
         if accumulate > 1 and plan.loss_reduction.problems:

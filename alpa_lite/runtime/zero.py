@@ -6,9 +6,10 @@ A ZeRO-1/2 parameter (``NodePlan.zero_stage``) keeps its whole local shard (its 
 spec). Group rank ``i`` of the ``n`` devices of its zero axes owns elements ``[i c, (i + 1) c)``
 of the flattened shard, ``c = ceil(numel / n)`` (the last slices may be shorter or empty); the
 optimizer holds that slice as a parameter sharing the shard's storage, so its in-place update
-writes the shard and its states have the slice's size. After backward the gradient bucket is
+writes the shard and its states have the slice's size. The gradient bucket is
 all-reduced (ZeRO-1: the slice's gradient is a view of the full one) or reduce-scattered
-(ZeRO-2: the rank keeps only its slice, the full gradient is dropped); after the optimizer step
+(ZeRO-2: the rank keeps only its slice, the full gradient is dropped), started during backward
+once its gradients are ready (``grad_sync.BucketSync``); after the optimizer step
 each bucket of updated slices is all-gathered into the shards (``Plan.collectives``, phase
 ``"update"``). The optimizer must update element by element (SGD, Adam, AdamW, ...), as ZeRO's.
 """
@@ -20,7 +21,7 @@ import torch
 
 from ..core.capture import CapturedGraph
 from ..core.plan import Plan, update_buckets
-from .collectives import MeshGroups, all_gather_bucket, reduce_scatter_bucket
+from .collectives import MeshGroups, all_gather_bucket, reduce_scatter_async
 
 
 class ZeroPartition:
@@ -64,12 +65,28 @@ class ZeroPartition:
         """What the optimizer updates: each parameter's shard, or its slice for ZeRO-1/2 ones."""
         return [self.slices.get(fqn, p) for fqn, p in self.params.items()]
 
-    def reduce_scatter(self, fqns: list[str], axes: tuple[int, ...]) -> None:
-        """ZeRO-2: reduce-scatter the gradients of the bucket ``fqns`` (one collective); each
-        slice gets its part, the full gradients are dropped."""
-        flats = [self.params[f].grad.reshape(-1) for f in fqns]
-        parts = [torch.cat([self._padded(g, f, j) for f, g in zip(fqns, flats)]) for j in range(self._size(axes))]
-        out = reduce_scatter_bucket(parts, axes, self.groups)
+    def start_reduce_scatter(self, fqns: list[str], axes: tuple[int, ...]):
+        """ZeRO-2: start the one reduce-scatter of the gradients of the bucket ``fqns``
+        (``async_op=True``): row ``j`` of the flat input holds every parameter's chunk ``j``,
+        zero-padded; returns ``(work, out)`` for ``finish_reduce_scatter``."""
+        n = self._size(axes)
+        chunks = [self._range[f][2] for f in fqns]
+        flat = self.params[fqns[0]].grad.new_empty(n, sum(chunks))
+        offset = 0
+        for f, c in zip(fqns, chunks):
+            g, part = self.params[f].grad.reshape(-1), flat[:, offset:offset + c]
+            rows, rest = divmod(g.numel(), c)
+            part[:rows].copy_(g[:rows * c].view(rows, c))
+            if rows < n:
+                part[rows, :rest].copy_(g[rows * c:])
+                part[rows, rest:].zero_()
+                part[rows + 1:].zero_()
+            offset += c
+        return reduce_scatter_async(flat.view(-1), axes, self.groups)
+
+    def finish_reduce_scatter(self, fqns: list[str], out: torch.Tensor) -> None:
+        """ZeRO-2, after ``start_reduce_scatter``'s work is done: each slice gets its part of
+        ``out``, the full gradients are dropped."""
         offset = 0
         for f in fqns:
             start, end, c = self._range[f]

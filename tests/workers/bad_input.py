@@ -2,6 +2,7 @@
 import argparse
 import json
 import os
+import signal
 
 import torch.distributed as dist
 
@@ -34,11 +35,28 @@ def main():
             os._exit(3)  # dies between steps; the others block in the next step's collectives
         trainer.step(*example)
         return
-    if args.case == "dead-in-backward":  # rank 1 dies in backward while bucket all-reduces are in flight
+    if args.case == "stopped-in-backward":
+        # rank 1 stops (SIGSTOP: alive, never answering) in backward while bucket all-reduces are in
+        # flight: the others must fail on their own collective timeout, not on the launcher tearing them down
         trainer = parallelize(model, (2, 2), example, force_data_parallel=True, bucket_bytes=8192)
         trainer.step(*example)
         if rank == 1:
-            trainer.params["blocks.0.attn.qkv.weight"].register_post_accumulate_grad_hook(lambda p: os._exit(3))
+            trainer.params["blocks.0.attn.qkv.weight"].register_post_accumulate_grad_hook(
+                lambda p: os.kill(os.getpid(), signal.SIGSTOP))
+        trainer.step(*example)
+        return
+    if args.case == "stopped-in-backward-zero3":
+        # ZeRO-3 groups on 1x4: rank 1 stops as it starts its first gradient reduce-scatter of the
+        # second step's backward, with the next group's all-gather prefetched
+        trainer = parallelize(model, (1, 4), example, force_data_parallel=True, zero_stage=3, bucket_bytes=8192)
+        trainer.step(*example)
+        if rank == 1:
+            start = dist.reduce_scatter_single
+
+            def stop(*a, **kw):
+                os.kill(os.getpid(), signal.SIGSTOP)
+                return start(*a, **kw)
+            dist.reduce_scatter_single = stop
         trainer.step(*example)
         return
     other_model, other_example = build_model("gpt-tiny", 4, 16, device="meta")

@@ -51,9 +51,14 @@ def expected(trainer) -> tuple[Counter, Counter]:
         elif c.phase in ("forward", "backward"):
             counts[key(c.kind, c.phase)] += 1
     ex = trainer.program.executor
-    for (_, src, dst, _), shape in ex.regathered.items():  # ZeRO-3 copies the program keeps for backward
-        for step in forward_steps(src, dst, shape, 4, ex.mesh.shape):
-            counts[key(step.kind, "backward")] -= step.is_collective
+    for k, shape in ex.regathered.items():  # ZeRO-3 copies the program keeps for backward
+        if k not in ex.member:
+            for step in forward_steps(k[1], k[2], shape, 4, ex.mesh.shape):
+                counts[key(step.kind, "backward")] -= step.is_collective
+    for keys in ex.groups:  # the program moves a group's m members one by one, keeping their copies:
+        counts[key("all-gather", "forward")] += len(keys) - 1  # m forward (the plan: 1) ...
+        counts[key("all-gather", "backward")] -= 1  # ... none again in backward (the plan: 1)
+        counts[key("reduce-scatter", "backward")] += len(keys) - 1  # m (the plan: 1)
     for name in stage.send if pipelined else ():  # each value the stage computed, gathered to replicated
         if name not in stage.recv:
             spec, shape = plan.nodes[name].out_specs[0], tuple(trainer.cg.node(name).meta["val"].shape)

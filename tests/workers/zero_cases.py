@@ -17,7 +17,8 @@ from alpa_lite import parallelize
 from alpa_lite.compiler.strategies import training_state_bytes
 from alpa_lite.core.plan import local_bytes
 from alpa_lite.runtime import collective_counts, collectives
-from alpa_lite.runtime.collectives import GatheredParameters
+from alpa_lite.runtime.collectives import GatheredParameters, GatherGroup
+from alpa_lite.runtime.executor import LocalExecutor
 from alpa_lite.runtime.launch import init_distributed
 from single_process import finish, reference
 
@@ -123,6 +124,28 @@ class SavedShapes:
                 self.prefetched[phase] = self.prefetched.get(phase, 0) + 1
             return start(x, dim, axes, mesh, phase)
         GatheredParameters.pack, collectives.all_gather_async = recording, starting
+        # a ZeRO-3 group's all-gather is prefetched when it starts from the executor's forward
+        # prefetch or backward's (not at the group's first use)
+        self.ahead = False
+        issue = GatherGroup.issue
+
+        def issuing(group, phase):
+            issued = issue(group, phase)
+            if issued and self.on and self.ahead:
+                self.prefetched[phase] = self.prefetched.get(phase, 0) + 1
+            return issued
+        GatherGroup.issue = issuing
+        for cls, name in ((LocalExecutor, "_prefetch"), (GatheredParameters, "prefetch_backward")):
+            setattr(cls, name, self._ahead(getattr(cls, name)))
+
+    def _ahead(self, fn):
+        def wrapped(*args):
+            self.ahead = True
+            try:
+                return fn(*args)
+            finally:
+                self.ahead = False
+        return wrapped
 
 
 def main():
