@@ -172,3 +172,15 @@ def test_dropout_masks_per_shard(results, plan_name):
             assert agree == 1.0 if same_shard else agree < 0.8, (spec, a["coord"], b["coord"], agree)
     if plan_name == "batch-only":
         assert same_pairs > 0, spec  # values replicated along an axis: the check above is not vacuous
+
+
+def test_dropout_masks_per_microbatch_in_a_pipeline(results):
+    """A pipeline stage draws a new mask for every microbatch of every step (two steps of two
+    microbatches, one stage of 4 devices), at the keep rate 1 - p."""
+    masks = results["dropout"]["pipeline"]["masks"]
+    assert len(masks) == 4
+    keep = [m for mask in masks for m in mask]
+    assert abs(sum(keep) / len(keep) - 0.5) < 4 * math.sqrt(0.25 / len(keep)), keep
+    for i, a in enumerate(masks):
+        for b in masks[i + 1:]:
+            assert _agreement(a, b) < 0.8

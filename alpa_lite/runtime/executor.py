@@ -164,21 +164,26 @@ class LocalExecutor:
     def run(self, env: dict[str, torch.Tensor]) -> dict[str, object]:
         """Run the graph; ``env`` maps placeholder names to local shards. Returns every value."""
         values: dict[str, object] = {n.name: env.get(n.name) for n in self.cg.graph.nodes if n.op == "placeholder"}
-        moved: dict[tuple, torch.Tensor] = {}
         self.calls += 1
         gathered = self.gathered_parameters()
-        ops = (n for n in self.cg.graph.nodes if n.op == "call_function")
         with gathered.hooks() if gathered is not None else contextlib.nullcontext():
-            for layer, nodes in itertools.groupby(ops, key=lambda n: self.remat.get(n.name)):
-                if layer is not None and torch.is_grad_enabled():
-                    reads = self._reads[layer]
-                    with set_checkpoint_early_stop(False):  # the whole layer runs again, as planned
-                        values.update(checkpoint(self._run_layer, list(nodes), reads, self.calls, layer,
-                                                 *(values[n] for n in reads), use_reentrant=False,
-                                                 context_fn=lambda: (contextlib.nullcontext(), recomputing())))
-                else:
-                    self._run_nodes(nodes, values, moved, gathered)
+            self.run_nodes((n for n in self.cg.graph.nodes if n.op == "call_function"), values, {}, gathered)
         return values
+
+    def run_nodes(self, nodes, values: dict[str, object], moved: dict, gathered: GatheredParameters | None = None):
+        """Run ``nodes`` (graph order) on ``values``, adding their results: the whole graph
+        (``run``) or a pipeline stage's nodes. The layers of ``plan.remat`` among them run under
+        ``torch.utils.checkpoint`` (only what is read after a layer is added); ``moved`` and
+        ``gathered`` as in ``_call``."""
+        for layer, group in itertools.groupby(nodes, key=lambda n: self.remat.get(n.name)):
+            if layer is not None and torch.is_grad_enabled():
+                reads = self._reads[layer]
+                with set_checkpoint_early_stop(False):  # the whole layer runs again, as planned
+                    values.update(checkpoint(self._run_layer, list(group), reads, self.calls, layer,
+                                             *(values[n] for n in reads), use_reentrant=False,
+                                             context_fn=lambda: (contextlib.nullcontext(), recomputing())))
+            else:
+                self._run_nodes(group, values, moved, gathered)
 
     def gathered_parameters(self) -> GatheredParameters | None:
         """A run's record of its ZeRO-3 gathered copies (``collectives.GatheredParameters``;

@@ -68,9 +68,12 @@ _CHUNK_STATE = ("stage", "sp", "index", "groups", "view", "_written", "executor"
 
 
 class _ActivationMeter:
-    """Bytes autograd saves for backward, per (stage, microbatch) in flight; ``peak`` over the step."""
+    """Bytes autograd saves for backward, per (stage, microbatch) in flight; ``peak`` over the step.
+    Tensors on the storage of a parameter in ``params`` (a weight, or a view of it, that an op
+    saves) are not counted: they are held anyway, not by the microbatch."""
 
-    def __init__(self):
+    def __init__(self, params):
+        self.storages = {p.untyped_storage().data_ptr() for p in params}
         self.live = 0
         self.peak = 0
         self.per_mb: dict[tuple[int, int], int] = {}
@@ -84,7 +87,7 @@ class _ActivationMeter:
 
         def pack(t):
             t = t if gathered is None else gathered.pack(t)
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.storages:
                 self.per_mb[self._current] += t.numel() * t.element_size()
             return t
 
@@ -119,7 +122,7 @@ class PipelineTrainer(Trainer):
     Attributes:
         stages: this rank's stage indices (one per chunk); stage: the current chunk's;
         peak_activation_bytes: the most bytes of tensors saved for backward this rank held during
-            the last step (all microbatches of all chunks in flight).
+            the last step (all microbatches of all chunks in flight; its parameters not counted).
         program: the current chunk's ``StageProgram`` under ``compile``, else None.
         busy_seconds: seconds this rank spent in the last step's compute actions (forward,
             backward, weight passes; ``_compute``); schedule_seconds: seconds from the start of
@@ -340,6 +343,7 @@ class PipelineTrainer(Trainer):
         its ZeRO-3 parameter copies recorded in ``gathered`` (``LocalExecutor.gathered_parameters``);
         returns (values sent, the microbatch's weighted loss ``w_m L_m`` on the last stage, else None)."""
         size = batch[0].shape[0] // self.num_microbatches
+        self.executor.calls += 1  # every microbatch draws new random numbers (dropout masks)
         values: dict[str, object] = {}
         values |= {ph: self.params[fqn] for ph, fqn in self.view.param_fqns.items()}
         values |= {ph: self.buffers[fqn] for ph, fqn in self.view.buffer_fqns.items()}
@@ -366,8 +370,7 @@ class PipelineTrainer(Trainer):
         computed value is added), then the values it sends, each it produced all-gathered to the
         replicated spec that crosses; returns those (``self.sp.send`` order)."""
         moved = {}  # operands resharded for this microbatch, once per value and wanted spec
-        for name in self.sp.nodes:
-            values[name] = self.executor._call(self.cg.node(name), values, moved, gathered)
+        self.executor.run_nodes(map(self.cg.node, self.sp.nodes), values, moved, gathered)
         sent = []
         for name in self.sp.send:
             x = values[name]
@@ -397,7 +400,7 @@ class PipelineTrainer(Trainer):
         synchronized; the rank's ``busy_seconds`` and ``schedule_seconds`` of the step."""
         start, self.busy_seconds = time.perf_counter(), 0.0
         self._pending = []
-        meter = _ActivationMeter()
+        meter = _ActivationMeter(self.params.values())
         # by (stage, microbatch): forward results, a split backward's roots kept for its weight
         # pass, received activations
         saved: dict[tuple[int, int], tuple] = {}

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from alpa_lite.runtime.launch import init_distributed
-from alpa_lite import parallelize
+from alpa_lite import PipelineOptions, parallelize
 from single_process import finish
 
 B, D, C, V = 8, 16, 8, 16  # batch, features, classes, vocabulary
@@ -186,6 +186,23 @@ def dropout(shape) -> dict:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, {"coord": list(trainer.groups.coord), "masks": masks})
         results[plan] = {"spec": spec, "ranks": gathered}
+    # a pipelined plan (one stage of 4 devices, 2 microbatches): the masks of every microbatch of
+    # two steps, read as the stage's executor makes them
+    torch.manual_seed(0)
+    trainer = parallelize(Dropout(), shape, (x,), optimizer=lambda p: torch.optim.SGD(p, lr=LR),
+                          pipeline=PipelineOptions(num_stages=1, num_microbatches=2), force_data_parallel=True)
+    call, masks = trainer.executor._call, []
+
+    def recording(node, *args, **kwargs):
+        out = call(node, *args, **kwargs)
+        if "dropout" in str(node.target):
+            masks.append((out != 0).flatten().tolist())
+        return out
+
+    trainer.executor._call = recording
+    for _ in range(2):
+        trainer.step(x)
+    results["pipeline"] = {"masks": masks}
     return results
 
 

@@ -120,7 +120,10 @@ def main():
                 grad_err = max_err(trainer.gradients(), ref_grads)
                 losses += [trainer.step(*x) for x in batches[1:]]
                 param_err = max_err(trainer.state_dict(), ref_params)
-                record[opt] = {"losses": losses, "ref_losses": ref_losses, "grad_err": grad_err, "param_err": param_err}
+                peaks = [None] * dist.get_world_size()  # (stage, bytes saved for backward at most), every rank
+                dist.all_gather_object(peaks, (trainer.stage, trainer.peak_activation_bytes))
+                record[opt] = {"losses": losses, "ref_losses": ref_losses, "grad_err": grad_err, "param_err": param_err,
+                               "peak_activation_bytes": peaks}
             results[f"{name}/{schedule}"] = record
     finish(results, args.out)
 
