@@ -117,6 +117,7 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
     best = None
     tried = {}
     disk_hits = 0
+    pricing_limits: list[dict] = []  # every B's: the choice among them was made on their figures
     for b in candidates:
         say(f"capture (microbatch {batch // b}, B={b})")
         cg = capture_rows(batch // b)
@@ -159,6 +160,7 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
                     tried[b] = str(e)
         costs.save_cache()
         disk_hits += costs.stats["disk_hits"]
+        pricing_limits += costs.limits
         if res is None:
             continue
         tried[b] = res.objective
@@ -189,7 +191,8 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
                                                         res.schedule, pipeline.chunks),
                         memory_bytes=max(sum(s.memory_bytes for s in stage_plans[d::groups]) for d in range(groups)),
                         fingerprint=cg.fingerprint(),
-                        loss_reduction=reduction, options=recorded, stats=stats, captured=cg, layers=layers)
+                        loss_reduction=reduction, options=recorded, stats=stats, captured=cg, layers=layers,
+                        pricing_limits=pricing_limits)
 
 
 def _shared_in_group(cg, costs: GraphStageCosts, stages, chunks: int) -> str | None:
