@@ -357,4 +357,4 @@ def test_a_limit_reached_while_pricing_stages_is_in_the_plan_and_its_summary(mon
     console = Console(width=400, record=True)
     console.print(summary_table(p))
     text = console.export_text()
-    assert f"{one['ilp']}: gap 25.00%" in text and "stage 0 " in text
+    assert f"{one['ilp']}: time limit, gap 25.00%" in text and "stage 0 " in text

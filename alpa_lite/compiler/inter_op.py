@@ -263,7 +263,7 @@ def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budg
         sol = solve_stage(cg, names, mesh, budget, scale, costs.table(shape, st.start, st.end), options,
                           sync_weight=costs.sync_weight, sends=costs.sends(st.start, st.end), remat=remat)
         nodes, compute = sol.nodes, sol.compute_seconds
-        limits = solver_limits(f"layers {st.start}-{st.end - 1}", sol.gap)
+        limits = solver_limits(f"layers {st.start}-{st.end - 1}", sol)
     else:  # the chain of per-layer solutions the DP priced, on this stage's own layers
         fixed: dict = {}
         real: dict = {}
@@ -276,7 +276,7 @@ def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budg
                               fixed=dict(fixed), sync_weight=costs.sync_weight,
                               remat=[layers[j].nodes] if j - st.start in st.option.remat else [])
             compute += sol.compute_seconds
-            limits += solver_limits(f"layer {j}", sol.gap)
+            limits += solver_limits(f"layer {j}", sol)
             for n, np_ in sol.nodes.items():
                 (boundary if np_.strategy == "boundary" else real)[n] = np_
             fixed.update({n: real[n].out_specs for n in part if n in real})

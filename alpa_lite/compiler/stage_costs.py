@@ -341,7 +341,7 @@ class GraphStageCosts:
                               remat_forced=self.options.remat == "all")
             return (sol.seconds, sol.once_seconds, sol.weight_bytes, sol.act_bytes,
                     [sol.nodes[n].out_specs if n in sol.nodes else None for n in names], sol.remat_peak,
-                    bool(sol.remat)), sol.ilp_memory, solver_limits("", sol.gap)
+                    bool(sol.remat)), sol.ilp_memory, solver_limits("", sol)
 
         return self._solve(key, scale, budget, part, (layer, layer + 1, submesh, shape))
 
@@ -356,7 +356,7 @@ class GraphStageCosts:
             again = tuple(j - start for j in range(start, end) if self.layers[j].nodes in sol.remat)
             return (StageOption(sol.seconds, sol.weight_bytes, sol.act_bytes, sol.once_seconds,
                                 payload=(shape, scale), remat_bytes=sol.remat_peak, remat=again), sol.ilp_memory,
-                    solver_limits("", sol.gap))
+                    solver_limits("", sol))
 
         return self._solve((sig, tuple(names.index(n) for n in sends), shape), scale, self.memory_bytes, option,
                            (start, end, submesh, shape))
@@ -471,7 +471,8 @@ class StageSolution:
     ``weight_bytes`` leaves out, and ``remat_peak``). ``act_bytes``: kept per microbatch (of
     recomputed layers, only the values they do not read alone); ``remat_peak``: the largest
     recomputed layer's activations, live once (one layer is recomputed at a time); ``remat``: the
-    layers recomputed (node names). ``gap``: ``ilp.Solution.gap`` (None: proven optimal)."""
+    layers recomputed (node names). ``status`` / ``gap``: ``ilp.Solution``'s (``"Optimal"``, None:
+    proven optimal)."""
 
     seconds: float
     once_seconds: float
@@ -483,6 +484,7 @@ class StageSolution:
     gap: float | None = None
     remat_peak: float = 0.0
     remat: list[tuple[str, ...]] = field(default_factory=list)
+    status: str = "Optimal"
 
 
 def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int = 1, table=None,
@@ -558,7 +560,7 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
             g.keep_scale = act_scale
     try:
         sol = solve(graph, memory_bytes, time_limit=options.time_limit, solver=options.solver,
-                    switches=tuple(options.restrictions()))
+                    switches=tuple(options.restrictions()), node_limit=options.node_limit)
     except (MemoryBudgetError, SolverError) as e:
         raise _Infeasible(str(e)) from None
     chosen = {n: table[n].strategies[w.index[sol.choice[w.var]]] for n, w in where.items()}
@@ -604,7 +606,7 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
     for v, m in enumerate(unscaled):
         terms[v not in weight_vars] += m[sol.choice[v]]
     return StageSolution(max(seconds, 0.0), once, weights, acts, nodes, compute, tuple(terms), sol.gap, peak,
-                         [tuple(layer) for layer in remat])
+                         [tuple(layer) for layer in remat], sol.status)
 
 
 def _discount_gradient_sync(cg, table, where, graph, names, reshard, weight: float) -> None:
