@@ -264,11 +264,13 @@ class _HiGHS(pulp.HiGHS):
         self.warm_start(lp)
         lp.solverModel.run()
 
-    def warm_start(self, lp) -> None:
+    def warm_start(self, lp):
+        """Give HiGHS the variables' initial values; returns its ``HighsStatus`` (None: none given)."""
         given = [(v.index, float(v.varValue)) for v in lp.variables() if v.varValue is not None]
         if given:
             index, value = zip(*given)
-            lp.solverModel.setSolution(len(index), list(index), list(value))
+            return lp.solverModel.setSolution(len(index), list(index), list(value))
+        return None
 
     def findSolutionValues(self, lp):
         model, status = lp.solverModel, lp.solverModel.getModelStatus()
