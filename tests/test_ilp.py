@@ -316,23 +316,3 @@ def test_a_plan_stopped_by_its_node_limit_is_reproducible_and_says_so():
     text = console.export_text()
     assert "intra-op: node limit, gap" in text and "(node limit of 1: not proven optimal; the same input plans" in text
 
-
-@needs_highs
-def test_highs_without_presolve_plans_the_same(monkeypatch):
-    """HiGHS runs without presolve (``ilp.HIGHS_OPTIONS``: 9x faster on GPT-3 2.6B's intra-op ILP,
-    docs/plan_time.md); the plans of GPT (2 blocks) and the MLP on 2x2, and a pipelined GPT on
-    1x4, are the JSON that HiGHS with presolve gives."""
-    from alpa_lite.zoo.models import build_model
-
-    assert ilp.HIGHS_OPTIONS == {"presolve": "off"}
-    model, example = build_model("gpt-tiny", 8, 16, device="meta", num_layers=2)
-    with torch.device("meta"):
-        mlp = MLP(256)
-    x = torch.zeros(64, 256, device="meta")
-    cases = [lambda: plan(model, example, LogicalMesh((2, 2), cluster="a100")),
-             lambda: plan(mlp, (x, x), LogicalMesh((2, 2), cluster="a100")),
-             lambda: plan(model, example, LogicalMesh((1, 4), cluster="a100"), pipeline="auto", num_microbatches=2,
-                          workers=1)]
-    without = [case().to_json() for case in cases]
-    monkeypatch.setattr(ilp, "HIGHS_OPTIONS", {})
-    assert [case().to_json() for case in cases] == without

@@ -305,13 +305,6 @@ def _highspy():
     return pulp.apis.highs_api.highspy
 
 
-HIGHS_OPTIONS = {"presolve": "off"}
-"""HiGHS options besides the limits, seeds and gaps. Presolve off: on these ILPs (one-hot rows,
-edge variables linearized by equality rows) HiGHS's presolve took 85-90% of the solve and
-removed little: GPT-3 2.6B / 2x4's intra-op ILP (12,346 columns) solved in 0.28 s instead of
-2.59 s, with the same root-node proof (docs/plan_time.md)."""
-
-
 def _solver(time_limit: float, name: str, node_limit: int | None):
     if name == "highs" and not highs_available():
         raise SolverError("solver='highs' needs the highspy package: pip install 'alpa-lite[highs]' "
@@ -321,8 +314,7 @@ def _solver(time_limit: float, name: str, node_limit: int | None):
         # seconds (~1e-3), so HiGHS's default gaps (1e-4 relative, 1e-6 absolute) would stop far
         # from the optimum CBC proves
         nodes = {} if node_limit is None else {"mip_max_nodes": int(node_limit)}
-        return _HiGHS(msg=False, timeLimit=time_limit, threads=1, random_seed=0, gapRel=1e-7, gapAbs=1e-12, **nodes,
-                      **HIGHS_OPTIONS)
+        return _HiGHS(msg=False, timeLimit=time_limit, threads=1, random_seed=0, gapRel=1e-7, gapAbs=1e-12, **nodes)
     # CBC's primal heuristics cost more than they save on these small problems (3x on the
     # per-layer ILPs of GPT-3 39B): branch and bound from the feasible start ``solve`` gives
     return _CBC(msg=False, timeLimit=time_limit, threads=1, warmStart=True, maxNodes=node_limit,

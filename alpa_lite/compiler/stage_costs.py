@@ -34,7 +34,7 @@ Planning time. The memory sweeps above re-ask the same per-layer ILP under other
 optimum too, and an infeasible one stays infeasible, so those are reused (``_solve``). The
 options of different submeshes share no ILP (their logical shapes differ): ``prefetch`` computes
 them in forked worker processes, one submesh per task. On 2 cores GPT-3 39B on 8x8 A100s plans
-in ~19 s at B = 32 given, HiGHS (docs/plan_time.md).
+in ~30 s at B = 128 and ~60 s at B = 32 (docs/plan_quality.md).
 """
 from __future__ import annotations
 
