@@ -254,48 +254,21 @@ def test_a_node_limit_stops_every_run_at_the_same_answer(solver):
     assert entry["gap"] is None if solver == "cbc" else entry["gap"] > 0  # the CBC process reports no gap
 
 
-@pytest.mark.parametrize("solver", ["cbc", pytest.param("highs", marks=needs_highs)])
-def test_a_wall_clock_stop_is_told_apart(solver):
-    """The wall-clock backstop stopping a solve reads ``"TimeLimit"`` (a rerun may differ):
-    a millisecond stops both solvers at once, with the feasible start as their answer."""
+def test_a_wall_clock_stop_is_told_apart():
+    """The wall-clock backstop stopping a solve reads ``"TimeLimit"`` (a rerun may differ): a
+    millisecond stops CBC at once, with the feasible start it is given as its answer."""
     g, budget = memory_tight_graph(0)
-    sol = solve(g, budget, solver=solver, time_limit=1e-3)
+    sol = solve(g, budget, solver="cbc", time_limit=1e-3)
     assert sol.status == "TimeLimit" and sol.memory <= budget
     assert [e["limit"] for e in solver_limits("x", sol)] == ["time"]
 
 
 @needs_highs
-@pytest.mark.parametrize("seed", range(3))
-def test_highs_gets_the_feasible_start_and_keeps_the_optimum(seed, monkeypatch):
-    """HiGHS in-process is given the start CBC gets (PuLP passes HiGHS none): every variable's
-    least-memory strategy, accepted by ``Highs.setSolution``; with or without it the memory-tight
-    optimum is the same, CBC's."""
-    g, budget = memory_tight_graph(seed)
-    real, starts = ilp._HiGHS.warm_start, []
-
-    def spy(self, lp):
-        status = real(self, lp)
-        starts.append(({v.name: v.varValue for v in lp.variables() if v.varValue is not None}, status))
-        return status
-
-    monkeypatch.setattr(ilp._HiGHS, "warm_start", spy)
-    warm = solve(g, budget, solver="highs")
-    (given, status), = starts
-    assert status == ilp._highspy().HighsStatus.kOk
-    least = [min(range(len(m)), key=m.__getitem__) for m in g.memory]
-    assert given == {f"s_{v}_{p}": float(p == least[v]) for v in range(len(g.costs)) for p in range(len(g.costs[v]))}
-    monkeypatch.setattr(ilp._HiGHS, "warm_start", lambda self, lp: None)
-    cold = solve(g, budget, solver="highs")
-    assert warm.status == cold.status == "Optimal"
-    assert warm.objective == pytest.approx(cold.objective, rel=1e-9)
-    assert warm.objective == pytest.approx(solve(g, budget, solver="cbc").objective, rel=1e-7)
-
-
-@needs_highs
 def test_a_plan_stopped_by_its_node_limit_is_reproducible_and_says_so():
-    """GPT (2 blocks) on 2x2 A100s at 2% above the least memory any plan needs: its intra-op ILP
-    takes 5 nodes; with ``node_limit=1`` the plan stops at the root's answer, comes out the same
-    twice (JSON), and lists the node limit, not a time limit."""
+    """GPT (2 blocks) on 2x2 A100s at 10% above the least memory any plan needs: its intra-op ILP
+    does not close at the root node (a 5.5-6.6% gap there under 6 hash seeds); with
+    ``node_limit=1`` the plan stops at the root's answer, comes out the same twice (JSON), and
+    lists the node limit, not a time limit."""
     from rich.console import Console
     from alpa_lite.zoo.models import build_model
 
@@ -303,7 +276,7 @@ def test_a_plan_stopped_by_its_node_limit_is_reproducible_and_says_so():
     mesh = LogicalMesh((2, 2), cluster="a100")
     with pytest.raises(MemoryBudgetError) as least:
         plan(model, example, mesh, memory_budget=1.0)
-    budget = least.value.minimum_bytes * 1.02
+    budget = least.value.minimum_bytes * 1.1
     exact = plan(model, example, mesh, memory_budget=budget)
     assert exact.solver_limits == []
     first, again = (plan(model, example, mesh, memory_budget=budget, node_limit=1) for _ in range(2))
