@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 
 from rich.console import Console
+from .core.options import PlanOptions
 from .core.schedules import SCHEDULES
 
 
@@ -23,7 +24,9 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-axis", type=int, choices=(0, 1), default=None, help="force the batch onto a mesh axis")
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=None,
                    help="force every parameter to this ZeRO stage (needs --force-dp or --batch-axis)")
-    p.add_argument("--time-limit", type=float, default=60.0, help="ILP solver seconds")
+    p.add_argument("--time-limit", type=float, default=60.0, help="ILP solver wall-clock seconds (a backstop)")
+    p.add_argument("--node-limit", type=int, default=PlanOptions.node_limit,
+                   help="ILP branch-and-bound nodes per solve (reproducible; 0: no limit)")
     p.add_argument("--json", default=None, help="write the plan JSON here")
     p.add_argument("--cache", default=None, metavar="DIR",
                    help="keep ILP answers in DIR between runs: re-planning the same model with other pipeline "
@@ -75,7 +78,8 @@ def cmd_plan(args) -> int:
             pipeline=args.pipeline, schedule=args.schedule, chunks=args.chunks, num_microbatches=args.microbatches,
             num_layers=args.layers)
         result = plan(model, example, mesh, memory_budget=budget, force_data_parallel=args.force_dp,
-                      batch_axis=args.batch_axis, zero_stage=args.zero_stage, time_limit=args.time_limit, **pipelined,
+                      batch_axis=args.batch_axis, zero_stage=args.zero_stage, time_limit=args.time_limit,
+                      node_limit=args.node_limit or None, **pipelined,
                       progress=progress, cache=args.cache)
     for w in caught:
         if "strateg" in str(w.message):

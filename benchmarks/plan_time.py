@@ -2,10 +2,14 @@
 
     python benchmarks/plan_time.py [--out docs/plan_time.md]
     python benchmarks/plan_time.py --case gpt3-39b:8x8:32 --pipeline auto [--microbatches 32] [--solver cbc]
+    python benchmarks/plan_time.py --depth gpt3-1.3b:2x4:16 --layers 8,16,32,64 [--repeats 3] [--pipeline auto --microbatches 4]
 
 For each case: capture (torch.export on meta tensors), strategy enumeration + cost graph, ILP
 solve, with the graph size before and after merging (follower ops, shared repeated blocks).
 Prints a table, writes it with the command to docs/plan_time.md and plots docs/plan_time.png.
+``--depth``: one model width planned at several depths (``num_layers``), each the median of
+``--repeats`` runs; prints a markdown table and the least-squares line of planning seconds
+against layers (slope, intercept, R^2) for docs/plan_time.md.
 """
 from __future__ import annotations
 
@@ -36,9 +40,14 @@ def main() -> int:
     ap.add_argument("--pipeline", default=None, help="with --case: 'auto' or a stage count")
     ap.add_argument("--microbatches", type=int, default=None, help="with --case --pipeline: B (default: searched)")
     ap.add_argument("--solver", default="auto", choices=("auto", "cbc", "highs"))
+    ap.add_argument("--depth", default=None, metavar="MODEL:NxM:BATCH", help="sweep this model's num_layers")
+    ap.add_argument("--layers", default="8,16,32,64", help="with --depth: the depths")
+    ap.add_argument("--repeats", type=int, default=3, help="with --depth: runs per depth (the median is reported)")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     console = Console(width=180)
+    if args.depth:
+        return _depth(args, console)
     if args.case:
         return _cases(args, console)
     rows = []
@@ -94,6 +103,45 @@ def _cases(args, console) -> int:
                   f"{p.stats['ilp_s']:.1f} s in them" if args.pipeline else f"ILP {p.stats['ilp_s']:.2f} s")
         console.print(f"{case} pipeline={args.pipeline} solver={args.solver}: {wall:.1f} s "
                       f"(predicted step {p.step_seconds:.4f} s; {layout}; {len(p.solver_limits)} ILPs at the time limit)")
+    return 0
+
+
+def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """Least-squares ``y = slope x + intercept``: ``(slope, intercept, R^2)``."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    intercept = my - slope * mx
+    total = sum((y - my) ** 2 for y in ys)
+    residual = sum((y - slope * x - intercept) ** 2 for x, y in zip(xs, ys))
+    return slope, intercept, 1 - residual / total if total else 1.0
+
+
+def _depth(args, console) -> int:
+    import os
+    import statistics
+
+    name, mesh, batch = args.depth.split(":")
+    shape = tuple(int(x) for x in mesh.split("x"))
+    pipe = {} if args.pipeline is None else {"pipeline": args.pipeline, "num_microbatches": args.microbatches}
+    rows = []
+    for layers in (int(x) for x in args.layers.split(",")):
+        runs = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            model, example = build_model(name, int(batch), num_layers=layers)
+            p = plan(model, example, LogicalMesh(shape, cluster=args.cluster), solver=args.solver, **pipe)
+            runs.append((time.perf_counter() - t0, p.stats.get("capture_s", 0.0), p.stats.get("ilp_s", 0.0)))
+        wall, capture, ilp = (statistics.median(r[i] for r in runs) for i in range(3))
+        rows.append((layers, wall, capture, ilp, p.step_seconds, os.getloadavg()[0]))
+        console.print(f"{name} num_layers={layers}: {wall:.2f} s (runs {', '.join(f'{r[0]:.2f}' for r in runs)})")
+    print("| layers | planning s (median) | capture s | ILP s | predicted step s | load (1 min) |")
+    print("|---|---|---|---|---|---|")
+    for layers, wall, capture, ilp, step, load in rows:
+        print(f"| {layers} | {wall:.2f} | {capture:.2f} | {ilp:.2f} | {step:.4f} | {load:.1f} |")
+    slope, intercept, r2 = linear_fit([r[0] for r in rows], [r[1] for r in rows])
+    print(f"\nfit: planning s = {slope:.4f} x layers + {intercept:.2f}, R^2 = {r2:.4f}")
     return 0
 
 

@@ -57,9 +57,9 @@ def test_options_reach_every_stage(monkeypatch):
     solvers = []
     real_solve = stage_costs.solve
 
-    def solve_spy(graph, budget, time_limit, solver, switches):
+    def solve_spy(graph, budget, time_limit, solver, switches, node_limit):
         solvers.append((solver, switches))
-        return real_solve(graph, budget, time_limit=time_limit, solver="cbc", switches=switches)
+        return real_solve(graph, budget, time_limit=time_limit, solver="cbc", switches=switches, node_limit=node_limit)
 
     monkeypatch.setattr(stage_costs, "build_cost_graph", spy)
     monkeypatch.setattr(stage_costs, "solve", solve_spy)

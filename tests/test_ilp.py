@@ -9,7 +9,9 @@ import torch.nn.functional as F
 
 from alpa_lite import LogicalMesh, load_plan, plan
 from alpa_lite.compiler import intra_op
-from alpa_lite.compiler.ilp import CostGraph, MemoryBudgetError, SolverError, brute_force, highs_available, solve
+from alpa_lite.compiler import ilp
+from alpa_lite.compiler.ilp import (CostGraph, MemoryBudgetError, SolverError, brute_force, highs_available, solve,
+                                    solver_limits)
 from alpa_lite.tools.explain import summary_table
 
 needs_highs = pytest.mark.skipif(not highs_available(), reason="highspy is not installed (alpa-lite[highs])")
@@ -215,9 +217,75 @@ def test_a_reached_time_limit_is_in_the_plan_and_its_explanation(monkeypatch):
 
     monkeypatch.setattr(intra_op, "solve", stopped_early)
     p = mlp_plan(32, 64, time_limit=7.0)
-    assert p.solver_limits == [{"ilp": "intra-op", "gap": 0.125}]
+    assert p.solver_limits == [{"ilp": "intra-op", "limit": "time", "gap": 0.125}]
     assert load_plan(p.to_json()).solver_limits == p.solver_limits
     from rich.console import Console
     console = Console(width=300, record=True)
     console.print(summary_table(p))
-    assert "intra-op: gap 12.50% (limit 7.0 s" in console.export_text()
+    assert "intra-op: time limit, gap 12.50% (wall-clock limit of 7.0 s reached" in console.export_text()
+
+
+def memory_tight_graph(seed: int, n: int = 30, k: int = 5) -> tuple[CostGraph, float]:
+    """A chain of ``n`` variables of ``k`` strategies where less memory costs more time, under a
+    budget of half the least plus a quarter of the most memory: the LP relaxation is fractional, so
+    branch and bound needs more than its root node (HiGHS: 5 to 15 nodes)."""
+    rng = random.Random(seed)
+    memory = [[rng.uniform(1, 10) for _ in range(k)] for _ in range(n)]
+    g = CostGraph(costs=[[20 - m + rng.uniform(0, 3) for m in row] for row in memory], memory=memory)
+    for v in range(1, n):
+        g.add_edge(v - 1, v, [[rng.choice([0.0, rng.uniform(0, 2)]) for _ in range(k)] for _ in range(k)])
+    return g, 0.5 * g.min_memory() + 0.25 * sum(max(m) for m in memory)
+
+
+@pytest.mark.parametrize("solver", ["cbc", pytest.param("highs", marks=needs_highs)])
+def test_a_node_limit_stops_every_run_at_the_same_answer(solver):
+    """The node limit is the stopping rule that does not depend on the machine: one node
+    (the root) stops both solvers before their proof, at the same answer on every run, and the
+    solution says which limit stopped it."""
+    g, budget = memory_tight_graph(0)
+    exact = solve(g, budget, solver=solver, node_limit=None)
+    assert (exact.status, exact.gap) == ("Optimal", None)
+    first, again = (solve(g, budget, solver=solver, node_limit=1) for _ in range(2))
+    assert first.status == again.status == "NodeLimit"
+    assert (first.choice, first.objective) == (again.choice, again.objective)
+    assert first.objective >= exact.objective - 1e-9 and first.memory <= budget
+    entry, = solver_limits("x", first)
+    assert entry["limit"] == "nodes"
+    assert entry["gap"] is None if solver == "cbc" else entry["gap"] > 0  # the CBC process reports no gap
+
+
+def test_a_wall_clock_stop_is_told_apart():
+    """The wall-clock backstop stopping a solve reads ``"TimeLimit"`` (a rerun may differ): a
+    millisecond stops CBC at once, with the feasible start it is given as its answer."""
+    g, budget = memory_tight_graph(0)
+    sol = solve(g, budget, solver="cbc", time_limit=1e-3)
+    assert sol.status == "TimeLimit" and sol.memory <= budget
+    assert [e["limit"] for e in solver_limits("x", sol)] == ["time"]
+
+
+@needs_highs
+def test_a_plan_stopped_by_its_node_limit_is_reproducible_and_says_so():
+    """GPT (2 blocks) on 2x2 A100s at 10% above the least memory any plan needs: its intra-op ILP
+    does not close at the root node (a 5.5-6.6% gap there under 6 hash seeds); with
+    ``node_limit=1`` the plan stops at the root's answer, comes out the same twice (JSON), and
+    lists the node limit, not a time limit."""
+    from rich.console import Console
+    from alpa_lite.zoo.models import build_model
+
+    model, example = build_model("gpt-tiny", 8, 16, device="meta", num_layers=2)
+    mesh = LogicalMesh((2, 2), cluster="a100")
+    with pytest.raises(MemoryBudgetError) as least:
+        plan(model, example, mesh, memory_budget=1.0)
+    budget = least.value.minimum_bytes * 1.1
+    exact = plan(model, example, mesh, memory_budget=budget)
+    assert exact.solver_limits == []
+    first, again = (plan(model, example, mesh, memory_budget=budget, node_limit=1) for _ in range(2))
+    assert first.to_json() == again.to_json()
+    entry, = first.solver_limits
+    assert (entry["ilp"], entry["limit"]) == ("intra-op", "nodes") and entry["gap"] > 0
+    assert first.step_seconds >= exact.step_seconds * (1 - 1e-9)
+    console = Console(width=300, record=True)
+    console.print(summary_table(first))
+    text = console.export_text()
+    assert "intra-op: node limit, gap" in text and "(node limit of 1: not proven optimal; the same input plans" in text
+

@@ -273,3 +273,29 @@ def test_meta_model_captures_like_a_real_one(name):
     assert meta.fingerprint() == real.fingerprint()
     assert meta.requires_grad == real.requires_grad
     assert not set(meta.input_names) & meta.requires_grad
+
+
+def test_capture_runs_the_graph_on_fake_tensors_once(monkeypatch):
+    """One fake run finds both the in-place writes and the nodes autograd tracks (a second only
+    when export's graph had to be functionalized, as batch norm's is); its tracked nodes are those
+    of a run on the final graph (tied names' placeholders and dropped layout copies left out)."""
+    from alpa_lite.core import capture as capture_module
+    from alpa_lite.zoo.models import build_model
+
+    real, runs = capture_module._fake_run, []
+
+    def counted(gm, params):
+        runs.append(len(params))
+        return real(gm, params)
+
+    monkeypatch.setattr(capture_module, "_fake_run", counted)
+    model, example = build_model("gpt-tiny", 4, 8, device="meta")  # tied embedding and head
+    cg = capture(model, example)
+    assert len(runs) == 1 and runs[0] > len(cg.param_fqns)  # the tied name's placeholder was a parameter then
+    assert cg.requires_grad == real(cg.graph_module, set(cg.param_fqns))[0]
+    runs.clear()
+    norm = MODELS["norm"]()
+    args, kwargs = MODELS["norm"].batch(torch.Generator().manual_seed(0))
+    cg = capture(norm, args, example_kwargs=kwargs)
+    assert len(runs) == 2 and cg.buffer_mutations
+    assert cg.requires_grad == real(cg.graph_module, set(cg.param_fqns))[0]

@@ -182,7 +182,7 @@ def test_ilp_answer_reused_only_when_provably_the_same():
             if answer is None:
                 from alpa_lite.compiler.stage_costs import _Infeasible
                 raise _Infeasible("no fit")
-            return answer, terms
+            return answer, terms, []
         return solve
 
     assert costs._solve("k", 1, 100.0, solver("A", (40.0, 20.0))) == "A"
@@ -319,3 +319,42 @@ def test_lower_bound_is_below_every_option():
     assert len(priced) > len(keys) // 2
     assert all(0 < bound <= seconds for bound, seconds in priced)
     assert max(bound / seconds for bound, seconds in priced) > 0.1  # a bound that can prune
+
+
+def test_a_limit_reached_while_pricing_stages_is_in_the_plan_and_its_summary(monkeypatch):
+    """Every stage-pricing ILP whose solver stops at a limit is listed in the pipelined plan
+    (layer range, submesh, logical mesh, gap), survives JSON, and is printed by the summary; the
+    stages' own re-solves are listed per stage as before."""
+    from rich.console import Console
+
+    from alpa_lite.compiler import stage_costs
+    from alpa_lite.tools.explain import summary_table
+
+    real = stage_costs.solve
+
+    def stopped_early(*args, **kwargs):
+        sol = real(*args, **kwargs)
+        sol.status, sol.gap = "TimeLimit", 0.25
+        return sol
+
+    model, example = build_model("gpt-tiny", 8, 16, device="meta", num_layers=2)
+    mesh = LogicalMesh((1, 4), cluster="a100")
+    pipe = PipelineOptions(num_microbatches=2, workers=1)
+    assert plan(model, example, mesh, pipeline=pipe).solver_limits == []
+    monkeypatch.setattr(stage_costs, "solve", stopped_early)
+    p = plan(model, example, mesh, pipeline=pipe, time_limit=5.0)
+    pricing = [e for e in p.solver_limits if "stage" not in e]
+    assert pricing == p.pricing_limits and len(pricing) == p.stats["ilp_solves"] > 0  # every solve stopped early
+    assert {e["gap"] for e in pricing} == {0.25} and {e["microbatches"] for e in pricing} == {2}
+    assert {tuple(e["submesh"]) for e in pricing} == {(1, 1), (1, 2), (1, 4)}
+    last = p.stats["layers"] - 1
+    assert {tuple(e["layers"]) for e in pricing} >= {(j, j) for j in range(last + 1)} | {(0, last)}  # chains, one ILP
+    one = next(e for e in pricing if e["layers"] == [0, last])
+    assert one["ilp"].startswith(f"stage pricing B=2: layers 0-{last} on submesh 1x4 (logical ")
+    per_stage = [e for e in p.solver_limits if "stage" in e]
+    assert per_stage and {e["stage"] for e in per_stage} == set(range(len(p.stages)))
+    assert load_plan(p.to_json()).solver_limits == p.solver_limits
+    console = Console(width=400, record=True)
+    console.print(summary_table(p))
+    text = console.export_text()
+    assert f"{one['ilp']}: time limit, gap 25.00%" in text and "stage 0 " in text

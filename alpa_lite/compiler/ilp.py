@@ -204,9 +204,12 @@ class CostGraph:
 
 @dataclass
 class Solution:
-    """An assignment and its figures. ``gap``: None when the solver proved it optimal; when the
-    time limit was reached first, the relative gap between it and the solver's lower bound
-    (``math.inf`` where the solver reports none: CBC run as a process)."""
+    """An assignment and its figures. ``status``: ``"Optimal"`` (proven), ``"NodeLimit"`` (the
+    solver explored its ``node_limit`` of branch-and-bound nodes first: the same input gives the
+    same answer on every run) or ``"TimeLimit"`` (its wall-clock ``time_limit`` came first: the
+    answer depends on the machine's speed and load). ``gap``: None when proven optimal, else the
+    relative gap between it and the solver's lower bound (``math.inf`` where the solver reports
+    none: CBC run as a process)."""
 
     choice: list[int]
     objective: float
@@ -240,7 +243,7 @@ def highs_available() -> bool:
     try:
         with open(os.devnull, "w") as null:
             os.dup2(null.fileno(), 1)
-            pulp.apis.highs_api.highspy.Highs()  # the module PuLP's HiGHS interface imported
+            _highspy().Highs()
             ctypes.CDLL(None).fflush(None)  # C's stdout buffer, written while descriptor 1 is null
     finally:
         os.dup2(saved, 1)
@@ -248,7 +251,50 @@ def highs_available() -> bool:
     return True
 
 
-def _solver(time_limit: float, name: str):
+class _HiGHS(pulp.HiGHS):
+    """PuLP's in-process HiGHS, reading a node limit reached (HiGHS's ``kSolutionLimit``, which
+    PuLP's status table lacks) as a feasible, unproven answer. ``stopped``: ``"nodes"`` /
+    ``"time"`` when a limit stopped the solve. No start is given (PuLP passes HiGHS none): given
+    the least-memory start through ``Highs.setSolution``, HiGHS 1.16 returned that start as
+    optimal on tests/test_zero.py's MLP (its presolve priced the start at 5.1e-6 s in the reduced
+    space, 1.3e-4 s in truth, 20x the optimum; docs/planner.md, "Starts")."""
+
+    stopped: str | None = None
+
+    def findSolutionValues(self, lp):
+        model, status = lp.solverModel, lp.solverModel.getModelStatus()
+        kinds = _highspy().HighsModelStatus
+        self.stopped = {kinds.kTimeLimit: "time", kinds.kSolutionLimit: "nodes"}.get(status)
+        try:
+            return super().findSolutionValues(lp)  # assigns the variables' values, then reads the status
+        except KeyError:
+            if status != kinds.kSolutionLimit:
+                raise
+            if model.getInfo().primal_solution_status != 2:  # kSolutionStatusFeasible
+                return pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound
+            return pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible
+
+
+class _CBC(pulp.PULP_CBC_CMD):
+    """PuLP's CBC, telling which limit stopped it (``stopped``, as ``_HiGHS``) from the first
+    line of its solution file (``Stopped on time`` / ``Stopped on iterations``: nodes)."""
+
+    stopped: str | None = None
+
+    def get_status(self, filename):
+        with open(filename) as f:
+            first = f.readline()
+        self.stopped = ("time" if first.startswith("Stopped on time")
+                        else "nodes" if first.startswith("Stopped on iterations") else None)
+        return super().get_status(filename)
+
+
+def _highspy():
+    """The highspy module PuLP's HiGHS interface imported (``highs_available()`` first)."""
+    return pulp.apis.highs_api.highspy
+
+
+def _solver(time_limit: float, name: str, node_limit: int | None):
     if name == "highs" and not highs_available():
         raise SolverError("solver='highs' needs the highspy package: pip install 'alpa-lite[highs]' "
                           "(or use solver='auto', which falls back to CBC)")
@@ -256,30 +302,38 @@ def _solver(time_limit: float, name: str):
         # in-process: no model file and no solver process per ILP, as CBC needs; objectives are
         # seconds (~1e-3), so HiGHS's default gaps (1e-4 relative, 1e-6 absolute) would stop far
         # from the optimum CBC proves
-        return pulp.HiGHS(msg=False, timeLimit=time_limit, threads=1, random_seed=0, gapRel=1e-7, gapAbs=1e-12)
+        nodes = {} if node_limit is None else {"mip_max_nodes": int(node_limit)}
+        return _HiGHS(msg=False, timeLimit=time_limit, threads=1, random_seed=0, gapRel=1e-7, gapAbs=1e-12, **nodes)
     # CBC's primal heuristics cost more than they save on these small problems (3x on the
     # per-layer ILPs of GPT-3 39B): branch and bound from the feasible start ``solve`` gives
-    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, threads=1, warmStart=True,
-                             options=["randomSeed 1", "randomCbcSeed 1", "heuristicsOnOff off"])
+    return _CBC(msg=False, timeLimit=time_limit, threads=1, warmStart=True, maxNodes=node_limit,
+                options=["randomSeed 1", "randomCbcSeed 1", "heuristicsOnOff off"])
 
 
 def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float = 60.0,
-          solver: str = "cbc", switches: tuple[str, ...] = ()) -> Solution:
-    """Solve the ILP exactly (up to ``time_limit`` seconds of solver time).
+          solver: str = "cbc", switches: tuple[str, ...] = (), node_limit: int | None = None) -> Solution:
+    """Solve the ILP exactly (up to ``node_limit`` branch-and-bound nodes and ``time_limit``
+    seconds).
 
     Args:
         graph: the cost graph.
         memory_budget: bytes per device.
-        time_limit: seconds given to the MILP solver; the best incumbent is used when reached.
+        time_limit: wall-clock seconds given to the MILP solver, a backstop: the best incumbent
+            is used when reached, and the answer then depends on the machine's speed and load.
+        node_limit: branch-and-bound nodes the solver may explore (HiGHS ``mip_max_nodes``, CBC
+            ``maxNodes``; None: no limit): the stopping rule that does not depend on the
+            machine. With one thread and fixed seeds the same input explores the same nodes, so
+            an answer it stops is the same on every run.
         solver: ``"cbc"`` (bundled with PuLP), ``"highs"`` (needs highspy) or ``"auto"`` (HiGHS
             when highspy is installed, else CBC).
         switches: the planning switches that made the forbidden (``inf``) entries
             (``PlanOptions.restrictions``), named by the error when nothing is feasible.
 
     Returns:
-        the ``Solution``; its ``gap`` says whether the time limit was reached (then the answer
-        depends on the machine's speed and load: ``api.parallelize`` plans on rank 0 only and
-        broadcasts, so the ranks of a job still agree).
+        the ``Solution``; its ``status`` says which limit, if any, stopped the solver, and ``gap``
+        how far from proven it stopped (a time limit makes the answer depend on the machine's
+        speed and load: ``api.parallelize`` plans on rank 0 only and broadcasts, so the ranks of a
+        job still agree).
 
     Raises:
         MemoryBudgetError: the budget is below the least memory any plan needs.
@@ -350,18 +404,19 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
         for x in r:
             if x is not True:
                 x.setInitialValue(1)
-    status = prob.solve(_solver(time_limit, solver))
+    engine = _solver(time_limit, solver, node_limit)
+    status = prob.solve(engine)
     if pulp.LpStatus[status] not in ("Optimal",) and prob.sol_status not in (pulp.LpSolutionIntegerFeasible,):
         raise SolverError(f"ILP solver status {pulp.LpStatus[status]} ({len(graph.costs)} variables, "
-                          f"{len(graph.edges)} edges){blame or '; try a longer time_limit'}")
+                          f"{len(graph.edges)} edges){blame or '; try a larger node_limit or time_limit'}")
     choice = [0 if xs is None else max(range(len(xs)), key=lambda p: xs[p].value() or 0.0) for xs in s]
     remat = tuple(x is True or (x is not True and (x.value() or 0.0) > 0.5) for x in r)
-    gap = None
-    if prob.sol_status == pulp.LpSolutionIntegerFeasible:  # stopped by the time limit with an incumbent
+    gap, stopped = None, "Optimal"
+    if prob.sol_status == pulp.LpSolutionIntegerFeasible:  # stopped by a limit with an incumbent
         model = getattr(prob, "solverModel", None)  # HiGHS in-process reports its gap; the CBC process does not
         gap = float(model.getInfo().mip_gap) if model is not None else math.inf
-    return Solution(choice, graph.objective(choice, remat), graph.memory_of(choice, remat),
-                    "Optimal" if gap is None else "TimeLimit", remat, gap)
+        stopped = "NodeLimit" if engine.stopped == "nodes" else "TimeLimit"
+    return Solution(choice, graph.objective(choice, remat), graph.memory_of(choice, remat), stopped, remat, gap)
 
 
 def _edge_terms(prob, tag: str, s, u: int, v: int, matrix) -> list:
@@ -464,9 +519,17 @@ def _shared_move(prob, g: int, s, u: int, readers, matrix, add) -> None:
                 row(terms + [(s[u][p], -1) for p in rows[a]], pulp.LpConstraintLE, 0, f"x_{g}_{c}_{a}")
 
 
-def solver_limits(ilp: str, gap: float | None) -> list[dict]:
-    """``Plan.solver_limits`` entries of one solve: ``[]`` when it was proven optimal."""
-    return [] if gap is None else [{"ilp": ilp, "gap": gap if math.isfinite(gap) else None}]
+LIMITS = {"NodeLimit": "nodes", "TimeLimit": "time"}
+"""``Solution.status`` -> the ``"limit"`` of its ``Plan.solver_limits`` entry."""
+
+
+def solver_limits(ilp: str, sol) -> list[dict]:
+    """``Plan.solver_limits`` entries of one solve (``sol``: a ``Solution`` or anything with its
+    ``status`` and ``gap``): ``[]`` when it was proven optimal, else ``{"ilp", "limit": "nodes" |
+    "time", "gap"}`` (``"time"``: the wall-clock backstop stopped it, so a rerun may differ)."""
+    if sol.status not in LIMITS:
+        return []
+    return [{"ilp": ilp, "limit": LIMITS[sol.status], "gap": sol.gap if math.isfinite(sol.gap) else None}]
 
 
 def brute_force(graph: CostGraph, memory_budget: float = math.inf) -> Solution:

@@ -117,6 +117,7 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
     best = None
     tried = {}
     disk_hits = 0
+    pricing_limits: list[dict] = []  # every B's: the choice among them was made on their figures
     for b in candidates:
         say(f"capture (microbatch {batch // b}, B={b})")
         cg = capture_rows(batch // b)
@@ -159,6 +160,7 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
                     tried[b] = str(e)
         costs.save_cache()
         disk_hits += costs.stats["disk_hits"]
+        pricing_limits += costs.limits
         if res is None:
             continue
         tried[b] = res.objective
@@ -189,7 +191,8 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
                                                         res.schedule, pipeline.chunks),
                         memory_bytes=max(sum(s.memory_bytes for s in stage_plans[d::groups]) for d in range(groups)),
                         fingerprint=cg.fingerprint(),
-                        loss_reduction=reduction, options=recorded, stats=stats, captured=cg, layers=layers)
+                        loss_reduction=reduction, options=recorded, stats=stats, captured=cg, layers=layers,
+                        pricing_limits=pricing_limits)
 
 
 def _shared_in_group(cg, costs: GraphStageCosts, stages, chunks: int) -> str | None:
@@ -260,7 +263,7 @@ def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budg
         sol = solve_stage(cg, names, mesh, budget, scale, costs.table(shape, st.start, st.end), options,
                           sync_weight=costs.sync_weight, sends=costs.sends(st.start, st.end), remat=remat)
         nodes, compute = sol.nodes, sol.compute_seconds
-        limits = solver_limits(f"layers {st.start}-{st.end - 1}", sol.gap)
+        limits = solver_limits(f"layers {st.start}-{st.end - 1}", sol)
     else:  # the chain of per-layer solutions the DP priced, on this stage's own layers
         fixed: dict = {}
         real: dict = {}
@@ -273,7 +276,7 @@ def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budg
                               fixed=dict(fixed), sync_weight=costs.sync_weight,
                               remat=[layers[j].nodes] if j - st.start in st.option.remat else [])
             compute += sol.compute_seconds
-            limits += solver_limits(f"layer {j}", sol.gap)
+            limits += solver_limits(f"layer {j}", sol)
             for n, np_ in sol.nodes.items():
                 (boundary if np_.strategy == "boundary" else real)[n] = np_
             fixed.update({n: real[n].out_specs for n in part if n in real})

@@ -75,7 +75,7 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
     say("ilp")
     budget = mesh.memory_bytes if options.memory_budget is None else options.memory_budget
     sol, hit = solve_cached(cache, graph, budget, solve, time_limit=options.time_limit, solver=options.solver,
-                            switches=tuple(options.restrictions()))
+                            switches=tuple(options.restrictions()), node_limit=options.node_limit)
     stats["disk_hits"] = int(hit)
     stats["ilp_s"] = time.perf_counter() - t2
     stats["ilp_objective"] = sol.objective
@@ -96,6 +96,6 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
                   loss_reduction=loss_reduction or LossReduction("mean", None),
                   zero_stages=zero_stages(cg, nodes), captured=cg,
                   remat=remat,
-                  solver_limits=solver_limits("intra-op", sol.gap))
+                  solver_limits=solver_limits("intra-op", sol))
     stats["total_s"] = time.perf_counter() - t1
     return result

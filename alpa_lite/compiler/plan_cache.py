@@ -33,8 +33,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
-VERSION = 3  # 2: stage ILPs offer ZeRO-1/2 (their answers of version 1 are of other ILPs); 3: answers name the
-# layers recomputed (remat="auto" in stages)
+VERSION = 4  # 2: stage ILPs offer ZeRO-1/2 (their answers of version 1 are of other ILPs); 3: answers name the
+# layers recomputed (remat="auto" in stages); 4: answers carry the solver limits they reached
 
 
 class CacheFile:

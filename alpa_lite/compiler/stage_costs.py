@@ -58,7 +58,7 @@ from ..core.spec import ShardingSpec
 from .clustering import crossing_values
 from .constraints import apply_constraints, restrict
 from .cost_graph import build_cost_graph
-from .ilp import MemoryBudgetError, SolverError, solve
+from .ilp import MemoryBudgetError, SolverError, solve, solver_limits
 from .intra_op import recomputable
 from .stage_dp import StageOption
 from .strategies import BACKWARD_FLOPS_FACTOR, build_strategies, kept_for_backward
@@ -107,6 +107,11 @@ class GraphStageCosts:
             ``min(L - i, D - d) + 1`` stages from the end: options stop at that many in flight.
         cache: a ``plan_cache.PlanCache``: ILP answers of earlier runs are read from it, and
             ``save_cache()`` adds this run's (``stats["disk_hits"]`` counts the answers read).
+
+    ``limits``: every stage-pricing ILP whose solver stopped at a limit before proving its optimum
+    (solved here or read from the cache), in the order solved: ``{"ilp", "layers": [first, last],
+    "submesh", "logical_mesh", "microbatches", "activation_scale", "gap"}`` (``ilp.solver_limits``).
+    The DP chose among options priced by them, so ``PipelinePlan.solver_limits`` lists them too.
     """
 
     def __init__(self, cg, layers: list, cluster, memory_bytes: float, max_in_flight: int = 1,
@@ -116,6 +121,8 @@ class GraphStageCosts:
             raise ValueError(f"mode must be 'chain' or 'exact', got {mode!r}")
         self.cg, self.layers, self.cluster, self.mode = cg, layers, cluster, mode
         self.sync_weight = 1.0 / num_microbatches
+        self.num_microbatches = num_microbatches
+        self.limits: list[dict] = []
         self.schedule = schedule
         self._chains: dict[tuple, dict] = {}
         self.memory_bytes, self.max_in_flight = memory_bytes, max_in_flight
@@ -209,8 +216,9 @@ class GraphStageCosts:
             with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("fork")) as pool:
                 say(f"stage costs on submeshes {', '.join(f'{t[0][2][0]}x{t[0][2][1]}' for t in tasks)} in "
                     f"{min(workers, len(tasks))} processes")
-                for memo, stats, answers in pool.map(_prefetch_task, tasks):
+                for memo, stats, answers, limits in pool.map(_prefetch_task, tasks):
                     self._memo.update(memo)
+                    self.limits += limits
                     for key, answer in answers.items():
                         self._disk.put(key, answer)
                     for k, v in stats.items():
@@ -229,15 +237,16 @@ class GraphStageCosts:
             found = []
             for shape in self.shapes(submesh):
                 if self.mode == "exact":
-                    tried = [self._solve_cached(sig, names, shape, scale, start, end)]
+                    tried = [self._solve_cached(sig, names, shape, scale, start, end, submesh)]
                 else:
-                    opt, layers_fit = self._chained(start, end, shape, scale)
+                    opt, layers_fit = self._chained(start, end, shape, scale, submesh)
                     tried = [opt]
                     if opt is None and layers_fit or (start, end) == (0, len(self.layers)):
                         # one ILP: the memory split between layers failed, or the stage is the whole
                         # model (the intra-op pass's ILP: the search holds the plan without pipelining)
                         subset = self.subset(start, end)
-                        tried.append(self._solve_cached(self._signature(subset), subset, shape, scale, start, end))
+                        tried.append(self._solve_cached(self._signature(subset), subset, shape, scale, start, end,
+                                                        submesh))
                 for opt in tried:
                     if opt is not None:
                         found.append(opt)
@@ -281,7 +290,7 @@ class GraphStageCosts:
             out |= self._tables[key]
         return out
 
-    def _chained(self, start, end, shape, scale) -> tuple[StageOption | None, bool]:
+    def _chained(self, start, end, shape, scale, submesh) -> tuple[StageOption | None, bool]:
         """Layers ``[start, end)`` as a chain of per-layer ILPs, each given the specs its operands
         from earlier layers of the stage were produced in (their resharding is in its objective).
         Each layer may use the whole memory budget; when the sum does not fit, every layer gets
@@ -290,19 +299,19 @@ class GraphStageCosts:
         n = end - start
         first = None
         for j in range(math.ceil(math.log2(n)) + 1 if n > 1 else 1):
-            best = self._chain_option(start, end, shape, scale, self.memory_bytes / 2 ** j)
+            best = self._chain_option(start, end, shape, scale, self.memory_bytes / 2 ** j, submesh)
             first = best if j == 0 else first
             if best is not None and best.fits(scale, self.memory_bytes):
                 return best, True
         return None, first is not None
 
-    def _chain_option(self, start, end, shape, scale, budget) -> StageOption | None:
+    def _chain_option(self, start, end, shape, scale, budget, submesh) -> StageOption | None:
         key = (start, shape, scale, budget)
         chain = self._chains.setdefault(key, {"parts": [], "fixed": {}, "dead": False})
         while len(chain["parts"]) < end - start and not chain["dead"]:
             j = start + len(chain["parts"])
             names = self.subset(j, j + 1)
-            part = self._layer_part(j, names, shape, scale, budget, chain["fixed"])
+            part = self._layer_part(j, names, shape, scale, budget, chain["fixed"], submesh)
             if part is None:
                 chain["dead"] = True
                 break
@@ -318,9 +327,9 @@ class GraphStageCosts:
                            sum(p[1] for p in parts), payload=(shape, scale, budget),
                            remat_bytes=max(p[5] for p in parts), remat=tuple(i for i, p in enumerate(parts) if p[6]))
 
-    def _layer_part(self, layer, names, shape, scale, budget, fixed) -> tuple | None:
+    def _layer_part(self, layer, names, shape, scale, budget, fixed, submesh=None) -> tuple | None:
         """``(seconds, once, weight, act, out specs by position, recompute peak, recomputed)`` of one
-        layer given ``fixed``."""
+        layer given ``fixed`` (``submesh``: the one being priced, named by ``limits``)."""
         ext = [a.name for n in names for a in self.cg.node(n).all_input_nodes if a.name not in names]
         given = {n: fixed[n] for n in dict.fromkeys(ext + names) if n in fixed}
         key = (self._signature(names), tuple(given.get(n) for n in dict.fromkeys(ext + names)), shape)
@@ -332,11 +341,11 @@ class GraphStageCosts:
                               remat_forced=self.options.remat == "all")
             return (sol.seconds, sol.once_seconds, sol.weight_bytes, sol.act_bytes,
                     [sol.nodes[n].out_specs if n in sol.nodes else None for n in names], sol.remat_peak,
-                    bool(sol.remat)), sol.ilp_memory
+                    bool(sol.remat)), sol.ilp_memory, solver_limits("", sol)
 
-        return self._solve(key, scale, budget, part)
+        return self._solve(key, scale, budget, part, (layer, layer + 1, submesh, shape))
 
-    def _solve_cached(self, sig, names, shape, scale, start, end) -> StageOption | None:
+    def _solve_cached(self, sig, names, shape, scale, start, end, submesh=None) -> StageOption | None:
         sends = self.sends(start, end)
 
         def option():
@@ -345,16 +354,23 @@ class GraphStageCosts:
                               self.options, sync_weight=self.sync_weight, sends=sends, remat=self.remat(start, end),
                               remat_forced=self.options.remat == "all")
             again = tuple(j - start for j in range(start, end) if self.layers[j].nodes in sol.remat)
-            return StageOption(sol.seconds, sol.weight_bytes, sol.act_bytes, sol.once_seconds,
-                               payload=(shape, scale), remat_bytes=sol.remat_peak, remat=again), sol.ilp_memory
+            return (StageOption(sol.seconds, sol.weight_bytes, sol.act_bytes, sol.once_seconds,
+                                payload=(shape, scale), remat_bytes=sol.remat_peak, remat=again), sol.ilp_memory,
+                    solver_limits("", sol))
 
-        return self._solve((sig, tuple(names.index(n) for n in sends), shape), scale, self.memory_bytes, option)
+        return self._solve((sig, tuple(names.index(n) for n in sends), shape), scale, self.memory_bytes, option,
+                           (start, end, submesh, shape))
 
-    def _solve(self, key, scale, budget, solve):
+    def _solve(self, key, scale, budget, solve, where=None):
         """``solve()`` for the ILP ``key`` whose memory constraint is ``w + scale a <= budget``, or
         an earlier answer that is provably the same: an ILP solved under a looser constraint
         (``scale' <= scale``, ``budget' >= budget``) whose optimum satisfies this one is optimal
-        here too (same objective, smaller feasible set); one that was infeasible stays so."""
+        here too (same objective, smaller feasible set); one that was infeasible stays so.
+
+        ``solve()`` returns ``(result, (w, a), limits)``, ``limits`` the ILP's ``ilp.solver_limits``;
+        an answer solved (or read from the cache) with a limit reached is added to ``self.limits``
+        as layers ``[start, end)`` on ``submesh`` (logical ``shape``), ``where = (start, end,
+        submesh, shape)``."""
         entries = self._cache.setdefault(key, [])
         for s, m, result, (w, a) in entries:
             if s <= scale and m >= budget and (result is None or w + scale * a <= budget):
@@ -368,12 +384,22 @@ class GraphStageCosts:
             try:
                 answer = solve()
             except _Infeasible:
-                answer = None, (0.0, 0.0)
+                answer = None, (0.0, 0.0), []
             self.stats["ilp_solves"] += 1
             self.stats["ilp_s"] += time.perf_counter() - t0
             if self._disk is not None:
                 self._disk.put((key, scale, budget), answer)
-        result, terms = answer
+        result, terms, limits = answer
+        if limits and where is not None:
+            start, end, submesh, shape = where
+            span = f"layer {start}" if end == start + 1 else f"layers {start}-{end - 1}"
+            sub = "" if submesh is None else f" on submesh {submesh[0]}x{submesh[1]}"
+            self.limits += [{"ilp": f"stage pricing B={self.num_microbatches}: {span}{sub} (logical "
+                                    f"{shape[0]}x{shape[1]}, activations x{scale})",
+                             "layers": [start, end - 1], "submesh": None if submesh is None else list(submesh),
+                             "logical_mesh": list(shape), "microbatches": self.num_microbatches,
+                             "activation_scale": scale} | {k: v for k, v in e.items() if k != "ilp"}
+                            for e in limits]
         entries.append((scale, budget, result, terms))
         return result
 
@@ -383,9 +409,10 @@ _PREFETCHING: GraphStageCosts | None = None
 
 def _prefetch_task(keys):
     costs = _PREFETCHING
-    before = dict(costs.stats)
+    before, seen = dict(costs.stats), len(costs.limits)
     memo = {key: costs(*key) for key in keys}
-    return memo, {k: v - before[k] for k, v in costs.stats.items()}, costs._disk.new if costs._disk else {}
+    return (memo, {k: v - before[k] for k, v in costs.stats.items()}, costs._disk.new if costs._disk else {},
+            costs.limits[seen:])
 
 
 def _dominates(a: StageOption, b: StageOption) -> bool:
@@ -444,7 +471,8 @@ class StageSolution:
     ``weight_bytes`` leaves out, and ``remat_peak``). ``act_bytes``: kept per microbatch (of
     recomputed layers, only the values they do not read alone); ``remat_peak``: the largest
     recomputed layer's activations, live once (one layer is recomputed at a time); ``remat``: the
-    layers recomputed (node names). ``gap``: ``ilp.Solution.gap`` (None: proven optimal)."""
+    layers recomputed (node names). ``status`` / ``gap``: ``ilp.Solution``'s (``"Optimal"``, None:
+    proven optimal)."""
 
     seconds: float
     once_seconds: float
@@ -456,6 +484,7 @@ class StageSolution:
     gap: float | None = None
     remat_peak: float = 0.0
     remat: list[tuple[str, ...]] = field(default_factory=list)
+    status: str = "Optimal"
 
 
 def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int = 1, table=None,
@@ -531,7 +560,7 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
             g.keep_scale = act_scale
     try:
         sol = solve(graph, memory_bytes, time_limit=options.time_limit, solver=options.solver,
-                    switches=tuple(options.restrictions()))
+                    switches=tuple(options.restrictions()), node_limit=options.node_limit)
     except (MemoryBudgetError, SolverError) as e:
         raise _Infeasible(str(e)) from None
     chosen = {n: table[n].strategies[w.index[sol.choice[w.var]]] for n, w in where.items()}
@@ -577,7 +606,7 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
     for v, m in enumerate(unscaled):
         terms[v not in weight_vars] += m[sol.choice[v]]
     return StageSolution(max(seconds, 0.0), once, weights, acts, nodes, compute, tuple(terms), sol.gap, peak,
-                         [tuple(layer) for layer in remat])
+                         [tuple(layer) for layer in remat], sol.status)
 
 
 def _discount_gradient_sync(cg, table, where, graph, names, reshard, weight: float) -> None:

@@ -290,8 +290,16 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets
     _name_outputs(ep)
     if compute_dtype is not None:
         _cast_per_use(ep.graph_module)
-    if _mutated_placeholders(ep.graph_module):  # export's training IR writes buffers in place: functionalize
+    frozen = {n for n, p in wrapper.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    trainable = {spec.arg.name for spec in ep.graph_signature.input_specs
+                 if spec.kind is InputKind.PARAMETER and spec.target not in frozen}
+    try:
+        tracked, mutated = _fake_run(ep.graph_module, trainable)
+    except RuntimeError:  # a parameter written in place (a leaf that requires grad): look for writes without grad
+        tracked, mutated = None, _fake_run(ep.graph_module, set())[1]
+    if mutated:  # export's training IR writes buffers in place: functionalize
         ep = ep.run_decompositions({})  # (keeps the ops; mutations become outputs, ``buffers_to_mutate``)
+        tracked = None  # another graph: its tracked nodes are found below
     gm = ep.graph_module
     _drop_layout_copies(gm)
     _name_outputs(ep)
@@ -300,7 +308,6 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets
         raise CaptureError(f"the model writes its input {next(iter(sig.user_inputs_to_mutate.values()))} in place; "
                            "alpa-lite feeds inputs as shards, so an in-place update of an input is not supported")
     strip = lambda fqn: fqn[len("model."):] if fqn.startswith("model.") else fqn  # noqa: E731
-    frozen = {n for n, p in wrapper.named_parameters(remove_duplicate=False) if not p.requires_grad}
     param_fqns, buffer_fqns, constants, input_names, static = {}, {}, {}, [], {}
     for spec in sig.input_specs:
         name = spec.arg.name
@@ -336,8 +343,13 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets
     placeholder_of = {name: ph for ph, fqn in {**param_fqns, **buffer_fqns}.items()
                       for name in (fqn, *tied.get(fqn, ()))}
     param_mutations = _parameters_read_in_place(gm, sig.parameters_to_mutate, placeholder_of, strip)
+    if tracked is None:
+        tracked = _fake_run(gm, set(param_fqns))[0]
+    else:  # the graph the fake run saw, less the layout copies dropped since (their users are tracked alike) and
+        # the placeholders of tied names, which feed nothing now
+        tracked = {n.name for n in gm.graph.nodes if n.name in tracked and (n.op != "placeholder" or n.name in param_fqns)}
     return CapturedGraph(gm, param_fqns, buffer_fqns, input_names, loss.name, tied, mutations, param_mutations,
-                         _tracked_by_autograd(gm, set(param_fqns)), constants, ep.call_spec.in_spec, static)
+                         tracked, constants, ep.call_spec.in_spec, static)
 
 
 def _cast_per_use(gm: torch.fx.GraphModule) -> None:
@@ -586,21 +598,12 @@ def _fresh_attr(gm: torch.fx.GraphModule, base: str) -> str:
     return f"{base}_inlined{k}"
 
 
-def _tracked_by_autograd(gm: torch.fx.GraphModule, params: set[str]) -> set[str]:
-    """Nodes whose result requires grad when only the parameters do, found by running the graph
-    on fake tensors (exact autograd semantics: a view of data stays untracked, for example)."""
-    return _fake_run(gm, params)[0]
-
-
-def _mutated_placeholders(gm: torch.fx.GraphModule) -> set[str]:
-    """Placeholders the graph writes in place (``batch_norm``'s running statistics, ``add_`` on
-    a counter ...), found by their version counters on a fake run."""
-    return _fake_run(gm, set())[1]
-
-
 def _fake_run(gm: torch.fx.GraphModule, params: set[str]) -> tuple[set[str], set[str]]:
-    """Run ``gm`` on fake tensors with ``params`` requiring grad: (nodes autograd tracks,
-    placeholders written in place)."""
+    """Run ``gm`` on fake tensors with ``params`` requiring grad: (nodes whose result requires
+    grad when only the parameters do, with exact autograd semantics: a view of data stays
+    untracked, for example; placeholders the graph writes in place, ``batch_norm``'s running
+    statistics or ``add_`` on a counter, found by their version counters). ``capture`` runs it
+    once on export's graph, and again only when that graph had to be functionalized."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     tracked: set[str] = set()

@@ -42,8 +42,15 @@ class PlanOptions:
     share_layers: bool = True
     """Identical repeated layers share one ILP solution (a smaller ILP, the same optimum when the
     layers really are identical)."""
+    node_limit: int | None = 1000
+    """Branch-and-bound nodes the ILP solver may explore per solve (HiGHS ``mip_max_nodes``, CBC
+    ``maxNodes``), the primary stopping rule: with one thread and fixed seeds the same input
+    explores the same nodes on any machine, so a plan it stops is reproducible. None: no limit.
+    The best feasible answer found is used after it (``Plan.solver_limits`` says so)."""
     time_limit: float = 60.0
-    """Seconds the ILP solver may take per solve; the best feasible answer found is used after it."""
+    """Wall-clock seconds the ILP solver may take per solve, a backstop behind ``node_limit``: the
+    best feasible answer found is used after it, and then depends on the machine's speed and load
+    (``Plan.solver_limits`` says ``"limit": "time"``)."""
     solver: str = "auto"
     """``"auto"`` (HiGHS in-process when ``highspy`` is installed, else CBC), ``"cbc"`` (ships
     with PuLP, one solver process per ILP) or ``"highs"`` (needs ``highspy``)."""
@@ -93,6 +100,8 @@ class PlanOptions:
             raise ValueError(f"batch_axis must be 0, 1 or None, got {self.batch_axis!r}")
         if self.solver not in SOLVERS:
             raise ValueError(f"unknown solver {self.solver!r}; use one of {', '.join(SOLVERS)}")
+        if self.node_limit is not None and not (isinstance(self.node_limit, int) and self.node_limit > 0):
+            raise ValueError(f"node_limit must be a positive integer or None, got {self.node_limit!r}")
         if not self.time_limit > 0:
             raise ValueError(f"time_limit must be > 0 seconds, got {self.time_limit}")
         if self.zero_stage not in (None, 1, 2, 3):

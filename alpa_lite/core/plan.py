@@ -343,6 +343,9 @@ class PipelinePlan:
         stats: planning statistics (not in JSON).
         loss_reduction: how the loss reduces over the batch, so how microbatch losses combine.
         captured: the microbatch ``CapturedGraph`` (in memory only); layers: the layer clustering.
+        pricing_limits: the stage-pricing ILPs of the search (every microbatch count tried) whose
+            solver stopped at a limit (``stage_costs.GraphStageCosts.limits``): the DP chose among
+            figures they priced, so another run may choose otherwise (empty: all proven optimal).
     """
 
     mesh: LogicalMesh
@@ -359,6 +362,7 @@ class PipelinePlan:
     stats: dict = field(default_factory=dict)
     captured: object = field(default=None, compare=False, repr=False)
     layers: list = field(default_factory=list, compare=False, repr=False)
+    pricing_limits: list[dict] = field(default_factory=list)
 
     kind = "pipeline"
 
@@ -392,8 +396,9 @@ class PipelinePlan:
 
     @property
     def solver_limits(self) -> list[dict]:
-        """Every stage's ``Plan.solver_limits``, each with its ``"stage"`` index."""
-        return [{"stage": i} | e for i, s in enumerate(self.stages) for e in s.plan.solver_limits]
+        """Every stage's ``Plan.solver_limits``, each with its ``"stage"`` index, then the search's
+        ``pricing_limits``."""
+        return [{"stage": i} | e for i, s in enumerate(self.stages) for e in s.plan.solver_limits] + self.pricing_limits
 
     def collective_counts(self) -> dict[tuple[str, str], int]:
         """``(kind, phase) -> count`` over one training step, all stages (per microbatch ones x B)."""
@@ -410,6 +415,8 @@ class PipelinePlan:
              "step_seconds": self.step_seconds, "compute_seconds": self.compute_seconds,
              "bubble_fraction": self.bubble_fraction, "memory_bytes": self.memory_bytes,
              "loss_reduction": self.loss_reduction.to_dict(), "stages": [s.to_dict() for s in self.stages]}
+        if self.pricing_limits:
+            d["pricing_limits"] = self.pricing_limits
         if stats:
             d["stats"] = self.stats
         return d
@@ -419,7 +426,8 @@ class PipelinePlan:
         return cls(LogicalMesh.from_dict(d["mesh"]), [StagePlan.from_dict(s) for s in d["stages"]], str(d["schedule"]),
                    int(d["num_microbatches"]), float(d["step_seconds"]), float(d["compute_seconds"]),
                    float(d["bubble_fraction"]), float(d["memory_bytes"]), str(d["fingerprint"]),
-                   LossReduction.from_dict(d["loss_reduction"]), dict(d.get("options", {})), dict(d.get("stats", {})))
+                   LossReduction.from_dict(d["loss_reduction"]), dict(d.get("options", {})), dict(d.get("stats", {})),
+                   pricing_limits=list(d.get("pricing_limits", [])))
 
     def to_json(self, path: str | Path | None = None) -> str:
         """The plan as JSON; written to ``path`` if given (``Plan.to_json``)."""

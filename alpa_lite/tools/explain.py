@@ -45,12 +45,16 @@ def summary_table(plan: Plan, title: str = "plan") -> Table:
                       f"{', '.join(_rate(1 / b) for b in m.mesh_beta)} (axis 0, axis 1)")
     budget = plan.options.get("memory_budget") or m.memory_bytes
     st = plan.stats
-    if plan.solver_limits:  # never silent: such a plan may differ on a rerun
-        t.add_row("[yellow]solver time limit[/]", "; ".join(
-            ("" if "stage" not in e else f"stage {e['stage']} ") + f"{e['ilp']}: gap "
-            + ("unknown (CBC)" if e["gap"] is None else f"{e['gap']:.2%}") for e in plan.solver_limits)
-            + f" (limit {plan.options.get('plan', plan.options).get('time_limit')} s; not proven optimal, a rerun "
-              "may plan otherwise)")
+    if plan.solver_limits:  # never silent: not proven optimal, and after a time limit not reproducible
+        chosen = plan.options.get("plan", plan.options)
+        limit = lambda e: e.get("limit", "time")  # noqa: E731 (plans made before node limits: time)
+        timed = any(limit(e) == "time" for e in plan.solver_limits)
+        t.add_row("[yellow]solver limit reached[/]", "; ".join(
+            ("" if "stage" not in e else f"stage {e['stage']} ") + f"{e['ilp']}: {'node' if limit(e) == 'nodes' else 'time'} limit, gap "
+            + ("unknown" if e["gap"] is None else f"{e['gap']:.2%}") for e in plan.solver_limits)
+            + (f" (wall-clock limit of {chosen.get('time_limit')} s reached: not proven optimal, a rerun may plan "
+               "otherwise)" if timed else f" (node limit of {chosen.get('node_limit')}: not proven optimal; the same "
+                                          "input plans the same)"))
     if isinstance(plan, PipelinePlan):  # stages overlap in time: the step is the pipeline formula, not a sum
         n = len(plan.stages)
         t.add_row("step time (predicted)", f"{_seconds(plan.step_seconds)}: {n} stage{'s' if n != 1 else ''}, "
