@@ -9,7 +9,6 @@ import torch.nn.functional as F
 
 from alpa_lite import LogicalMesh, load_plan, plan
 from alpa_lite.compiler import intra_op
-from alpa_lite.compiler import ilp
 from alpa_lite.compiler.ilp import (CostGraph, MemoryBudgetError, SolverError, brute_force, highs_available, solve,
                                     solver_limits)
 from alpa_lite.tools.explain import summary_table
