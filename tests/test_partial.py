@@ -65,13 +65,8 @@ def test_linear_consumers_pass_a_partial_sum_through():
     assert not any("P" in out for _, out in total)
 
 
-class PassThrough(nn.Module):
+class PassThrough(RowParallel):
     """A row-parallel result ``h [4, 8]`` read by each linear op but add (tested above) and mul."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(16, 8)
-        self.y = nn.Parameter(torch.zeros(4, 8))
 
     def forward(self, x):
         h, y = self.fc(x), self.y
