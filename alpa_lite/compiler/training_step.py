@@ -105,8 +105,8 @@ def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Logica
             val = val[r] if isinstance(val, (tuple, list)) else val
             src = nodes[src_name].out_specs[r]
             args = (tuple(val.shape), val.element_size(), mesh.shape)
-            if layer is None and (src_name, src, dst, gp) in grouped:  # its group's collectives, listed once
-                fwd, bwd = grouped[(src_name, src, dst, gp)]
+            if (layer, (src_name, src, dst, gp)) in grouped:  # its group's collectives, listed once
+                fwd, bwd = grouped[(layer, (src_name, src, dst, gp))]
                 forward += [replace(c, node=name) for c in fwd]
                 backward += [replace(c, node=name) for c in bwd]
                 continue
@@ -149,12 +149,16 @@ def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Logica
 
 def _grouped_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: LogicalMesh, bucket_bytes: float,
                          remat) -> dict[tuple, tuple[list[Collective], list[Collective]]]:
-    """ZeRO-3 use (``zero3_uses`` key) -> the collectives listed at it, forward and backward (in
-    forward order, reversed with the rest), for the uses of ``core.plan.zero3_groups``: a group's
-    all-gather at its first use forward; its gradients' reduce-scatter at that use and its
-    all-gather again at its last use backward (backward reaches the last use first)."""
+    """``(recomputed layer or None, ZeRO-3 use)`` (``zero3_uses`` keys) -> the collectives listed
+    at it, forward and backward (in forward order, reversed with the rest), for the uses of
+    ``core.plan.zero3_groups``, those outside recomputed layers (numbered first) and those of each
+    recomputed layer: a group's all-gather at its first use forward (a recomputed layer's listed
+    again as it recomputes); its gradients' reduce-scatter at that use and, outside recomputed
+    layers, its all-gather again at its last use backward (backward reaches the last use first)."""
     out = {}
-    for g, keys in enumerate(zero3_groups(cg, nodes, mesh.shape, bucket_bytes, remat)):
+    scopes = [(layer, keys) for layer in (None, *range(len(remat)))
+              for keys in zero3_groups(cg, nodes, mesh.shape, bucket_bytes, remat, layer)]
+    for g, (layer, keys) in enumerate(scopes):
         gather = reduce = 0.0
         for src, spec, dst, gp in keys:
             val = cg.node(src).meta["val"]
@@ -162,14 +166,16 @@ def _grouped_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Lo
             step = forward_steps(spec, dst, *args)[0]
             gather += step.nbytes
             reduce += backward_steps(spec, dst, gp, *args)[0].nbytes
-        axis, what = (step.axis,), f"ZeRO-3 group {g} ({len(keys)} parameters)"
+        where = "" if layer is None else f", recomputed layer {layer}"
+        axis, what = (step.axis,), f"ZeRO-3 group {g} ({len(keys)} parameters{where})"
         ag = Collective("all-gather", axis, gather, "forward", "", what, mesh.collective_cost("all-gather", gather, axis))
         rs = Collective("reduce-scatter", axis, reduce, "backward", "", what,
                         mesh.collective_cost("reduce-scatter", reduce, axis))
-        out |= {key: ([], []) for key in keys}
-        out[keys[0]][0].append(ag)
-        out[keys[0]][1].append(rs)
-        out[keys[-1]][1].append(replace(ag, phase="backward"))
+        out |= {(layer, key): ([], []) for key in keys}
+        out[(layer, keys[0])][0].append(ag)
+        out[(layer, keys[0])][1].append(rs)
+        if layer is None:
+            out[(layer, keys[-1])][1].append(replace(ag, phase="backward"))
     return out
 
 

@@ -529,17 +529,26 @@ def local_bytes(val, spec: ShardingSpec, mesh_shape, dtype: torch.dtype | None =
     return itemsize * math.prod(spec.local_shape(tuple(val.shape), mesh_shape))
 
 
-def zero3_uses(cg, nodes: dict[str, NodePlan], mesh_shape, remat: list[list[str]] = ()) -> dict[tuple, tuple]:
-    """The ZeRO-3 uses outside recomputed layers: a parameter (or its low-precision cast) stored
-    split and all-gathered for an op, whose gathered copy is not kept for backward
-    (``resharding.regathers``). ``(value, its spec, wanted spec, gradient partial axes) -> global
-    shape``, in graph order of the first reader (the order every rank moves them in)."""
-    inside = {n for layer in remat for n in layer}
+def zero3_uses(cg, nodes: dict[str, NodePlan], mesh_shape, remat: list[list[str]] = (), layer: int | None = None
+               ) -> dict[tuple, tuple]:
+    """The ZeRO-3 uses outside recomputed layers (``layer`` None), or inside recomputed layer
+    ``remat[layer]`` (which moves its operands itself, again in its recomputation): a parameter
+    (or its low-precision cast) stored split and all-gathered for an op, whose gathered copy is
+    not kept for backward (``resharding.regathers``; in a recomputed layer the recomputation
+    gathers it again instead). ``(value, its spec, wanted spec, gradient partial axes) -> global
+    shape``, in graph order of the first reader (the order every rank moves them in).
+
+    Raises:
+        IndexError: ``layer`` is not an index of ``remat``."""
+    if layer is None:
+        inside, wanted = {n for nodes_ in remat for n in nodes_}, False
+    else:
+        inside, wanted = set(remat[layer]), True
     parameters = set(cg.param_fqns) | set(cg.param_casts)
     uses: dict[tuple, tuple] = {}
     for node in cg.graph.nodes:
         np_ = nodes.get(node.name)
-        if np_ is None or node.name in inside:
+        if np_ is None or (node.name in inside) != wanted:
             continue
         for src, dst, gp in zip(np_.inputs, np_.in_specs, np_.grad_partial):
             val = cg.node(src).meta["val"] if src in parameters else None
@@ -549,10 +558,11 @@ def zero3_uses(cg, nodes: dict[str, NodePlan], mesh_shape, remat: list[list[str]
     return uses
 
 
-def zero3_groups(cg, nodes: dict[str, NodePlan], mesh_shape, bucket_bytes: float, remat: list[list[str]] = ()
-                 ) -> list[list[tuple]]:
-    """ZeRO-3 uses (``zero3_uses`` keys) gathered by one flat all-gather, forward and again in
-    backward, and whose gradients are summed by one flat reduce-scatter: FSDP's parameter groups
+def zero3_groups(cg, nodes: dict[str, NodePlan], mesh_shape, bucket_bytes: float, remat: list[list[str]] = (),
+                 layer: int | None = None) -> list[list[tuple]]:
+    """ZeRO-3 uses (``zero3_uses`` keys, outside recomputed layers or inside ``remat[layer]``)
+    gathered by one flat all-gather, forward and again in backward (in a recomputed layer: again
+    in its recomputation), and whose gradients are summed by one flat reduce-scatter: FSDP's parameter groups
     (Zhao et al., "PyTorch FSDP", VLDB 2023, section 3.2; one collective per group instead of one
     per parameter). A use qualifies when its move is one all-gather along a dim over one mesh axis,
     its gradient's one reduce-scatter along the same dim and axis, and its value is a parameter
@@ -562,7 +572,7 @@ def zero3_groups(cg, nodes: dict[str, NodePlan], mesh_shape, bucket_bytes: float
     casts = cg.param_casts
     groups: list[list[tuple]] = []
     last, size = None, math.inf
-    for key, shape in zero3_uses(cg, nodes, mesh_shape, remat).items():
+    for key, shape in zero3_uses(cg, nodes, mesh_shape, remat, layer).items():
         src, spec, dst, gp = key
         val = cg.node(src).meta["val"]
         if src in casts and (nodes[src].in_specs[0] != spec or nodes[src].grad_partial[0]):

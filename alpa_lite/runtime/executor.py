@@ -30,7 +30,11 @@ A ZeRO-3 use (a parameter stored split and all-gathered for an op, ``resharding.
 outside those layers is not kept gathered for backward: forward drops the gathered copy after its
 last reader and prefetches the next use's all-gather; ``collectives.GatheredParameters`` saves
 the shard in its place and gathers it again in backward (ZeRO-3, Rajbhandari et al., SC'20,
-section 5; FSDP's ``reshard_after_forward=True``).
+section 5; FSDP's ``reshard_after_forward=True``). Inside a recomputed layer the uses are grouped
+the same way (``Zero3Scope``): a group's one flat all-gather in forward and again in the
+recomputation, whose copies are what backward reads (none gathered again), the next group of the
+layer prefetched, and the gradients summed by the group's one asynchronous reduce-scatter (the
+backward that runs is the forward's autograd graph, so the forward's group receives them).
 
 An in-place op on a stored tensor (``embedding_renorm_`` of ``max_norm`` on a detached weight)
 that ran on a resharded copy is written back to the stored shard.
@@ -101,6 +105,35 @@ class Dispatch:
         self.written = written_args(target)
 
 
+class Zero3Scope:
+    """The ZeRO-3 uses the executor moves in one scope, worked out once: outside recomputed
+    layers (``layer`` None: a gathered copy is gathered again in backward) or inside recomputed
+    layer ``plan.remat[layer]`` (its recomputation gathers the copies again; the copies it makes
+    are what backward reads). Each unit (a group of ``core.plan.zero3_groups``, moved by its flat
+    collectives, or a use moved alone) prefetches the next one's all-gather in forward (and in a
+    recomputation), and a gathered copy is dropped after its last reader.
+
+    Attributes:
+        uses: ``core.plan.zero3_uses`` of the scope (key -> global shape, graph order).
+        last_reads: key -> the node after which its gathered copy is dropped.
+        groups: the scope's groups (lists of keys); member: key -> (group index, position).
+        next_gather: unit (group index, or the key of a use moved alone) -> the next unit.
+    """
+
+    def __init__(self, captured: CapturedGraph, plan: Plan, mesh_shape, layer: int | None):
+        self.layer = layer
+        self.uses = zero3_uses(captured, plan.nodes, mesh_shape, plan.remat, layer)
+        names = [n.name for n in captured.graph.nodes if (layer is None or n.name in set(plan.remat[layer]))]
+        self.last_reads = {(src, plan.nodes[src].out_specs[r], dst, gp): name for name in names if name in plan.nodes
+                           for src, r, dst, gp in zip(plan.nodes[name].inputs, plan.nodes[name].input_results,
+                                                      plan.nodes[name].in_specs, plan.nodes[name].grad_partial)
+                           if (src, plan.nodes[src].out_specs[r], dst, gp) in self.uses}
+        self.groups = zero3_groups(captured, plan.nodes, mesh_shape, plan.bucket_bytes, plan.remat, layer)
+        self.member = {key: (g, i) for g, keys in enumerate(self.groups) for i, key in enumerate(keys)}
+        units = list(dict.fromkeys(self.member[k][0] if k in self.member else k for k in self.uses))
+        self.next_gather = dict(zip(units, units[1:]))
+
+
 class LocalExecutor:
     """Interprets ``captured``'s graph on this rank's shards under ``plan``; ``seed`` seeds the
     random ops (module docstring). Everything about a node that does not depend on the values
@@ -133,22 +166,14 @@ class LocalExecutor:
                 shape = tuple((val[r] if isinstance(val, (tuple, list)) else val).shape)
                 ops.append((src, specs[src][r], np_.in_specs[i], np_.grad_partial[i], shape))
             self.operands[name] = ops
-        # ZeRO-3 uses outside recomputed layers (``core.plan.zero3_uses``), keyed as moved, in
-        # graph order, with their shapes; after its last reader a gathered copy is dropped, so
-        # forward holds it no longer than needed. The members of a group (``core.plan.zero3_groups``)
-        # move by its flat collectives; each unit (a group, or a use moved alone) prefetches the next
-        # one's all-gather. A low-precision cast a group gathers runs when the group starts.
-        self.regathered = zero3_uses(captured, plan.nodes, mesh.shape, plan.remat)
-        self.last_reads = {(src, src_spec, dst, gp): name for name in (n.name for n in captured.graph.nodes)
-                           for src, src_spec, dst, gp, _ in self.operands.get(name, ())
-                           if (src, src_spec, dst, gp) in self.regathered}
-        self.groups = zero3_groups(captured, plan.nodes, mesh.shape, plan.bucket_bytes, plan.remat)
-        self.member = {key: (g, i) for g, keys in enumerate(self.groups) for i, key in enumerate(keys)}
-        units = list(dict.fromkeys(self.member[k][0] if k in self.member else k for k in self.regathered))
-        self.next_gather = dict(zip(units, units[1:]))
+        # ZeRO-3 uses (``core.plan.zero3_uses``) outside recomputed layers and inside each one
+        # (``Zero3Scope``); a low-precision cast a group gathers runs when the group starts.
+        self.outside = Zero3Scope(captured, plan, mesh.shape, None)
+        self.layers = [Zero3Scope(captured, plan, mesh.shape, i) for i in range(len(plan.remat))]
         casts = captured.param_casts
-        self.early = {src for keys in self.groups for src, *_ in keys if src in casts}
-        self._param_of = {src: casts.get(src, src) for keys in self.groups for src, *_ in keys}
+        members = [src for z in (self.outside, *self.layers) for keys in z.groups for src, *_ in keys]
+        self.early = {src for src in members if src in casts}
+        self._param_of = {src: casts.get(src, src) for src in members}
         self.dispatch: dict[str, Dispatch] = {}
         for node in captured.graph.nodes:
             if node.op != "call_function":
@@ -190,31 +215,37 @@ class LocalExecutor:
         its ``hooks()`` open around the run), or None where nothing is gathered again (no ZeRO-3
         use, or no autograd), or where the run is traced (``functional()``: a compiled program keeps
         its copies for backward; ``program.py``)."""
-        return GatheredParameters() if self.regathered and torch.is_grad_enabled() and not functional() else None
+        return GatheredParameters() if self.outside.uses and torch.is_grad_enabled() and not functional() else None
 
     def _run_layer(self, nodes, reads: list[str], calls: int, layer: int, *inputs) -> dict[str, object]:
         """A recomputed layer run on ``inputs``, the values of ``reads`` (what it reads from
         outside: all the checkpoint holds until its backward); returns the values read after the
         layer (the others are freed: that is the memory remat saves). It moves its operands itself,
-        again when it is recomputed (the recomputation must run the same ops), and seeds its random
+        again when it is recomputed (the recomputation must run the same ops; its ZeRO-3 uses by
+        their groups, ``Zero3Scope``), and seeds its random
         ops with the run count of its forward (``calls``: a recomputation after later runs draws the
         same dropout masks)."""
         current, self.calls = self.calls, calls
         scope = dict(zip(reads, inputs))
+        zero3 = self.layers[layer]
+        gathered = GatheredParameters() if zero3.uses and not functional() else None
         try:
-            self._run_nodes(nodes, scope, {})
+            self._run_nodes(nodes, scope, {}, gathered, zero3)
         finally:
             self.calls = current
         return {name: scope[name] for name in self._outlive[layer]}
 
-    def _run_nodes(self, nodes, values: dict[str, object], moved: dict, gathered=None) -> None:
+    def _run_nodes(self, nodes, values: dict[str, object], moved: dict, gathered=None, zero3=None) -> None:
         for node in nodes:
-            values[node.name] = self._call(node, values, moved, gathered)
+            values[node.name] = self._call(node, values, moved, gathered, zero3)
 
-    def _call(self, node: torch.fx.Node, values, moved: dict, gathered: GatheredParameters | None = None):
+    def _call(self, node: torch.fx.Node, values, moved: dict, gathered: GatheredParameters | None = None,
+              zero3: Zero3Scope | None = None):
         """Run ``node`` on ``values``; ``moved`` holds this run's resharded operands, keyed by
         (value, its spec, wanted spec, gradient partial axes): each is moved once per run (a
-        ZeRO-3 use, with ``gathered``, by ``gathered.move`` and dropped after its last reader)."""
+        ZeRO-3 use of ``zero3``, the scope of the nodes run (default: outside recomputed layers),
+        with ``gathered``, by ``gathered.move`` and dropped after its last reader)."""
+        zero3 = zero3 or self.outside
         if gathered is not None and node.name in self.early and node.name in values:
             return values[node.name]  # run ahead for its ZeRO-3 group
         d = self.dispatch[node.name]
@@ -225,19 +256,19 @@ class LocalExecutor:
             key = (src, src_spec, dst_spec, grad_partial)
             if key not in moved:
                 try:
-                    if gathered is not None and key in self.regathered:
-                        member = self.member.get(key)
+                    if gathered is not None and key in zero3.uses:
+                        member = zero3.member.get(key)
                         if member is not None:
-                            self._start(gathered, values, moved, member[0])
+                            self._start(gathered, values, moved, member[0], zero3)
                         moved[key] = gathered.move(key, values[src], src_spec, dst_spec, grad_partial, shape,
                                                    self.mesh, member)
-                        self._prefetch(gathered, values, moved, member[0] if member is not None else key)
+                        self._prefetch(gathered, values, moved, member[0] if member is not None else key, zero3)
                     else:
                         moved[key] = reshard(values[src], src_spec, dst_spec, grad_partial, shape, self.mesh)
                 except RuntimeError as e:
                     raise RuntimeError(f"node {node.name} ({node.target}), operand {src}: {e}") from e
             local[src] = moved[key]
-            if self.last_reads.get(key) == node.name:
+            if zero3.last_reads.get(key) == node.name:
                 del moved[key]
         lookup = (lambda n: local[n.name] if n.name in local else values[n.name]) if local else (lambda n: values[n.name])
         args = torch.fx.node.map_arg(d.args, lookup)
@@ -251,7 +282,7 @@ class LocalExecutor:
                 out = self._local(node, d, args, kwargs)
         else:
             out = self._local(node, d, args, kwargs)
-        if gathered is not None:
+        if gathered is not None and zero3.layer is None:  # a recomputed layer's copies: recomputed instead
             gathered.read([lookup(n) for n in node.all_input_nodes], out)
         for name in d.written:
             self._write_back(node, name, out, values)
@@ -259,28 +290,29 @@ class LocalExecutor:
             self._store(node.name, np_.out_specs[0], out, d.mutates, values)
         return out
 
-    def _start(self, gathered: GatheredParameters, values, moved: dict, g: int) -> None:
-        """Start ZeRO-3 group ``g``'s forward all-gather in this run (once); a low-precision cast
-        of a member not run yet runs now (``early``: its node then returns this value)."""
+    def _start(self, gathered: GatheredParameters, values, moved: dict, g: int, zero3: Zero3Scope) -> None:
+        """Start ZeRO-3 group ``g`` of ``zero3``'s forward all-gather in this run (once); a
+        low-precision cast of a member not run yet runs now (``early``: its node then returns
+        this value)."""
         def make():
-            keys = self.groups[g]
+            keys = zero3.groups[g]
             for src in (k[0] for k in keys if k[0] not in values):
-                values[src] = self._call(self.cg.node(src), values, moved, gathered)
-            steps = [forward_steps(spec, dst, self.regathered[k], values[src].element_size(), self.mesh.shape)[0]
+                values[src] = self._call(self.cg.node(src), values, moved, gathered, zero3)
+            steps = [forward_steps(spec, dst, zero3.uses[k], values[src].element_size(), self.mesh.shape)[0]
                      for k in keys for src, spec, dst, _ in (k,)]
             return GatherGroup([values[k[0]] for k in keys], [st.dim for st in steps],
                                [values[self._param_of[k[0]]] for k in keys], steps[0].axis, self.mesh)
         gathered.start_group(g, make)
 
-    def _prefetch(self, gathered: GatheredParameters, values, moved: dict, unit) -> None:
+    def _prefetch(self, gathered: GatheredParameters, values, moved: dict, unit, zero3: Zero3Scope) -> None:
         """Start the all-gather of the ZeRO-3 unit after ``unit`` (a group's index or a use's key;
-        ``next_gather``), unless a use's shard is not computed yet (a low-precision cast that has
-        not run)."""
-        nxt = self.next_gather.get(unit)
+        ``Zero3Scope.next_gather``), unless a use's shard is not computed yet (a low-precision
+        cast that has not run)."""
+        nxt = zero3.next_gather.get(unit)
         if isinstance(nxt, int):
-            self._start(gathered, values, moved, nxt)
+            self._start(gathered, values, moved, nxt, zero3)
         elif nxt is not None and values.get(nxt[0]) is not None and nxt not in gathered.started:
-            gathered.prefetch(nxt, values[nxt[0]], nxt[1], nxt[2], self.regathered[nxt], self.mesh)
+            gathered.prefetch(nxt, values[nxt[0]], nxt[1], nxt[2], zero3.uses[nxt], self.mesh)
 
     def _local(self, node, d: Dispatch, args, kwargs):
         np_, target = d.plan, d.target

@@ -51,11 +51,11 @@ def expected(trainer) -> tuple[Counter, Counter]:
         elif c.phase in ("forward", "backward"):
             counts[key(c.kind, c.phase)] += 1
     ex = trainer.program.executor
-    for k, shape in ex.regathered.items():  # ZeRO-3 copies the program keeps for backward
-        if k not in ex.member:
+    for k, shape in ex.outside.uses.items():  # ZeRO-3 copies the program keeps for backward
+        if k not in ex.outside.member:
             for step in forward_steps(k[1], k[2], shape, 4, ex.mesh.shape):
                 counts[key(step.kind, "backward")] -= step.is_collective
-    for keys in ex.groups:  # the program moves a group's m members one by one, keeping their copies:
+    for keys in ex.outside.groups:  # the program moves a group's m members one by one, keeping their copies:
         counts[key("all-gather", "forward")] += len(keys) - 1  # m forward (the plan: 1) ...
         counts[key("all-gather", "backward")] -= 1  # ... none again in backward (the plan: 1)
         counts[key("reduce-scatter", "backward")] += len(keys) - 1  # m (the plan: 1)

@@ -9,6 +9,7 @@ import torch
 
 from alpa_lite import parallelize
 from alpa_lite.runtime import collective_counts
+from alpa_lite.runtime.collectives import finish_gradients
 from alpa_lite.runtime.launch import init_distributed
 from alpa_lite.zoo.models import build_model
 from single_process import finish, reference
@@ -41,6 +42,7 @@ def saved_bytes(trainer, batch) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = trainer.loss(*batch)
     loss.backward()  # recomputes the checkpointed layers: every rank runs their collectives again
+    finish_gradients()  # the ZeRO-3 groups' reduce-scatters of this backward, not left for the next step's
     return sum(seen.values())
 
 
@@ -80,7 +82,8 @@ def recomputed_bytes(trainer, batch) -> int:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--plans", required=True, help="JSON object: plan name -> parallelize options")
+    ap.add_argument("--plans", required=True, help="JSON object: plan name -> parallelize options (and \"mesh\", "
+                    "default [2, 2])")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--out", required=True)
@@ -91,8 +94,9 @@ def main():
     ref_losses, _, ref_params = reference(model, batches, LR)
     results = {}
     for name, options in json.loads(args.plans).items():
-        trainer = parallelize(copy.deepcopy(model), (2, 2), example, optimizer=lambda p: torch.optim.AdamW(p, lr=LR),
-                              **options)
+        options = dict(options)
+        trainer = parallelize(copy.deepcopy(model), tuple(options.pop("mesh", (2, 2))), example,
+                              optimizer=lambda p: torch.optim.AdamW(p, lr=LR), **options)
         acts, recomputed = saved_bytes(trainer, batches[0]), recomputed_bytes(trainer, batches[0])
         before = collective_counts()
         losses = [trainer.step(*batches[0])]
