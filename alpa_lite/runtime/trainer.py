@@ -140,6 +140,9 @@ class Trainer:
         """
         flat = self._flat_batch(batch, kwargs)
         with self.timer.step() if self.timer is not None else nullcontext():
+            # a backward run outside ``step`` (``self.loss(...).backward()``) may have left ZeRO-3
+            # group reduce-scatters in flight: they land in the gradients dropped here, not in this step's
+            finish_gradients()
             for p in self.params.values():
                 p.grad = None
             loss = self._train_step(flat)

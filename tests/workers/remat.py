@@ -9,7 +9,6 @@ import torch
 
 from alpa_lite import parallelize
 from alpa_lite.runtime import collective_counts
-from alpa_lite.runtime.collectives import finish_gradients
 from alpa_lite.runtime.launch import init_distributed
 from alpa_lite.zoo.models import build_model
 from single_process import finish, reference
@@ -42,7 +41,7 @@ def saved_bytes(trainer, batch) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = trainer.loss(*batch)
     loss.backward()  # recomputes the checkpointed layers: every rank runs their collectives again
-    finish_gradients()  # the ZeRO-3 groups' reduce-scatters of this backward, not left for the next step's
+    # (and starts the ZeRO-3 groups' reduce-scatters, which the next step() waits on and drops)
     return sum(seen.values())
 
 
