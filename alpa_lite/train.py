@@ -144,6 +144,7 @@ def _worker(args) -> int:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         console.print(f"loss {losses[0]:.3f} -> {summary['final_loss_avg']:.3f} (mean of last {k} steps), "
                       f"validation {val_loss:.3f}; plan, log and summary in {out}/")
+    dist.barrier()  # every rank tears its connections down together (not while rank 0 still writes)
     dist.destroy_process_group()
     return 0
 
