@@ -9,8 +9,9 @@ import torch
 
 from ..core.capture import CapturedGraph
 from ..core.mesh import LogicalMesh
-from ..core.plan import Collective, NodePlan, gradient_buckets, local_bytes, update_buckets, zero3_groups
-from ..core.resharding import backward_steps, forward_steps, is_gradient_sync, regathers, step_cost
+from ..core.plan import (Collective, NodePlan, gradient_buckets, local_bytes, update_buckets, zero3_groups,
+                         zero3_uses)
+from ..core.resharding import backward_steps, forward_steps, is_gradient_sync, step_cost
 from .ops import STAT_TARGETS, signature, stat_reductions
 from .strategies import NodeStrategies, Strategy
 
@@ -92,6 +93,7 @@ def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Logica
     recompute: list[list[Collective]] = [[] for _ in remat]
     moved = set()
     grouped = _grouped_collectives(cg, nodes, mesh, bucket_bytes, remat)
+    regathered = zero3_uses(cg, nodes, mesh.shape, remat)  # outside recomputed layers: gathered again in backward
     for name, np_ in nodes.items():
         node = cg.node(name)
         layer = layer_of.get(name)
@@ -111,8 +113,7 @@ def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Logica
                 backward += [replace(c, node=name) for c in bwd]
                 continue
             # a ZeRO-3 use outside a recomputed layer is gathered again in backward, before its gradient moves
-            again = (layer is None and (src_name in cg.param_fqns or src_name in cg.param_casts)
-                     and regathers(src, dst, gp, *args))
+            again = (src_name, src, dst, gp) in regathered
             for phase, steps, out in (("forward", forward_steps(src, dst, *args), forward),
                                       ("backward", [] if gp is None else backward_steps(src, dst, gp, *args)
                                        + (forward_steps(src, dst, *args) if again else ()), backward)):

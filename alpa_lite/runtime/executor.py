@@ -298,8 +298,8 @@ class LocalExecutor:
             keys = zero3.groups[g]
             for src in (k[0] for k in keys if k[0] not in values):
                 values[src] = self._call(self.cg.node(src), values, moved, gathered, zero3)
-            steps = [forward_steps(spec, dst, zero3.uses[k], values[src].element_size(), self.mesh.shape)[0]
-                     for k in keys for src, spec, dst, _ in (k,)]
+            steps = [forward_steps(k[1], k[2], zero3.uses[k], values[k[0]].element_size(), self.mesh.shape)[0]
+                     for k in keys]
             return GatherGroup([values[k[0]] for k in keys], [st.dim for st in steps],
                                [values[self._param_of[k[0]]] for k in keys], steps[0].axis, self.mesh)
         gathered.start_group(g, make)
