@@ -319,6 +319,23 @@ def test_lower_bound_is_below_every_option():
     assert len(priced) > len(keys) // 2
     assert all(0 < bound <= seconds for bound, seconds in priced)
     assert max(bound / seconds for bound, seconds in priced) > 0.1  # a bound that can prune
+    weights = [(costs.least_weight_bytes(*key), min(o.weight_bytes for o in costs(*key))) for key in keys if costs(*key)]
+    assert all(0 < least <= w * (1 + 1e-12) for least, w in weights)
+    assert max(least / w for least, w in weights) > 0.99  # ZeRO-3 over every device reaches it
+
+
+def test_range_whose_weights_exceed_memory_gets_no_ilp():
+    """A (range, submesh) whose weights split over all its devices already exceed the memory has
+    no option: ``GraphStageCosts`` returns none without an ILP, as pricing it finds after its ILPs."""
+    costs = _tiny_stage_costs()
+    key = (0, 4, (1, 1))
+    least = costs.least_weight_bytes(*key)
+    costs.memory_bytes = least * 0.99
+    assert costs(*key) == [] and costs.stats["ilp_solves"] == 0
+    priced = _tiny_stage_costs()
+    priced.memory_bytes = least * 0.99
+    priced.least_weight_bytes = lambda *a: 0.0
+    assert priced(*key) == [] and priced.stats["ilp_solves"] > 0
 
 
 def test_a_limit_reached_while_pricing_stages_is_in_the_plan_and_its_summary(monkeypatch):
