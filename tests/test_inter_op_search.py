@@ -125,3 +125,22 @@ def test_interleaved_fits_equal_brute_force(b, num_stages):
            if inter_op._interleaved_fits(k, i, q, L, devices, b, v, num_stages)}
     assert got == fits
     assert bool(fits) == (b != 3 and num_stages != 8)  # 3 groups do not divide 8 devices; 8 stages > 6 layers
+
+
+def test_a_microbatch_count_whose_floors_exceed_the_plan_held_is_skipped(monkeypatch):
+    """When every pair's floor of a ``B`` is above the plan held, that ``B`` solves no ILP and runs
+    no DP: the plan is the one of the search without it, and its stats say why."""
+    from alpa_lite.compiler import inter_op
+
+    model, example = build_model("gpt-tiny", 8, 16, device="meta", num_layers=2)
+    mesh = LogicalMesh((1, 2), cluster="a100")
+    alone = plan(model, example, mesh, pipeline=PipelineOptions(microbatch_candidates=(1,), workers=1))
+    floors = inter_op._pipeline_floors
+    monkeypatch.setattr(inter_op, "_pipeline_floors", lambda costs, L, shapes, devices, b, *a: (
+        floors(costs, L, shapes, devices, b, *a) if b == 1 else
+        dict.fromkeys(((k, i, q) for k in range(L) for i in range(k + 1, L + 1) for q in shapes), 1e9)))
+    both = plan(model, example, mesh, pipeline=PipelineOptions(microbatch_candidates=(1, 2), workers=1))
+    assert both.stats["microbatch_objectives"]["2"].startswith("bounded out")
+    assert both.stats["ilp_solves"] == alone.stats["ilp_solves"]
+    drop = lambda p: {k: v for k, v in p.to_dict().items() if k != "options"}  # noqa: E731 (candidates differ)
+    assert drop(both) == drop(alone)

@@ -150,9 +150,12 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
                                                                                    pipeline.chunks,
                                                                                    pipeline.num_stages))
         pruned = {kind: _balanced(w, costs, layers, devices, pipeline.imbalance) for kind, w in within.items()}
+        out = sum(not any(w.kept(*c) for w in within.values()) for c in cells)
         say(f"stage costs (B={b}, {len(layers)} layers, {len(shapes)} submesh shapes, {workers} workers, "
-            f"{sum(not any(w.kept(*c) for w in within.values()) for c in cells)} of {len(cells)} (range, submesh) "
-            f"pairs bounded out)")
+            f"{out} of {len(cells)} (range, submesh) pairs bounded out)")
+        if out == len(cells) and math.isfinite(bound):  # no pipeline of this B beats the plan held: no ILP, no DP
+            tried[b] = f"bounded out: no pipeline can step under the {bound:.6g} s of the plan held"
+            continue
         costs.prefetch([c for c in cells if any(w.kept(*c) for w in pruned.values())], workers, say)
         say(f"stage DP (B={b})")
         res = None
@@ -240,7 +243,7 @@ def _pipeline_floors(costs: GraphStageCosts, num_layers: int, shapes, devices: i
     ``B t + r sum t'``, ``t`` the pair's seconds and ``t'`` the other stages'; each is at least its
     ``GraphStageCosts.lower_bound``, and the least sum of those over the ways to cut the other
     layers into stages on exactly the other devices (``num_stages`` stages in all when given)
-    comes from two DPs, over the layers before the range and after it. With ``b`` a pipeline
+    comes from two DPs, over the layers before the range and after it (``b`` is B). A pipeline
     whose step exceeds a plan the search holds is not chosen, so dropping the pairs whose floor
     is above that plan's step leaves the DP's answer (when below it) as it was (Alpa's
     ``B t_max >= T*`` pruning, section 5.1, applied before the stage ILPs)."""

@@ -108,8 +108,12 @@ class GraphStageCosts:
         cache: a ``plan_cache.PlanCache``: ILP answers of earlier runs are read from it, and
             ``save_cache()`` adds this run's (``stats["disk_hits"]`` counts the answers read).
 
+    A range whose weights alone, split over all the submesh's devices, exceed ``memory_bytes``
+    (``least_weight_bytes``) gets no options and no ILP.
+
     ``limits``: every stage-pricing ILP whose solver stopped at a limit before proving its optimum
-    (solved here or read from the cache), in the order solved: ``{"ilp", "layers": [first, last],
+    (solved here or read from the cache; ``"gap": None`` when it stopped before finding any feasible
+    assignment, which then counts as no answer), in the order solved: ``{"ilp", "layers": [first, last],
     "submesh", "logical_mesh", "microbatches", "activation_scale", "gap"}`` (``ilp.solver_limits``).
     The DP chose among options priced by them, so ``PipelinePlan.solver_limits`` lists them too.
     """
