@@ -138,6 +138,21 @@ def regathers(src: ShardingSpec, dst: ShardingSpec, grad_partial, shape, itemsiz
                                             for s in forward_steps(src, dst, shape, itemsize, mesh_shape))
 
 
+def grouped_steps(src: ShardingSpec, dst: ShardingSpec, grad_partial, shape, itemsize: int, mesh_shape
+                  ) -> tuple[Step, Step] | None:
+    """``(all-gather, reduce-scatter)`` of a ZeRO-3 use (``regathers``) that a ZeRO-3 group can
+    take (``core.plan.zero3_groups``): its forward is one all-gather along a dim over one mesh
+    axis and its gradient's backward one reduce-scatter along the same dim and axis; else None."""
+    if grad_partial is None:
+        return None
+    fwd = forward_steps(src, dst, shape, itemsize, mesh_shape)
+    bwd = backward_steps(src, dst, grad_partial, shape, itemsize, mesh_shape)
+    if len(fwd) != 1 or len(bwd) != 1 or fwd[0].kind != "all-gather" or bwd[0].kind != "reduce-scatter" \
+            or (fwd[0].axis, fwd[0].dim) != (bwd[0].axis, bwd[0].dim):
+        return None
+    return fwd[0], bwd[0]
+
+
 def step_cost(step: Step, mesh: LogicalMesh) -> float:
     """Seconds of one step under the alpha-beta model (a slice or a mask is free)."""
     if not step.is_collective:
@@ -156,7 +171,12 @@ class ReshardCosts:
     """Memoized cost (seconds, forward + backward) of moving a tensor between specs.
 
     A parameter's gradient synchronization (``is_gradient_sync``) is bucketed: the ILP charges its
-    bandwidth term over the flattened axes, the latency is paid once per bucket (``Plan``).
+    bandwidth term over the flattened axes and, for an all-reduce, the share ``min(bytes /
+    bucket_bytes, 1)`` of the bucket's latency (``Plan``: one latency per bucket). A
+    parameter's ZeRO-3 use that a group can take (``grouped_steps``) is gathered, gathered again
+    and reduce-scattered by its group's collectives, of at most ``bucket_bytes`` gathered
+    (``core.plan.zero3_groups``): it pays their bandwidth for its bytes and the share
+    ``min(gathered / bucket_bytes, 1)`` of their three latencies (a full group pays them once).
 
     Alpa's switches (``PlanOptions``, docs/planner.md): a move with a step of a kind in ``forbid``
     (``"all-gather"``, ``"all-to-all"``; forward or backward, and the once-per-step all-gather of a
@@ -165,8 +185,9 @@ class ReshardCosts:
     op could leave it partial and the move reduce-scatter it instead."""
 
     def __init__(self, mesh: LogicalMesh, forbid: frozenset[str] = frozenset(),
-                 prefer_reduce_scatter: bool = False):
+                 prefer_reduce_scatter: bool = False, bucket_bytes: float = 25 * 2**20):
         self.mesh = mesh
+        self.bucket_bytes = bucket_bytes
         self.forbid = forbid
         self.prefer_reduce_scatter = prefer_reduce_scatter
         self._cache: dict[tuple, float] = {}
@@ -175,7 +196,7 @@ class ReshardCosts:
     def __call__(self, src: ShardingSpec, dst: ShardingSpec, grad_partial, shape, itemsize,
                  parameter: bool = False, zero: tuple[int, tuple[int, ...]] = (0, ()),
                  reduced: tuple[int, ...] = ()) -> float:
-        """``grad_partial`` None: the tensor needs no gradient, so there is no backward.
+        """Seconds; ``grad_partial`` None: the tensor needs no gradient, so there is no backward.
         ``zero``: the ``(stage, axes)`` of a ZeRO-1/2 parameter: its use must be a gradient sync
         over exactly those axes (else ``math.inf``: the ILP forbids the pair); ZeRO-2 syncs by a
         reduce-scatter instead of an all-reduce. ``reduced``: the mesh axes along which the
@@ -196,9 +217,17 @@ class ReshardCosts:
             nbytes = itemsize * math.prod(src.local_shape(shape, self.mesh.shape))
             axes = tuple(sorted(grad_partial))
             kind = "reduce-scatter" if zero[0] == 2 else "all-reduce"
-            # the marginal cost of nbytes more in a bucket: the latency is paid per bucket
+            # nbytes more in a bucket: the bandwidth, and (all-reduce) its share of the bucket's
+            # latency; a ZeRO-2 bucket's is the cost graph's fixed charge (its members' strategies)
+            share = 0.0 if zero[0] == 2 else min(nbytes / self.bucket_bytes, 1.0)
             cost = self._cache[key] = (self.mesh.collective_cost(kind, nbytes, axes)
-                                       - self.mesh.collective_cost(kind, 0, axes))
+                                       - (1 - share) * self.mesh.collective_cost(kind, 0, axes))
+        group = grouped_steps(src, dst, grad_partial, shape, itemsize, self.mesh.shape) if parameter else None
+        if cost is None and group is not None:  # gathered, gathered again in backward, reduce-scattered
+            share = min(group[0].nbytes / self.bucket_bytes, 1.0)
+            cost = self._cache[key] = math.inf if "all-gather" in self.forbid else sum(
+                step_cost(s, self.mesh) - (1 - share) * self.mesh.collective_cost(s.kind, 0, (s.axis,))
+                for s in (group[0], group[0], group[1]))
         if cost is None:
             steps = forward_steps(src, dst, shape, itemsize, self.mesh.shape)
             if grad_partial is not None:
@@ -245,9 +274,10 @@ def reshard_costs(mesh: LogicalMesh, options: PlanOptions | None = None) -> Resh
     options = options or PlanOptions()
     forbid = frozenset(kind for kind, allowed in (("all-gather", options.allow_all_gather),
                                                   ("all-to-all", options.allow_all_to_all)) if not allowed)
-    return _reshard_costs(mesh, forbid, options.prefer_reduce_scatter)
+    return _reshard_costs(mesh, forbid, options.prefer_reduce_scatter, options.bucket_bytes)
 
 
 @functools.lru_cache(maxsize=64)
-def _reshard_costs(mesh: LogicalMesh, forbid: frozenset[str], prefer_reduce_scatter: bool) -> ReshardCosts:
-    return ReshardCosts(mesh, forbid, prefer_reduce_scatter)
+def _reshard_costs(mesh: LogicalMesh, forbid: frozenset[str], prefer_reduce_scatter: bool,
+                   bucket_bytes: float) -> ReshardCosts:
+    return ReshardCosts(mesh, forbid, prefer_reduce_scatter, bucket_bytes)
