@@ -145,19 +145,13 @@ def test_zero_pattern_and_costs():
     full = math.prod(SHAPE) * 4
     cost = ReshardCosts(mesh)(s0, rr, (0,), SHAPE, 4)
     assert cost == pytest.approx(2 * (1e-5 + 0.5 * full * 1e-9))
-    # a parameter's (ZeRO-3) use is all-gathered again in backward: a third step of the same
-    # bandwidth; its group's (core.plan.zero3_groups) three latencies are shared by bytes gathered
+    # a parameter's (ZeRO-3) use is all-gathered again in backward: a third step of the same price
     assert regathers(s0, rr, (0,), SHAPE, 4, MESH) and not regathers(s0, rr, None, SHAPE, 4, MESH)
-    share = full / (25 * 2**20)
-    assert ReshardCosts(mesh)(s0, rr, (0,), SHAPE, 4, parameter=True) == pytest.approx(
-        3 * (share * 1e-5 + 0.5 * full * 1e-9))
-    assert ReshardCosts(mesh, bucket_bytes=full / 2)(s0, rr, (0,), SHAPE, 4, parameter=True) == pytest.approx(
-        3 * (1e-5 + 0.5 * full * 1e-9))  # a use of more than a group's bytes is a group of its own
+    assert ReshardCosts(mesh)(s0, rr, (0,), SHAPE, 4, parameter=True) == pytest.approx(3 * (1e-5 + 0.5 * full * 1e-9))
     # data-parallel gradient sync: nothing forward, an all-reduce backward (2 (n-1)/n B beta + alpha)
     assert ReshardCosts(mesh)(rr, rr, (1,), SHAPE, 4) == pytest.approx(2e-5 + 2 * 0.5 * full * 2e-9)
-    # ... bucketed for parameters: the latency is paid per bucket, shared by bytes
-    assert ReshardCosts(mesh)(rr, rr, (1,), SHAPE, 4, parameter=True) == pytest.approx(
-        share * 2e-5 + 2 * 0.5 * full * 2e-9)
+    # ... bucketed for parameters: the latency is paid per bucket, not per tensor
+    assert ReshardCosts(mesh)(rr, rr, (1,), SHAPE, 4, parameter=True) == pytest.approx(2 * 0.5 * full * 2e-9)
     # S0R -> RS0 is one all-to-all of the local bytes
     a2a = forward_steps(s0, ShardingSpec.parse("RS0"), SHAPE, 4, MESH)
     assert [(s.kind, s.nbytes) for s in a2a] == [("all-to-all", full / 2)]

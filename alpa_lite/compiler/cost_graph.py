@@ -27,7 +27,6 @@ import torch
 from ..core.capture import CapturedGraph
 from ..core.mesh import LogicalMesh
 from ..core.options import PlanOptions
-from ..core.plan import local_bytes
 from ..core.resharding import ReshardCosts, is_gradient_sync, regathers, reshard_costs
 from ..core.spec import ShardingSpec
 from .ilp import CostGraph, RematGroup
@@ -114,7 +113,6 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
     layer_of = {n: i for i, layer in enumerate(remat) for n in layer}
     graph.remat = [RematGroup(forced=remat_forced) for _ in remat]
     reshard = reshard_costs(mesh, options)
-    bucket_bytes = (options or PlanOptions()).bucket_bytes
     prefer_rs = options is not None and options.prefer_reduce_scatter
     readers: dict[tuple[str, int], list[tuple[int, tuple]]] = {}  # value -> reader edges (var, wanted per strategy)
     recomputed: dict[tuple[str, int], dict] = {}  # value -> {(var, wanted, group index)} read inside remat layers
@@ -164,11 +162,9 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
             (group.act.setdefault(placed.var, [0.0] * width) if internal else graph.memory[placed.var])[p] += s.memory * kept
             if group is not None:
                 group.extra.setdefault(placed.var, [0.0] * width)[p] += s.compute / (1 + BACKWARD_FLOPS_FACTOR) + s.comm
-            # a ZeRO-1/2 parameter joins bucketed all-gathers (and reduce-scatters): one latency per bucket
-            share = s.zero_stage and min(local_bytes(node.meta["val"], s.out_spec, mesh.shape) / bucket_bytes, 1.0)
+            # a ZeRO-1/2 parameter joins a bucketed all-gather (and reduce-scatter): its latency, once
             for kind in ("all-gather", "reduce-scatter")[:s.zero_stage]:
-                graph.add_fixed((kind, s.zero_axes), mesh.collective_cost(kind, 0, s.zero_axes), (placed.var, p),
-                                share)
+                graph.add_fixed((kind, s.zero_axes), mesh.collective_cost(kind, 0, s.zero_axes), (placed.var, p))
         for i, (src_name, r) in enumerate(zip(ns.inputs, ns.input_results)):
             if src_name in where:  # else produced outside ``nodes``
                 ins = tuple((ns.strategies[q].in_specs[i], ns.strategies[q].grad_partial[i]) for q in placed.index)

@@ -11,10 +11,8 @@ Given a cost graph with variables ``v`` (each a node, or a group of merged nodes
     minimize    sum_v c_v^T s_v + sum_uv <e_uv, R_uv>                (seconds per step)
     forbid      e_uv[p, q] = 0 where R_uv[p, q] = inf                (a pair that cannot run
                 together, e.g. a ZeRO-2 parameter and a use that does not sync its gradient)
-    fixed       y_g >= s_v[p] for (v, p) in g,  y_g >= sum_g h_vp s_v[p],  cost f_g y_g
-                (paid once if any member is chosen, and h_vp times per member chosen where the
-                shares add up to more: the latency of bucketed collectives that only some
-                strategies need, ``h_vp`` a member's bytes over the bucket size)
+    fixed       y_g >= s_v[p] for (v, p) in g,  cost f_g y_g          (paid once if any member is
+                chosen: the latency of a bucketed collective that only some strategies need)
 
 Strategies of ``u`` whose rows of ``R_uv`` are equal (the same output spec, seen from ``v``), and
 strategies of ``v`` with equal columns (the same input spec), need not be told apart on that edge:
@@ -142,8 +140,8 @@ class CostGraph:
         memory: per variable, bytes per device for each strategy.
         edges: ``(u, v) -> matrix`` with ``matrix[p][q]`` seconds when u picks p and v picks q.
         names: per variable, a readable name (for LP files and debugging).
-        fixed: ``key -> (seconds, {(variable, strategy): share})``: paid ``max(1, sum of the
-            chosen members' shares)`` times when any member is chosen (one latency per bucket).
+        fixed: ``key -> (seconds, {(variable, strategy), ...})``: paid once when any member is
+            chosen.
         moves: shared moves, ``(u, readers) -> matrix`` with ``matrix[p][t]`` seconds of moving
             u's value, when u picks p, to target ``t``, paid once if any reader wants ``t``;
             ``readers`` is a tuple of ``(v, wants)``, ``wants[q]`` the target v's strategy ``q``
@@ -155,18 +153,11 @@ class CostGraph:
     memory: list[list[float]]
     edges: dict[tuple[int, int], list[list[float]]] = field(default_factory=dict)
     names: list[str] = field(default_factory=list)
-    fixed: dict[object, tuple[float, dict[tuple[int, int], float]]] = field(default_factory=dict)
+    fixed: dict[object, tuple[float, set[tuple[int, int]]]] = field(default_factory=dict)
 
-    def add_fixed(self, key, seconds: float, member: tuple[int, int], share: float = 0.0) -> None:
-        """Make strategy ``member = (variable, index)`` a member of the fixed charge ``key`` with
-        ``share`` (added to the member's earlier shares: variables shared by repeated blocks)."""
-        members = self.fixed.setdefault(key, (seconds, {}))[1]
-        members[member] = members.get(member, 0.0) + share
-
-    def fixed_count(self, key, choice) -> float:
-        """How many times fixed charge ``key`` is paid under ``choice`` (``fixed``)."""
-        chosen = [h for (v, p), h in self.fixed[key][1].items() if choice[v] == p]
-        return max(1.0, sum(chosen)) if chosen else 0.0
+    def add_fixed(self, key, seconds: float, member: tuple[int, int]) -> None:
+        """Make strategy ``member = (variable, index)`` a member of the fixed charge ``key``."""
+        self.fixed.setdefault(key, (seconds, set()))[1].add(member)
 
     moves: dict[tuple, list[list[float]]] = field(default_factory=dict)
     remat: list[RematGroup] = field(default_factory=list)
@@ -192,7 +183,7 @@ class CostGraph:
         ``l`` recomputed, default none)."""
         return (sum(c[p] for c, p in zip(self.costs, choice))
                 + sum(m[choice[u]][choice[v]] for (u, v), m in self.edges.items())
-                + sum(f * self.fixed_count(key, choice) for key, (f, _) in self.fixed.items())
+                + sum(f for f, members in self.fixed.values() if any(choice[v] == p for v, p in members))
                 + sum(m[choice[u]][t] for (u, readers), m in self.moves.items()
                       for t in {wants[choice[v]] for v, wants in readers} if t >= 0)
                 + sum(g.recompute(choice) for g, r in zip(self.remat, remat) if r))
@@ -382,18 +373,13 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
         for x, c in _edge_terms(prob, "", s, u, v, matrix):
             add(x, c)
     for k, (key, (seconds, members)) in enumerate(sorted(graph.fixed.items(), key=lambda kv: str(kv[0]))):
-        y = pulp.LpVariable(f"y_{k}", lowBound=0)  # minimized: max(its largest member, the shares' sum)
-        always = sum(h for (v, _), h in members.items() if s[v] is None)
-        if any(s[v] is None for v, _ in members):
-            y.lowBound = max(1.0, always)
+        if any(s[v] is None for v, _ in members):  # always paid
+            add(None, seconds)
+            continue
+        y = pulp.LpVariable(f"y_{k}", lowBound=0, upBound=1)  # minimized: its largest member's value
         for v, p in sorted(members):
-            if s[v] is not None:
-                prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression([(y, 1), (s[v][p], -1)]),
-                                                     pulp.LpConstraintGE, rhs=0), f"fixed_{k}_{v}_{p}")
-        shares = [(s[v][p], -h) for (v, p), h in sorted(members.items()) if s[v] is not None and h]
-        if shares:
-            prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression([(y, 1)] + shares), pulp.LpConstraintGE,
-                                                 rhs=always), f"fixed_{k}_shares")
+            prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression([(y, 1), (s[v][p], -1)]),
+                                                 pulp.LpConstraintGE, rhs=0), f"fixed_{k}_{v}_{p}")
         add(y, seconds)
     for g, ((u, readers), matrix) in enumerate(sorted(graph.moves.items())):
         _shared_move(prob, g, s, u, readers, matrix, add)

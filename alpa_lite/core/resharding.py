@@ -171,12 +171,8 @@ class ReshardCosts:
     """Memoized cost (seconds, forward + backward) of moving a tensor between specs.
 
     A parameter's gradient synchronization (``is_gradient_sync``) is bucketed: the ILP charges its
-    bandwidth term over the flattened axes and, for an all-reduce, the share ``min(bytes /
-    bucket_bytes, 1)`` of the bucket's latency (``Plan``: one latency per bucket). A
-    parameter's ZeRO-3 use that a group can take (``grouped_steps``) is gathered, gathered again
-    and reduce-scattered by its group's collectives, of at most ``bucket_bytes`` gathered
-    (``core.plan.zero3_groups``): it pays their bandwidth for its bytes and the share
-    ``min(gathered / bucket_bytes, 1)`` of their three latencies (a full group pays them once).
+    bandwidth term over the flattened axes, the latency is paid once per bucket (``Plan``; a
+    ZeRO-1/2 bucket's is the cost graph's fixed charge).
 
     Alpa's switches (``PlanOptions``, docs/planner.md): a move with a step of a kind in ``forbid``
     (``"all-gather"``, ``"all-to-all"``; forward or backward, and the once-per-step all-gather of a
@@ -185,9 +181,8 @@ class ReshardCosts:
     op could leave it partial and the move reduce-scatter it instead."""
 
     def __init__(self, mesh: LogicalMesh, forbid: frozenset[str] = frozenset(),
-                 prefer_reduce_scatter: bool = False, bucket_bytes: float = 25 * 2**20):
+                 prefer_reduce_scatter: bool = False):
         self.mesh = mesh
-        self.bucket_bytes = bucket_bytes
         self.forbid = forbid
         self.prefer_reduce_scatter = prefer_reduce_scatter
         self._cache: dict[tuple, float] = {}
@@ -196,7 +191,7 @@ class ReshardCosts:
     def __call__(self, src: ShardingSpec, dst: ShardingSpec, grad_partial, shape, itemsize,
                  parameter: bool = False, zero: tuple[int, tuple[int, ...]] = (0, ()),
                  reduced: tuple[int, ...] = ()) -> float:
-        """Seconds; ``grad_partial`` None: the tensor needs no gradient, so there is no backward.
+        """``grad_partial`` None: the tensor needs no gradient, so there is no backward.
         ``zero``: the ``(stage, axes)`` of a ZeRO-1/2 parameter: its use must be a gradient sync
         over exactly those axes (else ``math.inf``: the ILP forbids the pair); ZeRO-2 syncs by a
         reduce-scatter instead of an all-reduce. ``reduced``: the mesh axes along which the
@@ -217,17 +212,9 @@ class ReshardCosts:
             nbytes = itemsize * math.prod(src.local_shape(shape, self.mesh.shape))
             axes = tuple(sorted(grad_partial))
             kind = "reduce-scatter" if zero[0] == 2 else "all-reduce"
-            # nbytes more in a bucket: the bandwidth, and (all-reduce) its share of the bucket's
-            # latency; a ZeRO-2 bucket's is the cost graph's fixed charge (its members' strategies)
-            share = 0.0 if zero[0] == 2 else min(nbytes / self.bucket_bytes, 1.0)
+            # the marginal cost of nbytes more in a bucket: the latency is paid per bucket
             cost = self._cache[key] = (self.mesh.collective_cost(kind, nbytes, axes)
-                                       - (1 - share) * self.mesh.collective_cost(kind, 0, axes))
-        group = grouped_steps(src, dst, grad_partial, shape, itemsize, self.mesh.shape) if parameter else None
-        if cost is None and group is not None:  # gathered, gathered again in backward, reduce-scattered
-            share = min(group[0].nbytes / self.bucket_bytes, 1.0)
-            cost = self._cache[key] = math.inf if "all-gather" in self.forbid else sum(
-                step_cost(s, self.mesh) - (1 - share) * self.mesh.collective_cost(s.kind, 0, (s.axis,))
-                for s in (group[0], group[0], group[1]))
+                                       - self.mesh.collective_cost(kind, 0, axes))
         if cost is None:
             steps = forward_steps(src, dst, shape, itemsize, self.mesh.shape)
             if grad_partial is not None:
@@ -274,10 +261,9 @@ def reshard_costs(mesh: LogicalMesh, options: PlanOptions | None = None) -> Resh
     options = options or PlanOptions()
     forbid = frozenset(kind for kind, allowed in (("all-gather", options.allow_all_gather),
                                                   ("all-to-all", options.allow_all_to_all)) if not allowed)
-    return _reshard_costs(mesh, forbid, options.prefer_reduce_scatter, options.bucket_bytes)
+    return _reshard_costs(mesh, forbid, options.prefer_reduce_scatter)
 
 
 @functools.lru_cache(maxsize=64)
-def _reshard_costs(mesh: LogicalMesh, forbid: frozenset[str], prefer_reduce_scatter: bool,
-                   bucket_bytes: float) -> ReshardCosts:
-    return ReshardCosts(mesh, forbid, prefer_reduce_scatter, bucket_bytes)
+def _reshard_costs(mesh: LogicalMesh, forbid: frozenset[str], prefer_reduce_scatter: bool) -> ReshardCosts:
+    return ReshardCosts(mesh, forbid, prefer_reduce_scatter)
