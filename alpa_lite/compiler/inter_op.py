@@ -27,12 +27,12 @@ from ..core.capture import CapturedGraph, stage_view
 from ..core.mesh import LogicalMesh
 from ..core.options import PipelineOptions, PlanOptions
 from ..core.plan import PipelinePlan, Plan, StagePlan
-from ..core.schedules import SCHEDULES, get_schedule
+from ..core.schedules import SCHEDULES, get_schedule, step_seconds
 from .clustering import cluster_layers
 from .constraints import check_names
 from .ilp import solver_limits
 from .loss_reduction import loss_reduction
-from .stage_costs import GraphStageCosts, solve_stage
+from .stage_costs import GraphStageCosts, send_gather_seconds, solve_stage
 from .stage_dp import (CostFn, PipelinePlanError, StageChoice, bubble_fraction, check_stage_count, in_flight, stage_dp,
                        submesh_shapes)
 from .training_step import param_specs_of, training_step
@@ -194,6 +194,9 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
     ranks = place_submeshes([s.submesh for s in res.stages[:groups]], mesh.shape)  # stage s on group s mod p
     ranks = [ranks[i % groups] for i in range(len(res.stages))]
     stage_plans = [_stage_plan(cg, costs, layers, st, rk, budget, options) for st, rk in zip(res.stages, ranks)]
+    sched = get_schedule(res.schedule, pipeline.chunks)
+    step = (sum(s.once_seconds for s in stage_plans)  # the DP's objective, of the stages as planned
+            + step_seconds(sched, [s.seconds for s in stage_plans], res.num_microbatches))
     stats = {"total_s": time.perf_counter() - t0, "microbatch_objectives": {str(k): v for k, v in tried.items()},
              "layers": len(layers), "ilp_solves": costs.stats["ilp_solves"], "cache_hits": costs.stats["cache_hits"],
              "disk_hits": disk_hits,
@@ -201,7 +204,7 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
     recorded = {"plan": options.to_dict() | {"memory_budget": budget}, "pipeline": pipeline.to_dict(),
                 "num_layers": len(layers)}
     return PipelinePlan(mesh=mesh, stages=stage_plans, schedule=res.schedule,
-                        num_microbatches=res.num_microbatches, step_seconds=res.objective,
+                        num_microbatches=res.num_microbatches, step_seconds=step,
                         compute_seconds=res.num_microbatches * sum(s.plan.compute_seconds for s in stage_plans),
                         bubble_fraction=bubble_fraction([s.seconds for s in stage_plans], res.num_microbatches,
                                                         res.schedule, pipeline.chunks),
@@ -323,7 +326,9 @@ def _balanced(within: CostFn, costs: GraphStageCosts, layers, devices: int, imba
 
 def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budget: float,
                 options: PlanOptions) -> StagePlan:
-    """Re-solve a chosen stage on its own nodes and wrap it as a ``StagePlan``."""
+    """Re-solve a chosen stage on its own nodes and wrap it as a ``StagePlan``, its times priced
+    from its plan's collectives (``Plan.microbatch_seconds`` and ``once_seconds``: in chain mode
+    the whole stage's buckets and ZeRO-3 groups, where the DP's option added its layers')."""
     names = costs.subset(st.start, st.end)
     shape, scale = st.option.payload[:2]
     mesh = costs.cluster.logical_mesh(shape)
@@ -362,8 +367,10 @@ def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budg
                 options={"memory_budget": budget, "activation_scale": scale, "mode": costs.mode}, grad_sync=grad_sync,
                 bucket_bytes=options.bucket_bytes, zero_stages=zero_stages(view, nodes), solver_limits=limits,
                 remat=remat)
+    transfer = costs.transfer_seconds(st.start, st.submesh)
+    sends = sum(send_gather_seconds(cg, n, nodes[n].out_specs[0], mesh) for n in costs.sends(st.start, st.end))
     return StagePlan((st.start, st.end), [n for layer in layers[st.start:st.end] for n in layer.nodes],
                      st.submesh, list(ranks), plan, [n for n, _ in costs.crossing[st.start]],
-                     [n for n, _ in costs.crossing[st.end]], st.option.seconds, st.option.once_seconds,
-                     costs.transfer_seconds(st.start, st.submesh), st.option.weight_bytes, st.option.act_bytes,
+                     [n for n, _ in costs.crossing[st.end]], plan.microbatch_seconds + sends + transfer,
+                     plan.once_seconds, transfer, st.option.weight_bytes, st.option.act_bytes,
                      st.in_flight, st.option.remat_bytes)

@@ -24,10 +24,13 @@ Two ways to solve a stage of layers ``[k, i)``:
   variable): with ``B = 1`` the search then holds the plan without pipelining.
 
 Data-parallel gradient all-reduces run once per step: the stage ILP, whose objective is per
-microbatch, weighs them ``1 / B`` and reports them as ``o``. So are a ZeRO-1/2 parameter's
+microbatch, weighs them ``1 / B``. So are a ZeRO-1/2 parameter's
 reduce-scatter and its all-gather after the update (``compiler/zero.py``; offered to a parameter
 that one layer consumes: a weight several layers share keeps the spec, not the ZeRO stage, an
-earlier layer of a chain placed it in).
+earlier layer of a chain placed it in). An option's ``t`` and ``o`` are not the ILP's
+objective: they are read from the collectives the stage's plan lists (``solve_stage``), priced as
+``Plan.step_seconds`` prices an SPMD plan (ZeRO-3 groups, one latency per bucket, what backward
+hides), per microbatch and once per step (``core.plan.step_parts``).
 
 Planning time. The memory sweeps above re-ask the same per-layer ILP under other constraints
 ``w + s a <= M``; an answer found under a looser one that satisfies the tighter one is its
@@ -52,8 +55,8 @@ from ..core.aten import op_args
 from ..core.capture import nbytes_of, shape_of, stage_view
 from ..core.mesh import LogicalMesh
 from ..core.options import PlanOptions
-from ..core.plan import NodePlan
-from ..core.resharding import is_gradient_sync, reshard_costs
+from ..core.plan import NodePlan, step_parts
+from ..core.resharding import reshard_costs
 from ..core.spec import ShardingSpec
 from .clustering import crossing_values
 from .constraints import apply_constraints, restrict
@@ -529,10 +532,12 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
     ``build_strategies(cg, mesh)`` of the whole graph, reused. A data-parallel gradient
     all-reduce runs once per step, after the last of ``B`` microbatches: the objective, which is
     per microbatch, weighs it ``sync_weight = 1 / B``, and so the all-gather of a ZeRO-1/2
-    parameter after the update and the latency of its buckets; the returned ``seconds`` leave
-    them out and ``once_seconds`` holds the bucketed all-reduces (reduce-scatters) and
-    all-gathers. ``sends``: values later stages consume; the
-    all-gather that sends them on replicated (``send_gather_seconds``) is in the objective.
+    parameter after the update and the latency of its buckets. The returned ``seconds`` and
+    ``once_seconds`` are not the objective's: they price the stage as its plan lists it
+    (``training_step``; ``core.plan.step_parts``: per microbatch, and the buckets once per step,
+    less what backward hides), so a stage and an SPMD plan are priced alike. ``sends``: values
+    later stages consume; the all-gather that sends them on replicated (``send_gather_seconds``)
+    is in the objective and in ``seconds``.
     ``remat``: layers the stage may recompute (``ilp.RematGroup``), all of them with
     ``remat_forced`` (``PlanOptions.remat="all"``, or the layers a plan chose), else the ILP
     chooses each (``"auto"``): a recomputed layer's activations count once, not per microbatch
@@ -605,35 +610,17 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
         for src in nodes[n].inputs:
             if src not in nodes:
                 nodes[src] = boundary_node_plan(cg, src, fixed.get(src))
-    _, grad_sync, collectives = training_step(stage_view(cg, subset), nodes, mesh, options.bucket_bytes,
+    _, _, collectives = training_step(stage_view(cg, subset), nodes, mesh, options.bucket_bytes,
                                             options.gradient_reduce_dtype, remat)
-    # the objective holds sync_weight x every gradient sync; per microbatch the deferred ones
-    # (bucketed, once per step) do not run and the others run in full
-    sync_all = sync_deferred = 0.0
-    for n, np_ in nodes.items():
-        if n not in chosen:
-            continue
-        for i, src in enumerate(np_.inputs):
-            if src in cg.param_fqns and src in chosen:
-                s = chosen[n]
-                val = cg.node(src).meta["val"]
-                src_spec = chosen[src].out_specs[0]
-                if is_gradient_sync(src_spec, s.in_specs[i], s.grad_partial[i]):
-                    cost = reshard(src_spec, s.in_specs[i], s.grad_partial[i], tuple(val.shape), val.element_size(),
-                                   True, (chosen[src].zero_stage, chosen[src].zero_axes))
-                    sync_all += cost
-                    sync_deferred += cost if src in grad_sync else 0.0
-    once = sum(c.seconds for c in collectives if c.node.startswith(("gradient bucket", "parameter bucket")))
-    # the ZeRO all-gathers and the buckets' latency in the objective, weighed sync_weight
-    updates = (sync_weight * sum(s.comm for s in chosen.values() if s.zero_stage)
-               + sum(f for f, members in graph.fixed.values() if any(sol.choice[v] == p for v, p in members)))
     again = {n for layer in remat for n in layer}
     compute = sum(s.compute * (1 + (n in again) / (1 + BACKWARD_FLOPS_FACTOR)) for n, s in chosen.items())
-    seconds = sol.objective + (1 - sync_weight) * sync_all - sync_deferred - updates
+    # priced as the stage's plan lists it (core.plan.step_parts), not by the ILP's objective
+    seconds, once = step_parts(collectives, compute)
+    seconds += sum(send_gather_seconds(cg, n, nodes[n].out_specs[0], mesh) for n in sends)
     terms = [peak, kept_groups]  # the ILP's memory: weight variables, the others (unscaled)
     for v, m in enumerate(unscaled):
         terms[v not in weight_vars] += m[sol.choice[v]]
-    return StageSolution(max(seconds, 0.0), once, weights, acts, nodes, compute, tuple(terms), sol.gap, peak,
+    return StageSolution(seconds, once, weights, acts, nodes, compute, tuple(terms), sol.gap, peak,
                          [tuple(layer) for layer in remat], sol.status)
 
 

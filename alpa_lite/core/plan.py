@@ -23,7 +23,9 @@ import torch
 
 from .losses import LossReduction
 from .mesh import LogicalMesh
-from .resharding import backward_steps, forward_steps, regathers
+from .resharding import grouped_steps, regathers
+from .schedules import get_schedule
+from .schedules import step_seconds as schedule_step_seconds
 from .spec import ShardingSpec
 
 PLAN_VERSION = 2  # 2: "kind" ("spmd" | "pipeline"); version 1 files still load
@@ -169,7 +171,8 @@ class Plan:
     @property
     def step_seconds(self) -> float:
         """Predicted time of one training step, seconds: compute and communication, less the
-        gradient synchronization hidden behind backward (``overlap_seconds``)."""
+        gradient synchronization hidden behind backward (``overlap_seconds``); also
+        ``microbatch_seconds + once_seconds``."""
         return self.compute_seconds + self.comm_seconds - self.overlap_seconds
 
     @property
@@ -183,13 +186,19 @@ class Plan:
         one but the last to become ready (bucket 0 and group 0: the first layers' gradients,
         ready only when backward ends) can run under the remaining backward compute, which is
         2/3 of the step's compute (backward is 2x forward FLOPs): hidden = min(their time -
-        bucket 0's and group 0's, 2/3 compute).
+        bucket 0's and group 0's, 2/3 compute) (``hidden_seconds``).
         """
-        hidden = sum(c.seconds for c in self.collectives
-                     if (c.node.startswith("gradient bucket") and c.node != "gradient bucket 0")
-                     or (c.kind == "reduce-scatter" and c.tensor.startswith("ZeRO-3 group ")
-                         and not c.tensor.startswith("ZeRO-3 group 0 ")))
-        return min(hidden, 2 / 3 * self.compute_seconds)
+        return sum(hidden_seconds(self.collectives, self.compute_seconds))
+
+    @property
+    def once_seconds(self) -> float:
+        """The part of ``step_seconds`` a pipeline stage pays once per step, seconds (``step_parts``)."""
+        return step_parts(self.collectives, self.compute_seconds)[1]
+
+    @property
+    def microbatch_seconds(self) -> float:
+        """The part of ``step_seconds`` a pipeline stage pays per microbatch, seconds (``step_parts``)."""
+        return step_parts(self.collectives, self.compute_seconds)[0]
 
     def collective_counts(self) -> dict[tuple[str, str], int]:
         """``(kind, phase) -> count`` over one training step."""
@@ -278,9 +287,10 @@ class StagePlan:
         plan: its intra-op ``Plan`` (its ``mesh`` is the stage's logical mesh). Values received
             from the previous stage appear in ``plan.nodes`` as ``"boundary"`` nodes, replicated.
         recv / send: names of the values received from the previous / sent to the next stage.
-        seconds: forward + backward of one microbatch, including its input transfer, seconds;
-        once_seconds: paid once per step (gradient synchronization); transfer_seconds: the
-            transfer part of ``seconds``.
+        seconds: forward + backward of one microbatch, including its input transfer and the
+            all-gathers that send its outputs on replicated, seconds: ``plan.microbatch_seconds``
+            plus those; once_seconds: paid once per step (gradient synchronization,
+            ``plan.once_seconds``); transfer_seconds: the transfer part of ``seconds``.
         weight_bytes / act_bytes: per device: weights with gradients and optimizer state, and
             activations of one microbatch; in_flight: microbatches whose activations it holds;
             remat_bytes: the largest recomputed layer's activations (``plan.remat``), live once.
@@ -331,8 +341,10 @@ class PipelinePlan:
         stages: the ``StagePlan`` of every stage, in pipeline order (under ``"interleaved"``,
             stage ``s`` runs on the ranks of stage ``s mod p``, ``p`` the distinct rank sets).
         schedule: a name of ``core/schedules.py``; num_microbatches: B per training step.
-        step_seconds: predicted step time ``sum(t_i + o_i) + (B - 1) max t_i``, seconds
-            (docs/pipeline.md).
+        step_seconds: predicted step time ``sum(t_i + o_i) + (B - 1) max t_i`` (GPipe, 1F1B;
+            ``core/schedules.py``'s model for the others), seconds, of the stages' ``seconds``
+            ``t_i`` and ``once_seconds`` ``o_i`` (docs/pipeline.md): one stage with B = 1 is
+            priced as the SPMD plan of its mesh (``Plan.step_seconds``).
         compute_seconds: B times the stages' compute per microbatch, seconds (the rest of the
             step is communication and bubble).
         bubble_fraction: predicted idle share of the devices' time.
@@ -365,6 +377,18 @@ class PipelinePlan:
     pricing_limits: list[dict] = field(default_factory=list)
 
     kind = "pipeline"
+
+    @property
+    def overlap_seconds(self) -> float:
+        """What the stages hide behind backward (``hidden_seconds`` of each stage's plan), in the
+        step time, seconds: ``step_seconds`` with it added back is the step of a run that waits on
+        every collective where it is issued (``report=True``)."""
+        sched = get_schedule(self.schedule, self.chunks)
+        hidden = [hidden_seconds(s.plan.collectives, s.plan.compute_seconds) for s in self.stages]
+        waited = (sum(s.once_seconds + h[1] for s, h in zip(self.stages, hidden))
+                  + schedule_step_seconds(sched, [s.seconds + h[0] for s, h in zip(self.stages, hidden)],
+                                          self.num_microbatches))
+        return waited - self.step_seconds
 
     @property
     def chunks(self) -> int:
@@ -405,7 +429,7 @@ class PipelinePlan:
         counts: dict[tuple[str, str], int] = {}
         for s in self.stages:
             for c in s.plan.collectives:
-                n = 1 if c.phase == "update" or c.node.startswith("gradient bucket") else self.num_microbatches
+                n = 1 if is_once_per_step(c) else self.num_microbatches
                 counts[(c.kind, c.phase)] = counts.get((c.kind, c.phase), 0) + n
         return counts
 
@@ -489,6 +513,38 @@ def load_plan(text_or_path: str | Path) -> Plan | PipelinePlan:
         raise PlanError(f"{source} is corrupt: {type(e).__name__}: {e}") from None
 
 
+def is_once_per_step(c: Collective) -> bool:
+    """Whether collective ``c`` runs once per step in a pipeline stage (after its last microbatch's
+    backward: a gradient bucket; after the update: a ZeRO-1/2 parameter bucket), not per microbatch."""
+    return c.node.startswith(("gradient bucket", "parameter bucket"))
+
+
+def hidden_seconds(collectives, compute_seconds: float) -> tuple[float, float]:
+    """``(ZeRO-3 reduce-scatters, gradient buckets)`` hidden behind backward, seconds, of a step
+    (or a pipeline stage's last microbatch) that computes ``compute_seconds`` and issues
+    ``collectives`` (``Plan.overlap_seconds``): every ZeRO-3 group's reduce-scatter but group 0's
+    first, then every gradient bucket but bucket 0, within the backward's 2/3 of the compute.
+    A pipeline stage hides its groups' reduce-scatters behind each microbatch's backward and its
+    buckets behind the last one's, in what the groups leave of it."""
+    budget = 2 / 3 * compute_seconds
+    groups = min(budget, sum(c.seconds for c in collectives if c.kind == "reduce-scatter"
+                             and c.tensor.startswith("ZeRO-3 group ") and not c.tensor.startswith("ZeRO-3 group 0 ")))
+    buckets = sum(c.seconds for c in collectives
+                  if c.node.startswith("gradient bucket") and c.node != "gradient bucket 0")
+    return groups, min(budget - groups, buckets)
+
+
+def step_parts(collectives, compute_seconds: float) -> tuple[float, float]:
+    """``(per microbatch, once per step)`` seconds of a step (a pipeline stage's: per microbatch)
+    that computes ``compute_seconds`` and issues ``collectives``: compute and the collectives of
+    every microbatch less the ZeRO-3 reduce-scatters hidden behind its backward; the gradient and
+    parameter buckets (``is_once_per_step``) less those hidden behind the last microbatch's
+    backward (``hidden_seconds``). Their sum is ``Plan.step_seconds``."""
+    groups, buckets = hidden_seconds(collectives, compute_seconds)
+    once = sum(c.seconds for c in collectives if is_once_per_step(c))
+    return compute_seconds + sum(c.seconds for c in collectives) - once - groups, once - buckets
+
+
 def gradient_buckets(cg, nodes: dict[str, NodePlan], grad_sync: dict[str, tuple[int, ...]],
                      mesh_shape, bucket_bytes: float) -> list[tuple[str, tuple[int, ...], list[str]]]:
     """Buckets of deferred gradients: ``(kind, axes, [parameter placeholders])`` in graph order,
@@ -568,7 +624,7 @@ def zero3_groups(cg, nodes: dict[str, NodePlan], mesh_shape, bucket_bytes: float
     its gradient's one reduce-scatter along the same dim and axis, and its value is a parameter
     or a cast of one that keeps its spec; consecutive qualifying uses (graph order) of the same
     axis and dtype form a group of at most ``bucket_bytes`` gathered (a larger single one is its
-    own group). Other uses are moved one by one (not listed here)."""
+    own group; ``resharding.grouped_steps``). Other uses are moved one by one (not listed here)."""
     casts = cg.param_casts
     groups: list[list[tuple]] = []
     last, size = None, math.inf
@@ -577,15 +633,13 @@ def zero3_groups(cg, nodes: dict[str, NodePlan], mesh_shape, bucket_bytes: float
         val = cg.node(src).meta["val"]
         if src in casts and (nodes[src].in_specs[0] != spec or nodes[src].grad_partial[0]):
             continue
-        fwd = forward_steps(spec, dst, shape, val.element_size(), mesh_shape)
-        bwd = backward_steps(spec, dst, gp, shape, val.element_size(), mesh_shape)
-        if len(fwd) != 1 or len(bwd) != 1 or fwd[0].kind != "all-gather" or bwd[0].kind != "reduce-scatter" \
-                or (fwd[0].axis, fwd[0].dim) != (bwd[0].axis, bwd[0].dim):
+        steps = grouped_steps(spec, dst, gp, shape, val.element_size(), mesh_shape)
+        if steps is None:
             continue
-        kind = (fwd[0].axis, val.dtype)
-        if kind != last or size + fwd[0].nbytes > bucket_bytes:
+        kind = (steps[0].axis, val.dtype)
+        if kind != last or size + steps[0].nbytes > bucket_bytes:
             groups.append([])
             last, size = kind, 0.0
         groups[-1].append(key)
-        size += fwd[0].nbytes
+        size += steps[0].nbytes
     return groups

@@ -138,6 +138,21 @@ def regathers(src: ShardingSpec, dst: ShardingSpec, grad_partial, shape, itemsiz
                                             for s in forward_steps(src, dst, shape, itemsize, mesh_shape))
 
 
+def grouped_steps(src: ShardingSpec, dst: ShardingSpec, grad_partial, shape, itemsize: int, mesh_shape
+                  ) -> tuple[Step, Step] | None:
+    """``(all-gather, reduce-scatter)`` of a ZeRO-3 use (``regathers``) that a ZeRO-3 group can
+    take (``core.plan.zero3_groups``): its forward is one all-gather along a dim over one mesh
+    axis and its gradient's backward one reduce-scatter along the same dim and axis; else None."""
+    if grad_partial is None:
+        return None
+    fwd = forward_steps(src, dst, shape, itemsize, mesh_shape)
+    bwd = backward_steps(src, dst, grad_partial, shape, itemsize, mesh_shape)
+    if len(fwd) != 1 or len(bwd) != 1 or fwd[0].kind != "all-gather" or bwd[0].kind != "reduce-scatter" \
+            or (fwd[0].axis, fwd[0].dim) != (bwd[0].axis, bwd[0].dim):
+        return None
+    return fwd[0], bwd[0]
+
+
 def step_cost(step: Step, mesh: LogicalMesh) -> float:
     """Seconds of one step under the alpha-beta model (a slice or a mask is free)."""
     if not step.is_collective:
@@ -156,7 +171,8 @@ class ReshardCosts:
     """Memoized cost (seconds, forward + backward) of moving a tensor between specs.
 
     A parameter's gradient synchronization (``is_gradient_sync``) is bucketed: the ILP charges its
-    bandwidth term over the flattened axes, the latency is paid once per bucket (``Plan``).
+    bandwidth term over the flattened axes, the latency is paid once per bucket (``Plan``; a
+    ZeRO-1/2 bucket's is the cost graph's fixed charge).
 
     Alpa's switches (``PlanOptions``, docs/planner.md): a move with a step of a kind in ``forbid``
     (``"all-gather"``, ``"all-to-all"``; forward or backward, and the once-per-step all-gather of a

@@ -140,9 +140,11 @@ def _order(key: tuple[str, str]) -> tuple:
 
 def timed_prediction(plan: Plan | PipelinePlan) -> float:
     """The predicted time of a step timed by ``report=True``, seconds: ``step_seconds``, with the
-    gradient buckets backward would hide (``Plan.overlap_seconds``) added back, as the timed step
-    waits on every collective where it is issued."""
-    return plan.step_seconds if isinstance(plan, PipelinePlan) else plan.compute_seconds + plan.comm_seconds
+    gradient buckets and ZeRO-3 reduce-scatters backward would hide (``overlap_seconds``) added
+    back, as the timed step waits on every collective where it is issued."""
+    if isinstance(plan, PipelinePlan):
+        return plan.step_seconds + plan.overlap_seconds
+    return plan.compute_seconds + plan.comm_seconds
 
 
 def idle_fractions(schedule_seconds: Sequence[Sequence[tuple[float, float]]]) -> list[list[float]]:
@@ -216,7 +218,7 @@ def make_record(plan: Plan, step_seconds: Sequence[float], collective_seconds: d
         "warmup_steps": warmup_steps,
         "timed_steps": len(step_seconds),
         "step": {"predicted_s": predicted,
-                 "predicted_overlap_s": None if pipelined else plan.overlap_seconds,
+                 "predicted_overlap_s": plan.overlap_seconds,
                  "predicted_compute_s": None if pipelined else plan.compute_seconds,
                  "predicted_comm_s": None if pipelined else plan.comm_seconds,
                  "measured_s": measured, "fastest_s": min(step_seconds), "samples_s": list(step_seconds),
