@@ -362,7 +362,9 @@ def test_a_limit_reached_while_pricing_stages_is_in_the_plan_and_its_summary(mon
     p = plan(model, example, mesh, pipeline=pipe, time_limit=5.0)
     pricing = [e for e in p.solver_limits if "stage" not in e]
     assert pricing == p.pricing_limits and len(pricing) == p.stats["ilp_solves"] > 0  # every solve stopped early
-    assert {e["gap"] for e in pricing} == {0.25} and {e["microbatches"] for e in pricing} == {2}
+    # a real solve stopped by the 5 s wall clock before any answer (a loaded machine) is listed with no gap
+    assert {e["gap"] for e in pricing} - {None} == {0.25} and {e["microbatches"] for e in pricing} == {2}
+    assert all(e["limit"] == "time" for e in pricing if e["gap"] is None)
     assert {tuple(e["submesh"]) for e in pricing} == {(1, 1), (1, 2), (1, 4)}
     last = p.stats["layers"] - 1
     assert {tuple(e["layers"]) for e in pricing} >= {(j, j) for j in range(last + 1)} | {(0, last)}  # chains, one ILP
