@@ -365,7 +365,8 @@ def test_a_limit_reached_while_pricing_stages_is_in_the_plan_and_its_summary(mon
     # a real solve stopped by the 5 s wall clock before any answer (a loaded machine) is listed with no gap
     assert {e["gap"] for e in pricing} - {None} == {0.25} and {e["microbatches"] for e in pricing} == {2}
     assert all(e["limit"] == "time" for e in pricing if e["gap"] is None)
-    assert {tuple(e["submesh"]) for e in pricing} == {(1, 1), (1, 2), (1, 4)}
+    # the submeshes priced: the whole mesh (its one-stage pair first), the others as the floors let them
+    assert (1, 4) in {tuple(e["submesh"]) for e in pricing} <= {(1, 1), (1, 2), (1, 4)}
     last = p.stats["layers"] - 1
     assert {tuple(e["layers"]) for e in pricing} >= {(j, j) for j in range(last + 1)} | {(0, last)}  # chains, one ILP
     one = next(e for e in pricing if e["layers"] == [0, last])
