@@ -44,6 +44,7 @@ the ``"recompute"`` phase) and in-place writes to stored tensors.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Callable
 
@@ -62,21 +63,55 @@ _KINDS = {"all_reduce": "all-reduce", "all_gather_into_tensor": "all-gather",
 
 def _draws(d: Dispatch) -> bool:
     """Whether a random op's values depend on its draws: not a dropout of probability 0 (an
-    attention without dropout, a ``Dropout(0)``)."""
+    attention without dropout, a ``Dropout(0)``) nor one outside training."""
     args = bind_args(d.target, d.args, d.kwargs)
     p = args.get("dropout_p", args.get("p"))
-    return not (isinstance(p, (int, float)) and p == 0)
+    return not (isinstance(p, (int, float)) and p == 0) and args.get("train") is not False
+
+
+def _random_nodes(executor: LocalExecutor) -> list[str]:
+    """The plan's random ops that draw, in graph order: each takes its seed from the graph's input."""
+    return [n for n, d in executor.dispatch.items() if d.random and d.plan is not None and _draws(d)]
 
 
 def _check_lowerable(executor: LocalExecutor) -> None:
     """Raise ``ValueError`` naming what of ``executor``'s plan the lowering does not cover
-    (module docstring): random ops that draw, in-place writes to stored tensors, recomputed layers."""
-    problems = [f"random op {n}" for n, d in executor.dispatch.items() if d.random and _draws(d)]
-    problems += [f"in-place write {n}" for n, d in executor.dispatch.items() if d.written or d.mutates]
-    problems += ["activation checkpointing (remat)"] if executor.plan.remat else []
+    (module docstring): in-place writes to stored tensors."""
+    problems = [f"in-place write {n}" for n, d in executor.dispatch.items() if d.written or d.mutates]
     if problems:
         raise ValueError("compile=True cannot lower this plan (run it without compile): "
                          + ", ".join(problems[:5]) + (" ..." if len(problems) > 5 else ""))
+
+
+def _has_effect(node: torch.fx.Node) -> bool:
+    """Whether a node of a partitioned graph is kept unused: its inputs, its output and in-place
+    ops. The partitioner copies into a graph every node it can compute from the graph's inputs
+    and keeps those a ``wait_tensor`` reads (``torch.fx`` counts it impure): a recomputed layer's
+    forward, computable from its saved inputs, would run a second time, its collectives included,
+    with nothing reading it. The graphs are functional (collectives included), so nothing else
+    that is unused has an effect."""
+    return node.op in ("placeholder", "output") or (isinstance(node.target, torch._ops.OpOverload)
+                                                    and node.target._schema.is_mutable)
+
+
+class _Seeds:
+    """The seeds of ``executor``'s random ops that draw (``_random_nodes``) in its current run,
+    a graph input (``seeds()``: int64 ``[ops]``), and while ``tracing(seeds)`` is open, the
+    executor's random ops take theirs from it (``LocalExecutor.seeds``; ``lowering.seeded_call``)."""
+
+    def __init__(self, executor: LocalExecutor):
+        self.executor, self.nodes = executor, _random_nodes(executor)
+
+    def seeds(self) -> torch.Tensor:
+        return torch.tensor([self.executor.shard_seed(n) for n in self.nodes], dtype=torch.int64)
+
+    @contextlib.contextmanager
+    def tracing(self, seeds: torch.Tensor):
+        self.executor.seeds = {n: seeds[i] for i, n in enumerate(self.nodes)}
+        try:
+            yield
+        finally:
+            self.executor.seeds = {}
 
 
 def _compiled(graph_module: torch.fx.GraphModule, backend: str | None) -> Callable:
@@ -117,6 +152,7 @@ class RankProgram:
     def __init__(self, executor: LocalExecutor, weight: Callable, kept: list[str], backend: str | None):
         _check_lowerable(executor)
         self.executor, self.weight, self.kept, self.backend = executor, weight, list(kept), backend
+        self._seeds = _Seeds(executor)
         self.graph_module: torch.fx.GraphModule | None = None
         self._compiled = None
         self._names: list[str] = []  # placeholder order of the graph's inputs
@@ -130,7 +166,8 @@ class RankProgram:
         kept values by name)``; the executor's ``denominators`` are set as a run sets them."""
         if self.graph_module is None:
             self._names = list(env)
-        flat = [env[n] for n in self._names] + [torch.tensor(float(scale))]
+        self.executor.calls += 1  # a run, as the interpreter's: new random draws
+        flat = [env[n] for n in self._names] + [torch.tensor(float(scale)), self._seeds.seeds()]
         if self.graph_module is None:
             self.graph_module = make_fx(self._step, tracing_mode="fake")(*flat)
             self._compiled = _compiled(self.graph_module, self.backend)
@@ -145,10 +182,12 @@ class RankProgram:
 
     def _step(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The traced function: forward, weight, backward of one microbatch (``__call__``)."""
-        *inputs, scale = flat
+        *inputs, scale, seeds = flat
         env = dict(zip(self._names, inputs))
-        with functional_collectives():
+        calls = self.executor.calls
+        with functional_collectives(), self._seeds.tracing(seeds):
             values = self.executor.run(env)
+            self.executor.calls = calls  # the trace is not a run (``__call__`` counts it)
             loss = values[self.executor.cg.loss_name]
             weight = self.weight(values, loss)
             term = loss * weight
@@ -196,6 +235,7 @@ class StageProgram:
     def __init__(self, executor: LocalExecutor, run: Callable, kept: list[str], backend: str | None):
         _check_lowerable(executor)
         self.executor, self.run, self.kept, self.backend = executor, run, list(kept), backend
+        self._seeds = _Seeds(executor)
         self.forward_module: torch.fx.GraphModule | None = None
         self.backward_module: torch.fx.GraphModule | None = None
         self._function = None
@@ -214,15 +254,17 @@ class StageProgram:
             self._function = aot_function(self._forward, fw_compiler=self._compile, bw_compiler=self._compile,
                                           partition_fn=self._partition)
         with functional_collectives():  # the first call traces the joint graph
-            out = list(self._function(*(env[n] for n in self._names)))
+            out = list(self._function(*(env[n] for n in self._names), self._seeds.seeds()))
         sent, rest = out[:self._sent], out[self._sent:]
         self.executor.denominators.update(zip(self._denominators, rest[len(self.kept):]))
         return sent, dict(zip(self.kept, rest))
 
     def _forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The traced function: the stage's forward on ``tensors`` (``__call__``)."""
+        *tensors, seeds = tensors
         env = dict(zip(self._names, tensors)) | self._fixed
-        sent = self.run(env)
+        with self._seeds.tracing(seeds):
+            sent = self.run(env)
         self._sent, self._denominators = len(sent), list(self.executor.denominators)
         return (*sent, *(env[n] for n in self.kept), *(self.executor.denominators[n] for n in self._denominators))
 
@@ -235,6 +277,9 @@ class StageProgram:
         """The default partitioner's split of the joint graph, kept as ``forward_module`` and
         ``backward_module``."""
         self.forward_module, self.backward_module = default_partition(joint, inputs, **kwargs)
+        for gm in (self.forward_module, self.backward_module):
+            gm.graph.eliminate_dead_code(is_impure_node=_has_effect)
+            gm.recompile()
         return self.forward_module, self.backward_module
 
     def collectives(self, phase: str | None = None) -> Counter:
