@@ -19,12 +19,17 @@ Random ops (dropout, bernoulli, ``rand_like``, attention dropout) draw from a ge
 shard: from the run's seed, a call counter, the node and this rank's shard coordinates along the
 mesh axes that split the op's result. Shards of a split value draw independent numbers; ranks
 holding the same (replicated) values draw the same ones (Megatron-LM's model-parallel RNG tracker,
-Shoeybi et al. 2019, section 3; Korthikanti et al. 2022, section 4.2).
+Shoeybi et al. 2019, section 3; Korthikanti et al. 2022, section 4.2). While a compiled program
+traces a run (``program.py``), each takes its seed from the program's input (``seeds``) as one
+opaque op instead (``lowering.seeded_call``).
 
 The layers of ``plan.remat`` run under ``torch.utils.checkpoint`` (non-reentrant, without early
 stop: a layer runs again whole, as the plan lists it): their activations are not kept but
-recomputed on the local shards during backward, collectives and random draws included (the same seeds: the run counter has not moved; the collectives count in
-phase ``"recompute"``, as the plan lists them); activation checkpointing, Chen et al. 2016.
+recomputed on the local shards during backward, collectives and random draws included (the same
+seeds: the recomputation runs with its forward's run count; the collectives count in phase
+``"recompute"``, as the plan lists them); activation checkpointing, Chen et al. 2016. Traced,
+a layer is ``lowering.recomputed`` instead, which a trace records (the checkpoint's saved-tensor
+hooks are not).
 
 A ZeRO-3 use (a parameter stored split and all-gathered for an op, ``resharding.regathers``)
 outside those layers is not kept gathered for backward: forward drops the gathered copy after its

@@ -103,8 +103,16 @@ def _seeded_grad(key: str, seed: torch.Tensor, tensors: list[torch.Tensor], grad
     with seeding(int(seed)), _autograd(), torch.enable_grad():
         outs = [o for o in run(*inputs) if o.is_floating_point()]
     wrt = [t for t in inputs if t.requires_grad]
-    got = torch.autograd.grad(outs, wrt, grads, allow_unused=True)
-    return [torch.zeros_like(t) if g is None else g.contiguous() for t, g in zip(wrt, got)]
+    return [torch.zeros_like(t) if g is None else g.contiguous() for t, g in zip(wrt, _vjp(outs, grads, wrt))]
+
+
+def _vjp(outs, grads, wrt: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """``torch.autograd.grad`` of the tensors among ``outs`` that require grad, given ``grads``
+    (None for an output without one), with respect to ``wrt`` (None where nothing reaches one)."""
+    pairs = [(o, g) for o, g in zip(outs, grads) if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+    if not pairs or not wrt:
+        return [None] * len(wrt)
+    return list(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True))
 
 
 def _autograd() -> AbstractContextManager:
@@ -155,11 +163,7 @@ class _Recomputed(torch.autograd.Function):
         inputs = [t.detach().requires_grad_(n) for t, n in zip(ctx.saved_tensors, needs)]
         with torch.enable_grad(), recomputing():
             outs = ctx.run(*inputs)
-        pairs = [(o, g) for o, g in zip(outs, grads)
-                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
-        wrt = [t for t in inputs if t.requires_grad]
-        got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
-                   if pairs and wrt else [None] * len(wrt))
+        got = iter(_vjp(outs, grads, [t for t in inputs if t.requires_grad]))
         return (None, *(next(got) if t.requires_grad else None for t in inputs))
 
 

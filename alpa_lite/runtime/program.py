@@ -28,19 +28,30 @@ compiled backward, whose parameter gradients accumulate into ``.grad`` over the 
 (the bucket hooks fire as in the interpreter). A schedule that splits the backward (ZB-H1) is
 refused: the compiled backward is one graph giving the input and the weight gradients together.
 
+Random ops and recomputed layers are traced as ``lowering.py`` describes. A random op that draws
+(a dropout, an attention's dropout) is one opaque ``alpa_lite::seeded`` op whose seed is an
+input of the graph: each call of a program passes the seeds the interpreter would seed its ops
+with in that run (``LocalExecutor.shard_seed``: rank's shard coordinates, run count, node; a
+program call is a run, a pipeline microbatch too), so every rank draws the interpreter's masks,
+new ones every microbatch and step, the same on the ranks holding the same values; its backward
+runs the op again after the same seed. A layer of ``Plan.remat`` runs in forward without
+keeping its activations and again in backward, its collectives there (the plan's
+``"recompute"`` phase), and its random ops drawing as in its forward: in the SPMD graph where
+the gradient reaches the layer, in a stage's backward graph. The default partitioner copies
+into each graph every node it can compute from the graph's inputs, so the partitioned graphs
+are dead-code eliminated (``_has_effect``): a recomputed layer's forward would otherwise run
+again, collectives included, with nothing reading it.
+
 A ZeRO-3 parameter's gathered copy is kept for backward in both programs (the interpreter
 gathers it again, ``collectives.GatheredParameters``, whose saved-tensor hooks key on storage
 addresses that traced tensors do not have): the programs' backward lacks those re-gathers of the
 plan, and they move the members of a ZeRO-3 group (``core.plan.zero3_groups``) one by one, an
-all-gather and a gradient reduce-scatter each, where the plan lists the group's flat collectives.
+all-gather and a gradient reduce-scatter each, where the plan lists the group's flat collectives
+(in a recomputed layer: in its forward and again in its recomputation).
 
-Not lowered (``ValueError`` when the program is built): random ops that draw (the interpreter
-seeds the generator per shard and per run between ops, ``manual_seed``, a side effect a trace
-does not record: the graph would draw from the generator's state at run time, not from the
-seeds that keep replicated shards' masks equal), activation checkpointing (``Plan.remat``: under
-a trace ``torch.utils.checkpoint`` takes only a ``context_fn`` of two ``TorchDispatchMode`` s,
-and the executor's opens ``collectives.recomputing``, which counts the recomputed collectives in
-the ``"recompute"`` phase) and in-place writes to stored tensors.
+Not lowered (``ValueError`` when the program is built): in-place writes to stored tensors (an
+``embedding_renorm_`` of ``max_norm``, which the interpreter writes back into the stored shard
+outside autograd), and in the pipeline runtime a schedule that splits the backward (ZB-H1).
 """
 from __future__ import annotations
 
@@ -145,8 +156,7 @@ class RankProgram:
         graph_module: the traced ``GraphModule`` (None before the first call).
 
     Raises:
-        ValueError: the plan has random ops that draw, recomputed layers or in-place writes to
-            stored tensors (the message names them).
+        ValueError: the plan has in-place writes to stored tensors (the message names them).
     """
 
     def __init__(self, executor: LocalExecutor, weight: Callable, kept: list[str], backend: str | None):
@@ -228,8 +238,8 @@ class StageProgram:
             first call).
 
     Raises:
-        ValueError: the stage's plan has random ops that draw, recomputed layers or in-place
-            writes to stored tensors (the message names them).
+        ValueError: the stage's plan has in-place writes to stored tensors (the message names
+            them).
     """
 
     def __init__(self, executor: LocalExecutor, run: Callable, kept: list[str], backend: str | None):

@@ -101,15 +101,15 @@ def every_rank(x):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--plans", required=True, help="JSON object: plan name -> parallelize options (and "
-                                                   "model_layers: the GPT's blocks, default 1; model_dropout: "
-                                                   "its dropout, default 0)")
+                                                   "model_X: the GPT's option X, e.g. model_num_layers (default 1), "
+                                                   "model_dropout, model_qkv_layout)")
     ap.add_argument("--backend", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     init_distributed(60)
     results = {}
     for name, options in json.loads(args.plans).items():
-        model_options = {"num_layers": options.pop("model_layers", 1), "dropout": options.pop("model_dropout", 0.0)}
+        model_options = {"num_layers": 1} | {k[6:]: options.pop(k) for k in list(options) if k.startswith("model_")}
         model, example = build_model("gpt-tiny", 8, 16, device="cpu", **model_options)
         batches = [build_model("gpt-tiny", 8, 16, device="cpu", seed=100 + s, **model_options)[1]
                    for s in range(STEPS)]
