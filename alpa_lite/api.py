@@ -142,7 +142,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
     Raises:
         ValueError: the mesh does not match the world size, or an option is invalid (``accumulate``
             with a pipelined plan, or one that does not divide the batch; ``compile`` with the
-            ZB-H1 schedule, or a plan with random ops, remat or in-place writes to stored tensors).
+            ZB-H1 schedule, or a plan with in-place writes to stored tensors).
         PlanError: the plan is corrupt or was made for another model or mesh.
     """
     if plan is not None and not isinstance(plan, (Plan, PipelinePlan)):

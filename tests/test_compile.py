@@ -1,8 +1,9 @@
 """The compiled per-rank program (``parallelize(..., compile=...)``, ``runtime/program.py``): on
 4 gloo ranks, 3 AdamW steps of the plan lowered to one ``torch.fx.GraphModule`` per rank (a
 pipeline stage: a forward and a backward one, AOT autograd) and run under ``torch.compile`` give
-the interpreter's losses and parameters, and each rank's graphs hold the plan's forward and
-backward collectives; what the lowering does not cover is refused."""
+the interpreter's losses and parameters, with dropout (the interpreter's masks, new every
+microbatch and step) and with recomputed layers, and each rank's graphs hold the plan's forward,
+backward and recompute collectives; what the lowering does not cover is refused."""
 import json
 from pathlib import Path
 
@@ -19,10 +20,19 @@ PLANS = {  # test_overlap's plans, of a one-block GPT (tracing and compiling tak
     "2d": {"param_specs": megatron(1, "S01"), "bucket_bytes": SMALL},
     "zero3": {"force_data_parallel": True, "bucket_bytes": SMALL,
               "param_specs": {k: "S01R" for k, v in megatron(1).items() if v == "S1R"}},
-    # 2 stages of one block each (model_layers: the worker's GPT), 2 devices each, Megatron inside a stage
-    "pipeline": {"model_layers": 2, "num_stages": 2, "num_layers": 2, "num_microbatches": 2, "schedule": "1f1b",
+    # 2 stages of one block each (model_num_layers: the worker's GPT), 2 devices each, Megatron inside a stage
+    "pipeline": {"model_num_layers": 2, "num_stages": 2, "num_layers": 2, "num_microbatches": 2, "schedule": "1f1b",
                  "param_specs": megatron(2), "bucket_bytes": SMALL},
 }
+# the GPT with attention and residual dropout (model_dropout); remat: every layer recomputed.
+# Megatron's qkv layout splits the attention by heads (GPTConfig): each shard draws its own mask
+HEADS = {"model_qkv_layout": "megatron"}
+DROPOUT = {"dp-dropout": PLANS["dp"] | {"accumulate": 2},  # 2 microbatches a step
+           "megatron-dropout": PLANS["megatron"] | HEADS,
+           "megatron-remat": PLANS["megatron"] | {"remat": "all"},
+           "pipeline-dropout": PLANS["pipeline"] | HEADS,
+           "pipeline-remat": PLANS["pipeline"] | {"remat": "all"}}
+PLANS |= {name: options | {"model_dropout": 0.1} for name, options in DROPOUT.items()}
 
 
 @pytest.fixture(scope="module")
@@ -68,19 +78,67 @@ def test_compile_refuses_a_split_backward_schedule():
         PipelineTrainer(model, pl.captured, pl, None, compile="aot_eager")
 
 
-@pytest.mark.parametrize("p, refused", [(0.5, True), (0.0, False)])
-def test_lowering_refuses_random_draws_only(p, refused):
+@pytest.mark.parametrize("name", list(DROPOUT))
+def test_compiled_dropout_draws_the_interpreters_masks(results, name):
+    """Each random op draws after the seed the interpreter seeds it with (rank, run, node), so the
+    masks are the interpreter's: new ones every microbatch and step, shared by the ranks that hold
+    the same values, their own on ranks holding different shards."""
+    r, options = results[name], PLANS[name]
+    microbatches = options.get("accumulate", options.get("num_microbatches", 1))
+    assert r["seeds"] == r["plain_seeds"]  # per rank, per step: the seeds drawn with (a recomputation's again)
+    for rank, steps in enumerate(r["seeds"]):
+        assert r["random_ops"][rank] >= 3  # attention dropout and two residual dropouts (per block it holds)
+        assert [len(s) for s in steps] == [r["random_ops"][rank] * microbatches] * 3, steps
+        assert not set(steps[0]) & set(steps[1]) and not set(steps[1]) & set(steps[2])
+    first = [set(steps[0]) for steps in r["seeds"]]
+    if name == "dp-dropout":  # every value split over all 4 ranks (batch S01): 4 ranks, 4 sets of masks
+        assert all(not first[a] & first[b] for a in range(4) for b in range(a))
+        return
+    # ranks 0 and 1 (one mesh row or stage, the Megatron axis): the residual dropouts' masks
+    # (replicated values) shared, the attention's too when it runs replicated (GPT-2's qkv layout
+    # gathers q, k, v), each its own when split by heads
+    if options.get("model_qkv_layout") == "megatron":
+        assert first[0] & first[1] and first[0] != first[1]
+    else:
+        assert first[0] == first[1]
+    assert not first[0] & first[2]  # another batch shard (SPMD) or another stage's ops
+
+
+@pytest.mark.parametrize("name", [n for n in DROPOUT if "remat" in n])
+def test_compiled_remat_recomputes_in_backward(results, name):
+    """A recomputed layer's forward runs again in the graph's backward, its collectives the plan's
+    recompute phase: every rank's plan recomputes collectives, which its graphs hold (the
+    equality in ``test_compiled_step_equals_interpreted_step`` counts them)."""
+    r = results[name]
+    assert all(n > 0 for n in r["recompute_collectives"]), r["recompute_collectives"]
+    assert r["graph_collectives"] == r["plan_collectives"]
+
+
+def test_lowering_refuses_in_place_writes_only():
+    """An in-place write to a stored tensor (``embedding_renorm_`` of ``max_norm``) is refused;
+    dropout and recomputed layers are lowered."""
     from alpa_lite import LogicalMesh, plan
     from alpa_lite.runtime.collectives import MeshGroups
     from alpa_lite.runtime.executor import LocalExecutor
-    from alpa_lite.runtime.program import RankProgram
+    from alpa_lite.runtime.program import RankProgram, StageProgram
 
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(p), torch.nn.Linear(8, 1))
-    pl = plan(model, torch.randn(8, 8), LogicalMesh((2, 2), cluster="cpu-gloo"), lambda y: y.mean(),
-              force_data_parallel=True)
-    executor = LocalExecutor(pl.captured, pl, MeshGroups((2, 2), (0, 0), (None, None)), torch.device("cpu"))
-    if refused:
-        with pytest.raises(ValueError, match="cannot lower this plan .*random op"):
-            RankProgram(executor, None, [], None)
-    else:
-        assert RankProgram(executor, None, [], None).graph_module is None  # traced on its first call
+    class Model(torch.nn.Module):
+        def __init__(self, max_norm):
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 8, max_norm=max_norm)
+            self.fc = torch.nn.Linear(8, 1)
+
+        def forward(self, idx):
+            return self.fc(torch.nn.functional.dropout(self.emb(idx), 0.5)).mean()
+
+    def executor(max_norm, **options):
+        pl = plan(Model(max_norm), torch.randint(0, 16, (8, 4)), LogicalMesh((2, 2), cluster="cpu-gloo"),
+                  lambda y: y, force_data_parallel=True, **options)
+        return LocalExecutor(pl.captured, pl, MeshGroups((2, 2), (0, 0), (None, None)), torch.device("cpu"))
+
+    for program in (RankProgram, StageProgram):
+        with pytest.raises(ValueError, match="cannot lower this plan .*in-place write embedding_renorm"):
+            program(executor(1.0), None, [], None)
+    lowered = executor(None, remat="all")
+    assert lowered.plan.remat and any(d.random for d in lowered.dispatch.values())
+    assert RankProgram(lowered, None, [], None).graph_module is None  # traced on its first call

@@ -19,12 +19,17 @@ Random ops (dropout, bernoulli, ``rand_like``, attention dropout) draw from a ge
 shard: from the run's seed, a call counter, the node and this rank's shard coordinates along the
 mesh axes that split the op's result. Shards of a split value draw independent numbers; ranks
 holding the same (replicated) values draw the same ones (Megatron-LM's model-parallel RNG tracker,
-Shoeybi et al. 2019, section 3; Korthikanti et al. 2022, section 4.2).
+Shoeybi et al. 2019, section 3; Korthikanti et al. 2022, section 4.2). While a compiled program
+traces a run (``program.py``), each takes its seed from the program's input (``seeds``) as one
+opaque op instead (``lowering.seeded_call``).
 
 The layers of ``plan.remat`` run under ``torch.utils.checkpoint`` (non-reentrant, without early
 stop: a layer runs again whole, as the plan lists it): their activations are not kept but
-recomputed on the local shards during backward, collectives and random draws included (the same seeds: the run counter has not moved; the collectives count in
-phase ``"recompute"``, as the plan lists them); activation checkpointing, Chen et al. 2016.
+recomputed on the local shards during backward, collectives and random draws included (the same
+seeds: the recomputation runs with its forward's run count; the collectives count in phase
+``"recompute"``, as the plan lists them); activation checkpointing, Chen et al. 2016. Traced,
+a layer is ``lowering.recomputed`` instead, which a trace records (the checkpoint's saved-tensor
+hooks are not).
 
 A ZeRO-3 use (a parameter stored split and all-gathered for an op, ``resharding.regathers``)
 outside those layers is not kept gathered for backward: forward drops the gathered copy after its
@@ -42,6 +47,7 @@ that ran on a resharded copy is written back to the stored shard.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import operator
@@ -58,6 +64,7 @@ from ..core.plan import NodePlan, Plan, zero3_groups, zero3_uses
 from ..core.resharding import forward_steps
 from .collectives import (AllReducePartial, AllReduceShared, GatheredParameters, GatherGroup, MeshGroups,
                           all_reduce_max, functional, recomputing, reshard)
+from .lowering import recomputed, seeded_call
 
 aten = torch.ops.aten
 _SHAPE_ARG = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
@@ -185,6 +192,9 @@ class LocalExecutor:
                                                  captured.param_mutations.get(node.name))
         gen = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" else torch.default_generator
         self._generator = gen  # the one random ops on this device draw from (seeded per op, below)
+        # while a compiled program traces the run (program.py): random node -> its seed (a 0-dim
+        # int64 input of the graph)
+        self.seeds: dict[str, torch.Tensor] = {}
 
     def run(self, env: dict[str, torch.Tensor]) -> dict[str, object]:
         """Run the graph; ``env`` maps placeholder names to local shards. Returns every value."""
@@ -201,14 +211,18 @@ class LocalExecutor:
         ``torch.utils.checkpoint`` (only what is read after a layer is added); ``moved`` and
         ``gathered`` as in ``_call``."""
         for layer, group in itertools.groupby(nodes, key=lambda n: self.remat.get(n.name)):
-            if layer is not None and torch.is_grad_enabled():
-                reads = self._reads[layer]
-                with set_checkpoint_early_stop(False):  # the whole layer runs again, as planned
-                    values.update(checkpoint(self._run_layer, list(group), reads, self.calls, layer,
-                                             *(values[n] for n in reads), use_reentrant=False,
-                                             context_fn=lambda: (contextlib.nullcontext(), recomputing())))
-            else:
+            if layer is None or not torch.is_grad_enabled():
                 self._run_nodes(group, values, moved, gathered)
+                continue
+            reads, run = self._reads[layer], (self.calls, self.seeds)
+            if functional():  # traced (program.py): the recomputation traced in backward (lowering.py)
+                values.update(recomputed(functools.partial(self._run_layer, list(group), reads, run, layer),
+                                         [values[n] for n in reads], sorted(self._outlive[layer])))
+                continue
+            with set_checkpoint_early_stop(False):  # the whole layer runs again, as planned
+                values.update(checkpoint(self._run_layer, list(group), reads, run, layer,
+                                         *(values[n] for n in reads), use_reentrant=False,
+                                         context_fn=lambda: (contextlib.nullcontext(), recomputing())))
 
     def gathered_parameters(self) -> GatheredParameters | None:
         """A run's record of its ZeRO-3 gathered copies (``collectives.GatheredParameters``;
@@ -217,22 +231,22 @@ class LocalExecutor:
         its copies for backward; ``program.py``)."""
         return GatheredParameters() if self.outside.uses and torch.is_grad_enabled() and not functional() else None
 
-    def _run_layer(self, nodes, reads: list[str], calls: int, layer: int, *inputs) -> dict[str, object]:
+    def _run_layer(self, nodes, reads: list[str], run: tuple[int, dict], layer: int, *inputs) -> dict[str, object]:
         """A recomputed layer run on ``inputs``, the values of ``reads`` (what it reads from
         outside: all the checkpoint holds until its backward); returns the values read after the
         layer (the others are freed: that is the memory remat saves). It moves its operands itself,
         again when it is recomputed (the recomputation must run the same ops; its ZeRO-3 uses by
-        their groups, ``Zero3Scope``), and seeds its random
-        ops with the run count of its forward (``calls``: a recomputation after later runs draws the
-        same dropout masks)."""
-        current, self.calls = self.calls, calls
+        their groups, ``Zero3Scope``), and seeds its random ops as its forward did (``run``: the
+        forward's run count and traced seeds, ``calls`` and ``seeds``: a recomputation after later
+        runs, or after a trace's forward, draws the same dropout masks)."""
+        current, (self.calls, self.seeds) = (self.calls, self.seeds), run
         scope = dict(zip(reads, inputs))
         zero3 = self.layers[layer]
         gathered = GatheredParameters() if zero3.uses and not functional() else None
         try:
             self._run_nodes(nodes, scope, {}, gathered, zero3)
         finally:
-            self.calls = current
+            self.calls, self.seeds = current
         return {name: scope[name] for name in self._outlive[layer]}
 
     def _run_nodes(self, nodes, values: dict[str, object], moved: dict, gathered=None, zero3=None) -> None:
@@ -276,9 +290,11 @@ class LocalExecutor:
         np_ = d.plan
         if np_ is None:
             return d.target(*args, **kwargs)
-        if d.random:
-            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                self._generator.manual_seed(self._shard_seed(node, np_))
+        seed = self.seeds.get(node.name)
+        if seed is not None:  # traced (program.py): one op, seeded by the graph's input
+            out = seeded_call(lambda a, k: self._local(node, d, a, k), args, kwargs, seed, self.seeded, node.name)
+        elif d.random:
+            with self.seeded(self.shard_seed(node.name)):
                 out = self._local(node, d, args, kwargs)
         else:
             out = self._local(node, d, args, kwargs)
@@ -331,12 +347,21 @@ class LocalExecutor:
             return self._ratio(node, np_, *ratio_parts(target, args, kwargs))
         return self._partial(node, np_, args, kwargs) if np_.partial_axes else target(*args, **kwargs)
 
-    def _shard_seed(self, node, np_: NodePlan) -> int:
-        """Seed of a random op on this rank: (run seed, run count, node, coordinates along the mesh
-        axes that split the op's result); equal on the ranks that hold the same values."""
-        split = set().union(*(s.axes() for s in np_.out_specs))
+    def shard_seed(self, name: str) -> int:
+        """Seed of random op ``name`` (in the plan) on this rank in the current run: (run seed,
+        run count, node, coordinates along the mesh axes that split the op's result); equal on
+        the ranks that hold the same values."""
+        split = set().union(*(s.axes() for s in self.plan.nodes[name].out_specs))
         coord = tuple(self.mesh.coord[a] if a in split else -1 for a in range(len(self.mesh.shape)))
-        return zlib.crc32(repr((self.seed, self.calls, node.name, coord)).encode())
+        return zlib.crc32(repr((self.seed, self.calls, name, coord)).encode())
+
+    @contextlib.contextmanager
+    def seeded(self, seed: int):
+        """While open, the generator random ops on this device draw from is seeded with ``seed``;
+        its state before is restored after."""
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            self._generator.manual_seed(seed)
+            yield
 
     def _write_back(self, node: torch.fx.Node, arg: str, out: torch.Tensor, values) -> None:
         """``out``, written in place into argument ``arg`` of ``node``, into the stored tensor that

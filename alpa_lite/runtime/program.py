@@ -28,22 +28,34 @@ compiled backward, whose parameter gradients accumulate into ``.grad`` over the 
 (the bucket hooks fire as in the interpreter). A schedule that splits the backward (ZB-H1) is
 refused: the compiled backward is one graph giving the input and the weight gradients together.
 
+Random ops and recomputed layers are traced as ``lowering.py`` describes. A random op that draws
+(a dropout, an attention's dropout) is one opaque ``alpa_lite::seeded`` op whose seed is an
+input of the graph: each call of a program passes the seeds the interpreter would seed its ops
+with in that run (``LocalExecutor.shard_seed``: rank's shard coordinates, run count, node; a
+program call is a run, a pipeline microbatch too), so every rank draws the interpreter's masks,
+new ones every microbatch and step, the same on the ranks holding the same values; its backward
+runs the op again after the same seed. A layer of ``Plan.remat`` runs in forward without
+keeping its activations and again in backward, its collectives there (the plan's
+``"recompute"`` phase), and its random ops drawing as in its forward: in the SPMD graph where
+the gradient reaches the layer, in a stage's backward graph. The default partitioner copies
+into each graph every node it can compute from the graph's inputs, so the partitioned graphs
+are dead-code eliminated (``_has_effect``): a recomputed layer's forward would otherwise run
+again, collectives included, with nothing reading it.
+
 A ZeRO-3 parameter's gathered copy is kept for backward in both programs (the interpreter
 gathers it again, ``collectives.GatheredParameters``, whose saved-tensor hooks key on storage
 addresses that traced tensors do not have): the programs' backward lacks those re-gathers of the
 plan, and they move the members of a ZeRO-3 group (``core.plan.zero3_groups``) one by one, an
-all-gather and a gradient reduce-scatter each, where the plan lists the group's flat collectives.
+all-gather and a gradient reduce-scatter each, where the plan lists the group's flat collectives
+(in a recomputed layer: in its forward and again in its recomputation).
 
-Not lowered (``ValueError`` when the program is built): random ops that draw (the interpreter
-seeds the generator per shard and per run between ops, ``manual_seed``, a side effect a trace
-does not record: the graph would draw from the generator's state at run time, not from the
-seeds that keep replicated shards' masks equal), activation checkpointing (``Plan.remat``: under
-a trace ``torch.utils.checkpoint`` takes only a ``context_fn`` of two ``TorchDispatchMode`` s,
-and the executor's opens ``collectives.recomputing``, which counts the recomputed collectives in
-the ``"recompute"`` phase) and in-place writes to stored tensors.
+Not lowered (``ValueError`` when the program is built): in-place writes to stored tensors (an
+``embedding_renorm_`` of ``max_norm``, which the interpreter writes back into the stored shard
+outside autograd), and in the pipeline runtime a schedule that splits the backward (ZB-H1).
 """
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Callable
 
@@ -62,21 +74,55 @@ _KINDS = {"all_reduce": "all-reduce", "all_gather_into_tensor": "all-gather",
 
 def _draws(d: Dispatch) -> bool:
     """Whether a random op's values depend on its draws: not a dropout of probability 0 (an
-    attention without dropout, a ``Dropout(0)``)."""
+    attention without dropout, a ``Dropout(0)``) nor one outside training."""
     args = bind_args(d.target, d.args, d.kwargs)
     p = args.get("dropout_p", args.get("p"))
-    return not (isinstance(p, (int, float)) and p == 0)
+    return not (isinstance(p, (int, float)) and p == 0) and args.get("train") is not False
+
+
+def _random_nodes(executor: LocalExecutor) -> list[str]:
+    """The plan's random ops that draw, in graph order: each takes its seed from the graph's input."""
+    return [n for n, d in executor.dispatch.items() if d.random and d.plan is not None and _draws(d)]
 
 
 def _check_lowerable(executor: LocalExecutor) -> None:
     """Raise ``ValueError`` naming what of ``executor``'s plan the lowering does not cover
-    (module docstring): random ops that draw, in-place writes to stored tensors, recomputed layers."""
-    problems = [f"random op {n}" for n, d in executor.dispatch.items() if d.random and _draws(d)]
-    problems += [f"in-place write {n}" for n, d in executor.dispatch.items() if d.written or d.mutates]
-    problems += ["activation checkpointing (remat)"] if executor.plan.remat else []
+    (module docstring): in-place writes to stored tensors."""
+    problems = [f"in-place write {n}" for n, d in executor.dispatch.items() if d.written or d.mutates]
     if problems:
         raise ValueError("compile=True cannot lower this plan (run it without compile): "
                          + ", ".join(problems[:5]) + (" ..." if len(problems) > 5 else ""))
+
+
+def _has_effect(node: torch.fx.Node) -> bool:
+    """Whether a node of a partitioned graph is kept unused: its inputs, its output and in-place
+    ops. The partitioner copies into a graph every node it can compute from the graph's inputs
+    and keeps those a ``wait_tensor`` reads (``torch.fx`` counts it impure): a recomputed layer's
+    forward, computable from its saved inputs, would run a second time, its collectives included,
+    with nothing reading it. The graphs are functional (collectives included), so nothing else
+    that is unused has an effect."""
+    return node.op in ("placeholder", "output") or (isinstance(node.target, torch._ops.OpOverload)
+                                                    and node.target._schema.is_mutable)
+
+
+class _Seeds:
+    """The seeds of ``executor``'s random ops that draw (``_random_nodes``) in its current run,
+    a graph input (``seeds()``: int64 ``[ops]``), and while ``tracing(seeds)`` is open, the
+    executor's random ops take theirs from it (``LocalExecutor.seeds``; ``lowering.seeded_call``)."""
+
+    def __init__(self, executor: LocalExecutor):
+        self.executor, self.nodes = executor, _random_nodes(executor)
+
+    def seeds(self) -> torch.Tensor:
+        return torch.tensor([self.executor.shard_seed(n) for n in self.nodes], dtype=torch.int64)
+
+    @contextlib.contextmanager
+    def tracing(self, seeds: torch.Tensor):
+        self.executor.seeds = {n: seeds[i] for i, n in enumerate(self.nodes)}
+        try:
+            yield
+        finally:
+            self.executor.seeds = {}
 
 
 def _compiled(graph_module: torch.fx.GraphModule, backend: str | None) -> Callable:
@@ -110,13 +156,13 @@ class RankProgram:
         graph_module: the traced ``GraphModule`` (None before the first call).
 
     Raises:
-        ValueError: the plan has random ops that draw, recomputed layers or in-place writes to
-            stored tensors (the message names them).
+        ValueError: the plan has in-place writes to stored tensors (the message names them).
     """
 
     def __init__(self, executor: LocalExecutor, weight: Callable, kept: list[str], backend: str | None):
         _check_lowerable(executor)
         self.executor, self.weight, self.kept, self.backend = executor, weight, list(kept), backend
+        self._seeds = _Seeds(executor)
         self.graph_module: torch.fx.GraphModule | None = None
         self._compiled = None
         self._names: list[str] = []  # placeholder order of the graph's inputs
@@ -130,7 +176,8 @@ class RankProgram:
         kept values by name)``; the executor's ``denominators`` are set as a run sets them."""
         if self.graph_module is None:
             self._names = list(env)
-        flat = [env[n] for n in self._names] + [torch.tensor(float(scale))]
+        self.executor.calls += 1  # a run, as the interpreter's: new random draws
+        flat = [env[n] for n in self._names] + [torch.tensor(float(scale)), self._seeds.seeds()]
         if self.graph_module is None:
             self.graph_module = make_fx(self._step, tracing_mode="fake")(*flat)
             self._compiled = _compiled(self.graph_module, self.backend)
@@ -145,10 +192,12 @@ class RankProgram:
 
     def _step(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The traced function: forward, weight, backward of one microbatch (``__call__``)."""
-        *inputs, scale = flat
+        *inputs, scale, seeds = flat
         env = dict(zip(self._names, inputs))
-        with functional_collectives():
+        calls = self.executor.calls
+        with functional_collectives(), self._seeds.tracing(seeds):
             values = self.executor.run(env)
+            self.executor.calls = calls  # the trace is not a run (``__call__`` counts it)
             loss = values[self.executor.cg.loss_name]
             weight = self.weight(values, loss)
             term = loss * weight
@@ -189,13 +238,14 @@ class StageProgram:
             first call).
 
     Raises:
-        ValueError: the stage's plan has random ops that draw, recomputed layers or in-place
-            writes to stored tensors (the message names them).
+        ValueError: the stage's plan has in-place writes to stored tensors (the message names
+            them).
     """
 
     def __init__(self, executor: LocalExecutor, run: Callable, kept: list[str], backend: str | None):
         _check_lowerable(executor)
         self.executor, self.run, self.kept, self.backend = executor, run, list(kept), backend
+        self._seeds = _Seeds(executor)
         self.forward_module: torch.fx.GraphModule | None = None
         self.backward_module: torch.fx.GraphModule | None = None
         self._function = None
@@ -214,15 +264,17 @@ class StageProgram:
             self._function = aot_function(self._forward, fw_compiler=self._compile, bw_compiler=self._compile,
                                           partition_fn=self._partition)
         with functional_collectives():  # the first call traces the joint graph
-            out = list(self._function(*(env[n] for n in self._names)))
+            out = list(self._function(*(env[n] for n in self._names), self._seeds.seeds()))
         sent, rest = out[:self._sent], out[self._sent:]
         self.executor.denominators.update(zip(self._denominators, rest[len(self.kept):]))
         return sent, dict(zip(self.kept, rest))
 
     def _forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The traced function: the stage's forward on ``tensors`` (``__call__``)."""
+        *tensors, seeds = tensors
         env = dict(zip(self._names, tensors)) | self._fixed
-        sent = self.run(env)
+        with self._seeds.tracing(seeds):
+            sent = self.run(env)
         self._sent, self._denominators = len(sent), list(self.executor.denominators)
         return (*sent, *(env[n] for n in self.kept), *(self.executor.denominators[n] for n in self._denominators))
 
@@ -235,6 +287,9 @@ class StageProgram:
         """The default partitioner's split of the joint graph, kept as ``forward_module`` and
         ``backward_module``."""
         self.forward_module, self.backward_module = default_partition(joint, inputs, **kwargs)
+        for gm in (self.forward_module, self.backward_module):
+            gm.graph.eliminate_dead_code(is_impure_node=_has_effect)
+            gm.recompile()
         return self.forward_module, self.backward_module
 
     def collectives(self, phase: str | None = None) -> Counter:

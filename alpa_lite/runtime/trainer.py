@@ -395,7 +395,7 @@ class ParallelTrainer(Trainer):
     Raises:
         PlanError: the plan was made for another model, other input shapes or another mesh.
         ValueError: ``accumulate`` is not a positive integer, or ``compile`` is asked for a plan
-            the lowering does not cover (random ops, remat, in-place writes to stored tensors).
+            the lowering does not cover (in-place writes to stored tensors).
     """
 
     program: RankProgram | None = None

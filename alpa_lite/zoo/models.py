@@ -10,8 +10,9 @@ the loss.
 Models are constructed under ``with torch.device(device)``: on the default ``"meta"``
 device no memory is allocated, so even ``gpt3-39b`` builds in well under a second. On a
 real device the weights are initialized deterministically (seed ``0`` unless the
-``seed`` override says otherwise; see :func:`init_weights`). No model uses dropout, so a
-training step is a deterministic function of the weights and the batch.
+``seed`` override says otherwise; see :func:`init_weights`). No model uses dropout unless
+the built-in GPT's ``dropout`` override asks for it, so a training step is a deterministic
+function of the weights and the batch.
 
 Models and the source of each shape table:
 
@@ -123,6 +124,10 @@ class MLP(nn.Module):
 class GPTConfig:
     """Shape of a :class:`GPT`. ``seq_len`` is the size of the learned position table.
 
+    ``dropout``: probability of GPT-2's attention dropout (on the attention weights) and
+    residual dropout (on each sublayer's output before the residual add), in training; 0 (the
+    default) adds no dropout op to the graph.
+
     ``qkv_layout``: how the fused ``qkv`` projection's ``3 * hidden`` output features are laid
     out. ``"gpt2"`` (GPT-2, nanoGPT): ``[q; k; v]``, each ``hidden`` wide, split apart on the
     feature dim. ``"megatron"`` (Megatron-LM, Shoeybi et al. 2019): per head, ``[q_h; k_h; v_h]``
@@ -140,10 +145,13 @@ class GPTConfig:
     bias: bool = True
     layer_norm_eps: float = 1e-5
     qkv_layout: str = "gpt2"
+    dropout: float = 0.0
 
     def __post_init__(self):
         if self.hidden % self.num_heads:
             raise ValueError(f"hidden ({self.hidden}) must be divisible by num_heads ({self.num_heads})")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         _check_qkv_layout(self.qkv_layout)
 
 
@@ -158,12 +166,13 @@ def _check_qkv_layout(layout: str) -> None:
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention: one fused qkv projection, SDPA, output projection.
 
-    ``qkv_layout``: see :class:`GPTConfig`."""
+    ``qkv_layout``, ``dropout`` (on the attention weights, in training): see :class:`GPTConfig`."""
 
-    def __init__(self, hidden: int, num_heads: int, bias: bool = True, qkv_layout: str = "gpt2"):
+    def __init__(self, hidden: int, num_heads: int, bias: bool = True, qkv_layout: str = "gpt2",
+                 dropout: float = 0.0):
         super().__init__()
         _check_qkv_layout(qkv_layout)
-        self.num_heads, self.qkv_layout = num_heads, qkv_layout
+        self.num_heads, self.qkv_layout, self.dropout = num_heads, qkv_layout, dropout
         self.qkv = nn.Linear(hidden, 3 * hidden, bias=bias)
         self.proj = nn.Linear(hidden, hidden, bias=bias)
         self.proj.residual_out = True  # scaled init, see init_weights
@@ -175,7 +184,7 @@ class CausalSelfAttention(nn.Module):
             q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(B, T, nh, 3 * (H // nh)).split(H // nh, dim=3))
         else:  # [B, T, 3 H] -> 3 x [B, T, H] -> [B, nh, T, hd]
             q, k, v = (t.view(B, T, nh, H // nh).transpose(1, 2) for t in self.qkv(x).split(H, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, H)
         return self.proj(y)
 
@@ -196,20 +205,25 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """Pre-LN transformer block: ``x + attn(ln1(x))``, then ``x + ffn(ln2(x))``.
 
-    ``ffn`` is a :class:`FeedForward` or, in the MoE model, a :class:`MoELayer`.
+    ``ffn`` is a :class:`FeedForward` or, in the MoE model, a :class:`MoELayer`. ``dropout``:
+    the attention's and the residual dropout's probability (:class:`GPTConfig`).
     """
 
     def __init__(self, hidden: int, num_heads: int, ffn: nn.Module, bias: bool = True, eps: float = 1e-5,
-                 qkv_layout: str = "gpt2"):
+                 qkv_layout: str = "gpt2", dropout: float = 0.0):
         super().__init__()
         self.ln1 = nn.LayerNorm(hidden, eps=eps, bias=bias)
-        self.attn = CausalSelfAttention(hidden, num_heads, bias=bias, qkv_layout=qkv_layout)
+        self.attn = CausalSelfAttention(hidden, num_heads, bias=bias, qkv_layout=qkv_layout, dropout=dropout)
         self.ln2 = nn.LayerNorm(hidden, eps=eps, bias=bias)
         self.ffn = ffn
+        self.dropout = dropout
+
+    def _residual(self, y: torch.Tensor) -> torch.Tensor:
+        return F.dropout(y, self.dropout, self.training) if self.dropout else y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.ffn(self.ln2(x))
+        x = x + self._residual(self.attn(self.ln1(x)))
+        return x + self._residual(self.ffn(self.ln2(x)))
 
 
 class GPT(nn.Module):
@@ -231,7 +245,7 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(c.seq_len, c.hidden)
         self.blocks = nn.ModuleList(
             Block(c.hidden, c.num_heads, FeedForward(c.hidden, c.ffn_mult * c.hidden, c.bias), c.bias,
-                  c.layer_norm_eps, c.qkv_layout)
+                  c.layer_norm_eps, c.qkv_layout, c.dropout)
             for _ in range(c.num_layers)
         )
         self.ln_f = nn.LayerNorm(c.hidden, eps=c.layer_norm_eps, bias=c.bias)

@@ -5,8 +5,10 @@ collectives in its traced graphs (an SPMD step's one GraphModule; a pipeline sta
 backward GraphModules) next to what its plan issues there (the forward and backward collectives
 of one microbatch, a pipeline stage's all-gathers of its sent values to replicated included),
 per rank the collectives counted outside the program during the compiled steps (only the
-gradient buckets: the program's collectives are not counted) next to its plan's buckets, and per
-rank the buckets of the last step that started during backward, of its buckets."""
+gradient buckets: the program's collectives are not counted) next to its plan's buckets, per
+rank the buckets of the last step that started during backward, of its buckets, and per rank the
+seeds its random ops drew with in each step (``LocalExecutor.seeded``; a GPT with dropout:
+``model_dropout``)."""
 import argparse
 import copy
 import json
@@ -16,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from alpa_lite import parallelize
+from alpa_lite.core.aten import is_random
 from alpa_lite.core.resharding import forward_steps
 from alpa_lite.core.spec import ShardingSpec
 from alpa_lite.runtime import collective_counts
@@ -29,12 +32,26 @@ STEPS = 3
 def train(model, example, batches, options: dict):
     trainer = parallelize(copy.deepcopy(model), (2, 2), example, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
                           **options)
+    drawn = []  # per step, the seeds the random ops drew with (a recomputation's again)
+    for ex in {id(c["executor"]): c["executor"] for c in getattr(trainer, "chunks", [])}.values() or [trainer.executor]:
+        ex.seeded = recording(ex.seeded, drawn)
     before = collective_counts()
-    losses = [trainer.step(*b) for b in batches]
+    losses = []
+    for b in batches:
+        drawn.append(set())
+        losses.append(trainer.step(*b))
     after = collective_counts()
     interpreted = {f"{k}|{ph}": n - before.get((k, ph), 0) for (k, ph), n in after.items()
                    if ph in ("forward", "backward") and n != before.get((k, ph), 0)}
-    return trainer, losses, interpreted
+    return trainer, losses, interpreted, [sorted(d) for d in drawn]
+
+
+def recording(seeded, drawn: list[set]):
+    """``seeded`` (``LocalExecutor.seeded``) adding each seed to the last set of ``drawn``."""
+    def wrapped(seed):
+        drawn[-1].add(seed)
+        return seeded(seed)
+    return wrapped
 
 
 def expected(trainer) -> tuple[Counter, Counter]:
@@ -48,8 +65,8 @@ def expected(trainer) -> tuple[Counter, Counter]:
     for c in plan.collectives:
         if c.node.startswith("gradient bucket"):
             buckets[f"{c.kind}|{c.phase}"] += STEPS
-        elif c.phase in ("forward", "backward"):
-            counts[key(c.kind, c.phase)] += 1
+        elif c.phase in ("forward", "backward", "recompute"):  # a stage recomputes in its backward graph
+            counts[key(c.kind, "backward" if c.phase == "recompute" else c.phase)] += 1
     ex = trainer.program.executor
     for k, shape in ex.outside.uses.items():  # ZeRO-3 copies the program keeps for backward
         if k not in ex.outside.member:
@@ -84,22 +101,26 @@ def every_rank(x):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--plans", required=True, help="JSON object: plan name -> parallelize options (and "
-                                                   "model_layers: the GPT's blocks, default 1)")
+                                                   "model_X: the GPT's option X, e.g. model_num_layers (default 1), "
+                                                   "model_dropout, model_qkv_layout)")
     ap.add_argument("--backend", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     init_distributed(60)
     results = {}
     for name, options in json.loads(args.plans).items():
-        layers = options.pop("model_layers", 1)
-        model, example = build_model("gpt-tiny", 8, 16, device="cpu", num_layers=layers)
-        batches = [build_model("gpt-tiny", 8, 16, device="cpu", seed=100 + s, num_layers=layers)[1]
+        model_options = {"num_layers": 1} | {k[6:]: options.pop(k) for k in list(options) if k.startswith("model_")}
+        model, example = build_model("gpt-tiny", 8, 16, device="cpu", **model_options)
+        batches = [build_model("gpt-tiny", 8, 16, device="cpu", seed=100 + s, **model_options)[1]
                    for s in range(STEPS)]
-        plain, plain_losses, _ = train(model, example, batches, options)
-        compiled, losses, interpreted = train(model, example, batches, {"plan": plain.plan, "compile": args.backend})
+        plain, plain_losses, _, plain_seeds = train(model, example, batches, options)
+        runtime = {k: options[k] for k in ("accumulate",) if k in options}
+        compiled, losses, interpreted, seeds = train(model, example, batches,
+                                                     runtime | {"plan": plain.plan, "compile": args.backend})
         got, want = compiled.state_dict(), plain.state_dict()
         plan_counts, buckets = expected(compiled)
         graphs, graph_counts = traced(compiled.program, plain.plan.kind == "pipeline")
+        plan = compiled.sp.plan if plain.plan.kind == "pipeline" else compiled.plan  # this rank's (stage's)
         results[name] = {"losses": losses, "plain_losses": plain_losses,
                          "param_diff": max(float((got[k] - v).abs().max()) for k, v in want.items()),
                          "graph_collectives": every_rank(graph_counts),
@@ -110,6 +131,9 @@ def main():
                                                       len(compiled.bucket_sync.buckets))),
                          "stage_devices": [len(s.ranks) for s in getattr(plain.plan, "stages", [])],
                          "schedule": getattr(plain.plan, "schedule", None),
+                         "seeds": every_rank(seeds), "plain_seeds": every_rank(plain_seeds),
+                         "random_ops": every_rank(sum(is_random(compiled.cg.node(n).target) for n in plan.nodes)),
+                         "recompute_collectives": every_rank(sum(c.phase == "recompute" for c in plan.collectives)),
                          "graph_module": all(every_rank(all(isinstance(g, torch.fx.GraphModule) for g in graphs)))}
     finish(results, args.out)
 
