@@ -32,17 +32,112 @@ def test_pipeline_search_is_never_worse_than_no_pipeline_gpt3_2_6b():
 
 
 def test_bounded_search_is_the_unbounded_plan(monkeypatch):
-    """The search drops the (range, submesh) pairs whose FLOPs alone take ``B t`` above the step
-    time of a plan it already has (``inter_op._within``): it solves fewer stage ILPs and returns
-    the plan of the search that prices them all."""
+    """The search drops the (range, submesh) pairs no pipeline below the step time of a plan it
+    already has can hold (``inter_op._pipeline_floors``: ``B t`` plus the other stages' least
+    FLOPs time; inf where the other layers cannot use exactly the other devices) and, for the
+    interleaved DP, the pairs it cannot place (``_interleaved_fits``): it solves fewer stage ILPs
+    and returns the plan of the search that prices every pair, under one schedule and under
+    ``"auto"`` (interleaved among them)."""
     from alpa_lite.compiler import inter_op
 
     model, example = build_model("gpt3-125m", 8, device="meta")
     mesh = LogicalMesh((2, 2), cluster="a100")
-    pipe = PipelineOptions(num_layers=4, microbatch_candidates=(1, 2, 4), workers=1)
-    bounded = plan(model, example, mesh, pipeline=pipe)
-    within = inter_op._within
-    monkeypatch.setattr(inter_op, "_within", lambda costs, b, bound: within(costs, b, float("inf")))
-    full = plan(model, example, mesh, pipeline=pipe)
-    assert bounded.stats["ilp_solves"] < full.stats["ilp_solves"]
-    assert bounded.to_json() == full.to_json()
+    for schedule in ("1f1b", "auto"):
+        pipe = PipelineOptions(num_layers=4, microbatch_candidates=(1, 2, 4), workers=1, schedule=schedule)
+        with monkeypatch.context() as m:
+            bounded = plan(model, example, mesh, pipeline=pipe)
+            m.setattr(inter_op, "_pipeline_floors", lambda costs, L, shapes, *a: dict.fromkeys(
+                ((k, i, q) for k in range(L) for i in range(k + 1, L + 1) for q in shapes), 0.0))
+            m.setattr(inter_op, "_interleaved_fits", lambda *a: True)
+            full = plan(model, example, mesh, pipeline=pipe)
+        assert bounded.stats["ilp_solves"] < full.stats["ilp_solves"], schedule
+        assert bounded.to_json() == full.to_json(), schedule
+
+
+def _partitions(num_layers, shapes, devices):
+    """Every pipeline of the stage DP: consecutive layer ranges on submeshes using exactly ``devices``."""
+    def rec(k, d):
+        if k == num_layers:
+            if d == 0:
+                yield ()
+            return
+        for i in range(k + 1, num_layers + 1):
+            for q in shapes:
+                if q[0] * q[1] <= d:
+                    for rest in rec(i, d - q[0] * q[1]):
+                        yield ((k, i, q),) + rest
+    return list(rec(0, devices))
+
+
+@pytest.mark.parametrize("num_stages", [None, 1, 2, 3])
+@pytest.mark.parametrize("schedules", [["1f1b"], ["gpipe", "1f1b", "zb-h1"]])
+def test_pipeline_floors_equal_brute_force(num_stages, schedules):
+    """``_pipeline_floors`` is the least ``B t + r sum t'`` over every pipeline holding the pair (``t``
+    its lower bound, ``t'`` the other stages', ``r`` the least fill ratio), inf where none holds it."""
+    import math
+    import random
+
+    from alpa_lite.compiler import inter_op
+    from alpa_lite.compiler.stage_dp import submesh_shapes
+
+    rng = random.Random(0)
+    L, cluster, b = 4, (2, 2), 3
+    shapes = submesh_shapes(cluster)
+    lb = {(k, i, q): rng.uniform(0.1, 1.0) for k in range(L) for i in range(k + 1, L + 1) for q in shapes}
+    costs = type("Costs", (), {"lower_bound": lambda self, k, i, q: lb[k, i, q]})()
+    floors = inter_op._pipeline_floors(costs, L, shapes, 4, b, schedules, num_stages)
+    r = 1 / 3 if "zb-h1" in schedules else 1.0
+    want = dict.fromkeys(lb, math.inf)
+    for pipe in _partitions(L, shapes, 4):
+        if num_stages is not None and len(pipe) != num_stages:
+            continue
+        total = sum(lb[st] for st in pipe)
+        for st in pipe:
+            want[st] = min(want[st], b * lb[st] + r * (total - lb[st]))
+    assert floors.keys() == want.keys()
+    for key in lb:
+        assert floors[key] == pytest.approx(want[key], rel=1e-12) if math.isfinite(want[key]) else \
+            floors[key] == math.inf, key
+    assert floors[0, 2, (2, 2)] == math.inf  # half the layers on every device: no device for the rest
+
+
+@pytest.mark.parametrize("b,num_stages", [(2, None), (4, None), (4, 4), (3, None), (4, 8)])
+def test_interleaved_fits_equal_brute_force(b, num_stages):
+    """``_interleaved_fits`` holds exactly the pairs some interleaved layout places: ``p v`` consecutive
+    stages on ``p >= 2`` groups of one submesh (``p`` dividing B and the devices)."""
+    from alpa_lite.compiler import inter_op
+    from alpa_lite.compiler.stage_dp import submesh_shapes
+
+    L, cluster, v = 6, (2, 4), 2
+    shapes, devices = submesh_shapes(cluster), 8
+    fits = set()
+    for q in shapes:
+        p = devices // (q[0] * q[1])
+        if devices % (q[0] * q[1]) or p < 2 or b % p or (num_stages or p * v) != p * v:
+            continue
+        for pipe in _partitions(L, [q], p * v * q[0] * q[1]):
+            if len(pipe) == p * v:
+                fits |= set(pipe)
+    got = {(k, i, q) for k in range(L) for i in range(k + 1, L + 1) for q in shapes
+           if inter_op._interleaved_fits(k, i, q, L, devices, b, v, num_stages)}
+    assert got == fits
+    assert bool(fits) == (b != 3 and num_stages != 8)  # 3 groups do not divide 8 devices; 8 stages > 6 layers
+
+
+def test_a_microbatch_count_whose_floors_exceed_the_plan_held_is_skipped(monkeypatch):
+    """When every pair's floor of a ``B`` is above the plan held, that ``B`` solves no ILP and runs
+    no DP: the plan is the one of the search without it, and its stats say why."""
+    from alpa_lite.compiler import inter_op
+
+    model, example = build_model("gpt-tiny", 8, 16, device="meta", num_layers=2)
+    mesh = LogicalMesh((1, 2), cluster="a100")
+    alone = plan(model, example, mesh, pipeline=PipelineOptions(microbatch_candidates=(1,), workers=1))
+    floors = inter_op._pipeline_floors
+    monkeypatch.setattr(inter_op, "_pipeline_floors", lambda costs, L, shapes, devices, b, *a: (
+        floors(costs, L, shapes, devices, b, *a) if b == 1 else
+        dict.fromkeys(((k, i, q) for k in range(L) for i in range(k + 1, L + 1) for q in shapes), 1e9)))
+    both = plan(model, example, mesh, pipeline=PipelineOptions(microbatch_candidates=(1, 2), workers=1))
+    assert both.stats["microbatch_objectives"]["2"].startswith("bounded out")
+    assert both.stats["ilp_solves"] == alone.stats["ilp_solves"]
+    drop = lambda p: {k: v for k, v in p.to_dict().items() if k != "options"}  # noqa: E731 (candidates differ)
+    assert drop(both) == drop(alone)

@@ -78,7 +78,13 @@ class MemoryBudgetError(ValueError):
 
 
 class SolverError(RuntimeError):
-    """The ILP solver returned no optimal solution (time limit with no incumbent, or failure)."""
+    """The ILP solver returned no optimal solution (time limit with no incumbent, or failure).
+    ``limit``: ``"nodes"`` / ``"time"`` when a solver limit stopped it before any feasible
+    assignment was found (the ILP may still be feasible), else None."""
+
+    def __init__(self, message: str, limit: str | None = None):
+        super().__init__(message)
+        self.limit = limit
 
 
 @dataclass
@@ -408,7 +414,8 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
     status = prob.solve(engine)
     if pulp.LpStatus[status] not in ("Optimal",) and prob.sol_status not in (pulp.LpSolutionIntegerFeasible,):
         raise SolverError(f"ILP solver status {pulp.LpStatus[status]} ({len(graph.costs)} variables, "
-                          f"{len(graph.edges)} edges){blame or '; try a larger node_limit or time_limit'}")
+                          f"{len(graph.edges)} edges){blame or '; try a larger node_limit or time_limit'}",
+                          engine.stopped)
     choice = [0 if xs is None else max(range(len(xs)), key=lambda p: xs[p].value() or 0.0) for xs in s]
     remat = tuple(x is True or (x is not True and (x.value() or 0.0) > 0.5) for x in r)
     gap, stopped = None, "Optimal"

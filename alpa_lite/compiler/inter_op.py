@@ -21,6 +21,8 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from ..core.capture import CapturedGraph, stage_view
 from ..core.mesh import LogicalMesh
 from ..core.options import PipelineOptions, PlanOptions
@@ -131,21 +133,35 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
                                 options=options, num_microbatches=b, schedule=widest,
                                 mode=pipeline.stage_solve, cache=cache)
         shapes = submesh_shapes(mesh.shape, pipeline.power_of_two)
-        bound = math.inf
-        if "interleaved" not in schedules:  # the DP's objective is then the step time, >= B t of every stage
-            bound = best[0].objective if best else math.inf
-            if pipeline.num_stages in (None, 1) and mesh.shape in shapes:
-                bound = min(bound, _one_stage_seconds(costs(0, len(layers), mesh.shape), b, budget, schedules))
-        within = _within(costs, b, bound)
-        pruned = _balanced(within, costs, layers, devices, pipeline.imbalance)
         cells = [(k, i, q) for k in range(len(layers)) for i in range(k + 1, len(layers) + 1) for q in shapes]
+        # the DPs of GPipe, 1F1B and ZB-H1 (their objective is the step time) see the pairs that can
+        # be a stage of a pipeline below the step time of a plan the search holds; the interleaved
+        # DP (its recursion is a proxy of its step time) sees every pair it can place, unbounded
+        linear = [s for s in schedules if s != "interleaved"]
+        bound = best[0].objective if best else math.inf
+        if linear and pipeline.num_stages in (None, 1) and mesh.shape in shapes \
+                and b * costs.lower_bound(0, len(layers), mesh.shape) <= bound:
+            bound = min(bound, _one_stage_seconds(costs(0, len(layers), mesh.shape), b, budget, linear))
+        floors = _pipeline_floors(costs, len(layers), shapes, devices, b, linear, pipeline.num_stages)
+        within = {"linear": _kept(costs, lambda k, i, q: floors[k, i, q] < math.inf
+                                  and floors[k, i, q] <= bound * (1 + 1e-9))}  # margin: float rounding
+        if "interleaved" in schedules:
+            within["interleaved"] = _kept(costs, lambda k, i, q: _interleaved_fits(k, i, q, len(layers), devices, b,
+                                                                                   pipeline.chunks,
+                                                                                   pipeline.num_stages))
+        pruned = {kind: _balanced(w, costs, layers, devices, pipeline.imbalance) for kind, w in within.items()}
+        out = sum(not any(w.kept(*c) for w in within.values()) for c in cells)
         say(f"stage costs (B={b}, {len(layers)} layers, {len(shapes)} submesh shapes, {workers} workers, "
-            f"{sum(not within.kept(*c) for c in cells)} of {len(cells)} (range, submesh) pairs bounded out)")
-        costs.prefetch([c for c in cells if pruned.kept(*c)], workers, say)
+            f"{out} of {len(cells)} (range, submesh) pairs bounded out)")
+        if out == len(cells) and math.isfinite(bound):  # no pipeline of this B beats the plan held: no ILP, no DP
+            tried[b] = f"bounded out: no pipeline can step under the {bound:.6g} s of the plan held"
+            continue
+        costs.prefetch([c for c in cells if any(w.kept(*c) for w in pruned.values())], workers, say)
         say(f"stage DP (B={b})")
         res = None
         for schedule in schedules:
-            for cost in (pruned, within):  # the FLOPs-balance pruning may leave no way to make num_stages
+            kind = "interleaved" if schedule == "interleaved" else "linear"
+            for cost in (pruned[kind], within[kind]):  # the FLOPs-balance pruning may leave no way to make num_stages
                 try:
                     found = stage_dp(len(layers), mesh.shape, cost, budget, b, num_stages=pipeline.num_stages,
                                      schedule=schedule, submeshes=shapes, chunks=pipeline.chunks)
@@ -220,15 +236,69 @@ def _one_stage_seconds(options, b: int, budget: float, schedules) -> float:
     return min((b * o.seconds + o.once_seconds for o in fit), default=math.inf)
 
 
-def _within(costs: GraphStageCosts, b: int, bound: float) -> CostFn:
-    """``costs`` without the (range, submesh) pairs whose options all take longer than ``bound / B``
-    (``GraphStageCosts.lower_bound``): a pipeline holding such a stage takes ``B t_max > bound``
-    seconds a step (Alpa's ``t_max`` pruning, section 5.1, applied before the stage ILPs). With
-    ``bound`` the step time of a plan the search already has, the DP's optimum, when below it, is
-    unchanged (the pairs are never priced), and a ``B`` whose optimum is not is not chosen."""
+def _pipeline_floors(costs: GraphStageCosts, num_layers: int, shapes, devices: int, b: int, schedules,
+                     num_stages: int | None) -> dict[tuple, float]:
+    """Per (layer range, submesh) pair ``(k, i, q)``: a lower bound on the step seconds of every
+    pipeline of the stage DP (under each of ``schedules``, not ``"interleaved"``) holding it as a
+    stage; inf when none can (the other layers cannot make stages on exactly the other devices,
+    e.g. part of the model on the whole cluster). The step is ``B t_max + r (sum t - t_max)`` plus
+    once-per-step terms (``core/schedules.py``; ``r`` the fill ratio, <= 1), so it is at least
+    ``B t + r sum t'``, ``t`` the pair's seconds and ``t'`` the other stages'; each is at least its
+    ``GraphStageCosts.lower_bound``, and the least sum of those over the ways to cut the other
+    layers into stages on exactly the other devices (``num_stages`` stages in all when given)
+    comes from two DPs, over the layers before the range and after it (``b`` is B). A pipeline
+    whose step exceeds a plan the search holds is not chosen, so dropping the pairs whose floor
+    is above that plan's step leaves the DP's answer (when below it) as it was (Alpa's
+    ``B t_max >= T*`` pruning, section 5.1, applied before the stage ILPs)."""
+    L, sizes = num_layers, {q: q[0] * q[1] for q in shapes}
+    if not schedules:
+        return dict.fromkeys(((k, i, q) for k in range(L) for i in range(k + 1, L + 1) for q in shapes), math.inf)
+    r = min(get_schedule(s).fill_ratio() for s in schedules)
+    lb = {(k, i, q): costs.lower_bound(k, i, q) for k in range(L) for i in range(k + 1, L + 1) for q in shapes}
+    # before[k, n, d]: least sum of bounds of layers [0, k) as n stages on exactly d devices;
+    # after[i, n, d]: the same for layers [i, L)
+    before = np.full((L + 1, L + 1, devices + 1), np.inf)
+    after = np.full((L + 1, L + 1, devices + 1), np.inf)
+    before[0, 0, 0] = after[L, 0, 0] = 0.0
+    for k in range(1, L + 1):
+        for j in range(k):
+            for q, sz in sizes.items():
+                np.minimum(before[k, 1:, sz:], before[j, :-1, :devices + 1 - sz] + lb[j, k, q], out=before[k, 1:, sz:])
+    for i in range(L - 1, -1, -1):
+        for e in range(i + 1, L + 1):
+            for q, sz in sizes.items():
+                np.minimum(after[i, 1:, sz:], after[e, :-1, :devices + 1 - sz] + lb[i, e, q], out=after[i, 1:, sz:])
+    counts = np.add.outer(np.arange(L + 1), np.arange(L + 1)) + 1  # stages in all: before + this + after
+    floors = {}
+    for (k, i, q), t in lb.items():
+        rest = devices - sizes[q]
+        if rest < 0:
+            floors[k, i, q] = math.inf
+            continue
+        # others[n1, n2]: least bound sum of n1 stages before on d devices and n2 after on rest - d
+        others = (before[k, :, None, :rest + 1] + after[i, None, :, rest::-1]).min(axis=2)
+        if num_stages is not None:
+            others = np.where(counts == num_stages, others, np.inf)
+        floors[k, i, q] = b * t + r * float(others.min())
+    return floors
 
-    def kept(k, i, shape):
-        return b * costs.lower_bound(k, i, shape) <= bound * (1 + 1e-9)  # margin: float rounding
+
+def _interleaved_fits(k: int, i: int, q: tuple[int, int], num_layers: int, devices: int, b: int, chunks: int,
+                      num_stages: int | None) -> bool:
+    """Whether layers ``[k, i)`` on submesh ``q`` can be a stage of an interleaved pipeline
+    (``stage_dp.interleaved_dp``): ``p = devices / |q| >= 2`` groups dividing ``b``, ``p chunks``
+    stages (``num_stages`` when given, at most the layers), the other layers cut into the other
+    ``p chunks - 1`` stages, before and after the range."""
+    size = q[0] * q[1]
+    p = devices // size
+    stages = p * chunks
+    if devices % size or p < 2 or b % p or stages > num_layers or num_stages not in (None, stages):
+        return False
+    return (k > 0) + (i < num_layers) <= stages - 1 <= k + num_layers - i
+
+
+def _kept(costs: GraphStageCosts, kept) -> CostFn:
+    """``costs`` on the (range, submesh) pairs ``kept(k, i, shape)`` says, ``[]`` elsewhere."""
 
     def cost(k, i, shape):
         return costs(k, i, shape) if kept(k, i, shape) else []
@@ -238,7 +308,7 @@ def _within(costs: GraphStageCosts, b: int, bound: float) -> CostFn:
 
 
 def _balanced(within: CostFn, costs: GraphStageCosts, layers, devices: int, imbalance: float) -> CostFn:
-    """``within`` (``_within``) without the (range, submesh) pairs whose device share is off its
+    """``within`` (``_kept``) without the (range, submesh) pairs whose device share is off its
     FLOPs share by more than ``imbalance`` (a single stage on every device is always kept)."""
     total = sum(layer.flops for layer in layers) or 1.0
 

@@ -64,7 +64,7 @@ from .cost_graph import build_cost_graph
 from .ilp import MemoryBudgetError, SolverError, solve, solver_limits
 from .intra_op import recomputable
 from .stage_dp import StageOption
-from .strategies import BACKWARD_FLOPS_FACTOR, build_strategies, kept_for_backward
+from .strategies import BACKWARD_FLOPS_FACTOR, build_strategies, kept_for_backward, training_state_bytes
 from .training_step import node_plan, training_step
 from .zero import add_zero_strategies
 
@@ -111,8 +111,12 @@ class GraphStageCosts:
         cache: a ``plan_cache.PlanCache``: ILP answers of earlier runs are read from it, and
             ``save_cache()`` adds this run's (``stats["disk_hits"]`` counts the answers read).
 
+    A range whose weights alone, split over all the submesh's devices, exceed ``memory_bytes``
+    (``least_weight_bytes``) gets no options and no ILP.
+
     ``limits``: every stage-pricing ILP whose solver stopped at a limit before proving its optimum
-    (solved here or read from the cache), in the order solved: ``{"ilp", "layers": [first, last],
+    (solved here or read from the cache; ``"gap": None`` when it stopped before finding any feasible
+    assignment, which then counts as no answer), in the order solved: ``{"ilp", "layers": [first, last],
     "submesh", "logical_mesh", "microbatches", "activation_scale", "gap"}`` (``ilp.solver_limits``).
     The DP chose among options priced by them, so ``PipelinePlan.solver_limits`` lists them too.
     """
@@ -185,14 +189,31 @@ class GraphStageCosts:
         fl = sum(layer.flops for layer in self.layers[start:end])
         return (1 + BACKWARD_FLOPS_FACTOR) * fl / (devices * rate) + self.transfer_seconds(start, submesh)
 
+    def least_weight_bytes(self, start: int, end: int, submesh: tuple[int, int]) -> float:
+        """A lower bound on the ``weight_bytes`` of every option of layers ``[start, end)`` on
+        ``submesh`` (no ILP): each parameter's weight, gradient and Adam states
+        (``strategies.training_state_bytes``) and each buffer split over all the submesh's
+        devices. No strategy (a split spec, ZeRO-1/2/3) stores less of any of them per device, so
+        a range above the memory budget by this alone has no option that fits."""
+        devices = submesh[0] * submesh[1]
+        total = 0.0
+        for ph in {p for layer in self.layers[start:end] for p in layer.placeholders}:
+            share = nbytes_of(self.cg.node(ph).meta["val"]) / devices
+            if ph in self.cg.param_fqns:
+                total += sum(training_state_bytes(share))
+            elif ph in self.cg.buffer_fqns:
+                total += share
+        return total
+
     def sends(self, start: int, end: int) -> list[str]:
         """Values produced by layers ``[start, end)`` that later stages consume."""
         return [n for n, j in self.crossing[end] if j >= start]
 
     def __call__(self, start: int, end: int, submesh: tuple[int, int]) -> list[StageOption]:
         key = (start, end, submesh)
-        if key not in self._memo:
-            self._memo[key] = self._options(start, end, submesh)
+        if key not in self._memo:  # no ILP for a range whose weights alone exceed the memory
+            fits = self.least_weight_bytes(start, end, submesh) <= self.memory_bytes
+            self._memo[key] = self._options(start, end, submesh) if fits else []
         return self._memo[key]
 
     def prefetch(self, keys: Sequence[tuple[int, int, tuple[int, int]]], workers: int = 1,
@@ -386,8 +407,8 @@ class GraphStageCosts:
             t0 = time.perf_counter()
             try:
                 answer = solve()
-            except _Infeasible:
-                answer = None, (0.0, 0.0), []
+            except _Infeasible as e:  # a stop before any feasible answer is listed as a limit reached
+                answer = None, (0.0, 0.0), [{"ilp": "", "limit": e.limit, "gap": None}] if e.limit else []
             self.stats["ilp_solves"] += 1
             self.stats["ilp_s"] += time.perf_counter() - t0
             if self._disk is not None:
@@ -426,7 +447,12 @@ def _dominates(a: StageOption, b: StageOption) -> bool:
 
 
 class _Infeasible(Exception):
-    pass
+    """No answer: nothing fits, or (``limit``: ``"nodes"`` / ``"time"``) the solver stopped at a
+    limit before it found a feasible assignment."""
+
+    def __init__(self, message: str, limit: str | None = None):
+        super().__init__(message)
+        self.limit = limit
 
 
 def _node_signature(node, cg) -> tuple:
@@ -566,8 +592,10 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
     try:
         sol = solve(graph, memory_bytes, time_limit=options.time_limit, solver=options.solver,
                     switches=tuple(options.restrictions()), node_limit=options.node_limit)
-    except (MemoryBudgetError, SolverError) as e:
+    except MemoryBudgetError as e:
         raise _Infeasible(str(e)) from None
+    except SolverError as e:
+        raise _Infeasible(str(e), e.limit) from None
     chosen = {n: table[n].strategies[w.index[sol.choice[w.var]]] for n, w in where.items()}
     nodes = {n: node_plan(s, table[n]) for n, s in chosen.items()}
     weights = sum(s.memory for n, s in chosen.items() if (n in cg.param_fqns or n in cg.buffer_fqns) and n not in fixed)
