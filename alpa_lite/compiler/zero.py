@@ -47,7 +47,7 @@ def add_zero_strategies(cg: CapturedGraph, table: dict[str, NodeStrategies], mes
             for axes in [(a,) for a in free] + ([tuple(free)] if len(free) == 2 else []):
                 n = math.prod(mesh.shape[a] for a in axes)
                 update = mesh.compute_cost(0.0, ADAM_UPDATE_BYTES_FACTOR * local / n)
-                gather = mesh.all_gather_cost(local, axes) - mesh.all_gather_cost(0, axes)
+                gather = mesh.marginal_cost("all-gather", local, axes)
                 extra += [replace(s, name=f"{s.name} ZeRO-{stage}@{''.join(map(str, axes))}", compute=update,
                                   comm=gather, memory=sum(training_state_bytes(local, stage, n)),
                                   zero_stage=stage, zero_axes=axes) for stage in (1, 2)]
