@@ -4,13 +4,19 @@
 
 - data parallel: alpa-lite's forced DP plan vs ``torch.nn.parallel.DistributedDataParallel``;
 - tensor parallel: alpa-lite's Megatron plan (the FFN's fc column-split ``S1R``, proj row-split
-  ``RS1``, the rest replicated) vs DTensor ``parallelize_module`` with ``ColwiseParallel`` /
+  ``RS1``, the rest replicated, the batch replicated, no all-gather allowed: one all-reduce per
+  block forward and one backward) vs DTensor ``parallelize_module`` with ``ColwiseParallel`` /
   ``RowwiseParallel`` on the same two layers of every block;
 - ZeRO-3: alpa-lite's ``zero_stage=3`` DP plan vs FSDP2 ``fully_shard`` on every block and the
   root, in fp32, in bf16 (``mixed_precision="bf16"`` vs ``MixedPrecisionPolicy(param_dtype=bf16,
   reduce_dtype=bf16)``) and with every block recomputed (``remat="all"`` vs ``checkpoint_wrapper``
   on every block);
 - the auto plan (nothing forced) vs the fastest of DDP, DTensor TP and FSDP2.
+Every alpa-lite plan is made for a cluster measured on this machine: ``--cluster FILE`` (a cluster
+JSON), else ``alpa-lite profile`` runs first on the same ranks and mesh (measured collective
+curves, written next to ``--out`` as ``*_cluster.json``); the ``cpu-gloo`` preset (100 us latency
+and 1 GB/s for every collective kind) is not this machine's gloo. Rank 0 prints each plan's
+predicted step and the auto plan's listing.
 Every rank trains the built-in GPT (``--hidden``, ``--layers``) with AdamW on the same batches.
 All configurations are built first, then every step index runs each of them once, in an order
 rotated each step, so a change of machine load falls on all of them alike. Per configuration:
@@ -112,7 +118,7 @@ def _state_bytes(params, optimizer) -> int:
 
 def _run_interleaved(runners, batches, warmup):
     """Every step index runs every runner once, in an order rotated each step; returns
-    name -> (median step s, spread, peak bytes: state + largest step growth)."""
+    name -> (median step s, spread, peak bytes: state + largest step growth, predicted step s)."""
     import torch.distributed as dist
 
     names = list(runners)
@@ -134,7 +140,29 @@ def _run_interleaved(runners, batches, warmup):
     for k in names:
         q = statistics.quantiles(times[k], n=4) if len(times[k]) > 1 else [times[k][0]] * 3
         med = statistics.median(times[k])
-        out[k] = (med, (q[2] - q[0]) / 2 / med, runners[k][1]() + growth[k])
+        out[k] = (med, (q[2] - q[0]) / 2 / med, runners[k][1]() + growth[k], runners[k][2])
+    return out
+
+
+def _print_plan(plan) -> None:
+    """The auto plan's summary, parameter specs with ZeRO stages and collectives (rich tables)."""
+    from rich.console import Console
+
+    from alpa_lite.tools.explain import collective_table, param_table, summary_table
+
+    console = Console(width=160)
+    for table in (summary_table(plan, "alpa-lite auto"), param_table(plan), collective_table(plan)):
+        console.print(table)
+
+
+def _profile(nproc: int, out: Path) -> Path:
+    """Measure this machine's 1 x ``nproc`` cluster with ``alpa-lite profile`` (collective curves)."""
+    from alpa_lite.tools.profile import add_arguments, run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    if run(parser.parse_args(["--nproc", str(nproc), "--mesh", f"1x{nproc}", "--out", str(out), "--use-curves"])):
+        raise SystemExit("profiling the cluster failed")
     return out
 
 
@@ -159,7 +187,7 @@ def worker(args) -> None:
     adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
     lo, hi = rank * args.batch // n, (rank + 1) * args.batch // n
     mesh = init_device_mesh("cpu", (n,))
-    runners = {}  # name -> (step(batch), state bytes())
+    runners = {}  # name -> (step(batch), state bytes(), predicted step s or None)
 
     def torch_runner(module, data_parallel):
         opt = adamw(module.parameters())
@@ -168,12 +196,14 @@ def worker(args) -> None:
             opt.zero_grad(set_to_none=True)
             module(*(t[lo:hi] for t in b) if data_parallel else b).backward()
             opt.step()
-        return step, lambda: _state_bytes(module.parameters(), opt)
+        return step, lambda: _state_bytes(module.parameters(), opt), None
 
     def alpa_runner(**kw):
         t = parallelize(copy.deepcopy(model), (1, n), example, optimizer=adamw, bucket_bytes=args.bucket_mib * 2**20,
-                        **kw)
-        return lambda b: t.step(*b), lambda: _state_bytes(t.params.values(), t.optimizer)
+                        cluster=args.cluster, **kw)
+        if rank == 0 and not kw:
+            _print_plan(t.plan)
+        return lambda b: t.step(*b), lambda: _state_bytes(t.params.values(), t.optimizer), t.plan.step_seconds
 
     def fsdp2(mp=None, remat=False):
         m = copy.deepcopy(model)
@@ -195,7 +225,9 @@ def worker(args) -> None:
     for i in range(args.layers):
         specs |= {f"blocks.{i}.ffn.fc.weight": "S1R", f"blocks.{i}.ffn.fc.bias": "S1",
                   f"blocks.{i}.ffn.proj.weight": "RS1"}
-    runners["alpa-lite Megatron TP"] = alpa_runner(param_specs=specs, input_specs={"0": "RR", "1": "RR"})
+    # no all-gather: with one the ILP gathers the split weights for a data-parallel step (ZeRO-3) instead
+    runners["alpa-lite Megatron TP"] = alpa_runner(param_specs=specs, input_specs={"0": "RR", "1": "RR"},
+                                                   allow_all_gather=False)
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     runners["FSDP2"] = fsdp2()
     runners["alpa-lite ZeRO-3"] = alpa_runner(force_data_parallel=True, zero_stage=3)
@@ -225,6 +257,8 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--bucket-mib", type=float, default=4.0, help="gradient bucket size of both DP runs, MiB")
     ap.add_argument("--out", default="docs/runtime_cpu.md")
+    ap.add_argument("--cluster", default=None, help="cluster JSON the alpa-lite plans are made for (default: profile "
+                    "this machine first, into the --out file's *_cluster.json)")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--result", default=None)
     args = ap.parse_args()
@@ -238,13 +272,19 @@ def main() -> int:
 
     result = Path(args.out).with_suffix(".json")
     argv = [a for a in sys.argv[1:]]
-    code = torchrun([__file__, "--worker", "--result", str(result), *argv], nproc=args.nproc)
+    t0 = time.monotonic()
+    cluster = Path(args.cluster) if args.cluster else _profile(args.nproc, Path(args.out).with_name(
+        Path(args.out).stem + "_cluster.json"))
+    t_profile = time.monotonic() - t0
+    load = os.getloadavg()[0]
+    code = torchrun([__file__, "--worker", "--result", str(result), *argv, "--cluster", str(cluster.resolve())],
+                    nproc=args.nproc)
     if code:
         return code
     per_rank = json.loads(result.read_text())
     result.unlink()
     # rank 0's median step time (every step starts at a barrier); the largest peak over the ranks
-    r = {k: (t, s, max(rr[k][2] for rr in per_rank)) for k, (t, s, _) in per_rank[0].items()}
+    r = {k: (t, s, max(rr[k][2] for rr in per_rank), pred) for k, (t, s, _, pred) in per_rank[0].items()}
     fastest = min(("DDP", "DTensor TP", "FSDP2"), key=lambda k: r[k][0])
     rows = [  # label, alpa-lite, PyTorch, time target, memory target (issues 12 and 13)
         ("data parallel", "alpa-lite DP", "DDP", 1.00, None),
@@ -255,17 +295,18 @@ def main() -> int:
         ("auto vs fastest manual", "alpa-lite auto", fastest, 1.00, None)]
     table = Table(title=f"runtime on {args.nproc} CPU processes (gloo): GPT hidden {args.hidden}, {args.layers} layers, "
                         f"batch {args.batch}, seq {args.seq}")
-    heads = ["", "alpa-lite step ms", "PyTorch step ms", "time ratio", "alpa-lite peak MiB", "PyTorch peak MiB",
-             "memory ratio", "target", "holds"]
+    heads = ["", "alpa-lite step ms", "alpa-lite predicted ms", "PyTorch step ms", "time ratio", "alpa-lite peak MiB",
+             "PyTorch peak MiB", "memory ratio", "target", "holds"]
     for h in heads:
         table.add_column(h, justify="right")
     lines = ["| " + " | ".join(heads[1:]).join(["comparison | ", ""]) + " |", "|" + "---|" * len(heads)]
     for label, ours, theirs, t_goal, m_goal in rows:
-        (t1, s1, m1), (t2, s2, m2) = r[ours], r[theirs]
+        (t1, s1, m1, p1), (t2, s2, m2, _) = r[ours], r[theirs]
         holds = t1 / t2 <= t_goal and (m_goal is None or m1 / m2 <= m_goal)
         goal = f"time <= {t_goal:.2f}x" + ("" if m_goal is None else f", memory <= {m_goal:.2f}x")
-        cells = [f"{label} ({ours} vs {theirs})", f"{t1 * 1e3:.1f} ±{s1:.0%}", f"{t2 * 1e3:.1f} ±{s2:.0%}", f"{t1 / t2:.2f}",
-                 f"{m1 / 2**20:.1f}", f"{m2 / 2**20:.1f}", f"{m1 / m2:.2f}", goal, "yes" if holds else "no"]
+        cells = [f"{label} ({ours} vs {theirs})", f"{t1 * 1e3:.1f} ±{s1:.0%}", f"{p1 * 1e3:.1f}",
+                 f"{t2 * 1e3:.1f} ±{s2:.0%}", f"{t1 / t2:.2f}", f"{m1 / 2**20:.1f}", f"{m2 / 2**20:.1f}", f"{m1 / m2:.2f}",
+                 goal, "yes" if holds else "no"]
         table.add_row(*cells)
         lines.append("| " + " | ".join(cells) + " |")
     Console(width=200).print(table)
@@ -274,7 +315,10 @@ def main() -> int:
         f"({args.nproc} gloo ranks on a 2-core machine shared with other jobs, so the figures are noisy; every step "
         f"index runs every configuration once, in an order rotated each step; median of {args.steps - args.warmup} "
         f"steps after {args.warmup} warm-up steps on rank 0, ± half the 25th-75th percentile range relative to the "
-        f"median; gradient buckets of {args.bucket_mib:g} MiB in the DP runs).\n\n"
+        f"median; gradient buckets of {args.bucket_mib:g} MiB in the DP runs). The alpa-lite plans are made for "
+        f"cluster `{cluster.name}` ({'given' if args.cluster else f'profiled first, {t_profile:.0f} s'}; predicted: "
+        f"`Plan.step_seconds`); load average {load:.1f} at the start of the run, {os.getloadavg()[0]:.1f} at its end."
+        "\n\n"
         + "\n".join(lines) + "\n\n" + NOTE + "\n")
     return 0
 

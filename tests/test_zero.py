@@ -260,3 +260,56 @@ def test_pipelined_predicted_state_memory_matches_the_runtime(pipelined, case):
     # (params + grads + halved Adam states), ZeRO-2 124 800 B (halved gradients too)
     r = pipelined[case]
     assert r["held_max"] == r["predicted"] == {1: 149_760, 2: 124_800}[PIPELINED[case]["options"]["zero_stage"]]
+
+
+# The 1x4 curves of docs/cost_fidelity_cluster.json (gloo on 4 CPU processes, profiled under
+# load): bytes B -> seconds. Their small sizes do not grow with B (the reduce-scatter takes
+# 13.9 ms at 4 KiB and 8.7 ms at 16 KiB), and per byte a reduce-scatter costs about what an
+# all-reduce of the same input does.
+GLOO_SIZES = [4096 * 4**i for i in range(6)]
+GLOO_CURVES = {"all-reduce": {"1": (GLOO_SIZES, [4.58e-3, 4.83e-3, 4.33e-3, 4.12e-3, 6.89e-3, 8.71e-3])},
+               "all-gather": {"1": (GLOO_SIZES, [2.18e-3, 2.01e-3, 2.32e-3, 2.88e-3, 2.12e-3, 6.25e-3])},
+               "reduce-scatter": {"1": (GLOO_SIZES, [13.93e-3, 8.71e-3, 12.75e-3, 11.80e-3, 9.51e-3, 21.72e-3])},
+               "all-to-all": {"1": (GLOO_SIZES, [1.12e-3, 1.27e-3, 1.47e-3, 2.02e-3, 3.12e-3, 7.84e-3])}}
+
+
+def test_bucket_member_pays_the_curves_mean_slope():
+    mesh = LogicalMesh((1, 4), mesh_alpha=(4.4e-3, 4.4e-3), mesh_beta=(7.3e-10, 7.3e-10), peak_flops=6.3e10,
+                       mem_bandwidth=5.8e9, memory_bytes=2**32, collective_curves=GLOO_CURVES)
+    member = 64 * 64 * 4  # a weight's gradient, 16 KiB: where the curve dips below its first point
+    assert mesh.reduce_scatter_cost(member, (1,)) - mesh.reduce_scatter_cost(0, (1,)) < 0
+    slope = (21.72e-3 - 13.93e-3) / (GLOO_SIZES[-1] - GLOO_SIZES[0])
+    assert mesh.marginal_cost("reduce-scatter", member, (1,)) == pytest.approx(member * slope)
+    falling = LogicalMesh((1, 4), collective_curves={"all-gather": {"1": ([1000, 2000], [2e-3, 1e-3])}})
+    assert falling.marginal_cost("all-gather", 1e6, (1,)) == 0.0
+    # without a curve: the formula's bandwidth term, as before
+    assert MESH.marginal_cost("all-reduce", 1e6, (1,)) == (MESH.all_reduce_cost(1e6, (1,))
+                                                           - MESH.all_reduce_cost(0, (1,)))
+    # On these curves ZeRO-2 costs more than it saves (its reduce-scatter and update all-gather
+    # against one all-reduce; 3/4 of the AdamW update, 7 x 17 KB / 4 at 5.8 GB/s: 15 us): the
+    # weights stay replicated. Priced by cost(B) - cost(0), a 16 KiB gradient's reduce-scatter
+    # cost -5.2 ms and the ILP put the weights in ZeRO-1 and ZeRO-2.
+    with torch.device("meta"):
+        model = MLP(64, layers=4)
+    x = torch.zeros(256, 64, device="meta")
+    auto, zero2 = (plan(model, (x, x.clone()), mesh, batch_axis=1, **z) for z in ({}, {"zero_stage": 2}))
+    assert stages(auto) == {0} and stages(zero2) == {2}
+    assert auto.step_seconds < zero2.step_seconds
+
+
+def test_update_all_gathers_pay_a_latency_per_bucket():
+    # ZeRO-1/2 all-gather the updated weights after the optimizer step in buckets of at most
+    # bucket_bytes, one latency each (4 here: each weight with its bias). With 1.5 ms of latency
+    # those 6 ms exceed what 3/4 of the AdamW update saves (7 x 16.6 KB x 3/4 per weight at
+    # 0.1 GB/s: 3.5 ms): the weights stay replicated. The ILP used to pay one latency for all of
+    # them (its fixed charge) and chose ZeRO-1, whose own plan predicts a slower step.
+    mesh = LogicalMesh((1, 4), mesh_alpha=(1.5e-3, 1.5e-3), mesh_beta=(1e-9, 1e-9), peak_flops=1e12,
+                       mem_bandwidth=1e8, memory_bytes=2**32)
+    with torch.device("meta"):
+        model = MLP(64, layers=4)
+    x = torch.zeros(256, 64, device="meta")
+    auto, zero1 = (plan(model, (x, x.clone()), mesh, batch_axis=1, bucket_bytes=17000, **z)
+                   for z in ({}, {"zero_stage": 1}))
+    assert stages(auto) == {0} and stages(zero1) == {1}
+    assert zero1.collective_counts()[("all-gather", "update")] == 4
+    assert auto.step_seconds < zero1.step_seconds

@@ -59,7 +59,7 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
     t1 = time.perf_counter()
     say("strategies")
     table = build_strategies(cg, mesh, warn=lambda msg: warnings.warn(msg, stacklevel=4))
-    add_zero_strategies(cg, table, mesh)
+    add_zero_strategies(cg, table, mesh, options.bucket_bytes)
     apply_constraints(cg, table, mesh, options)
     layers = remat_candidates(cg) if options.remat else []
     graph, where = build_cost_graph(cg, table, mesh, share_layers=options.share_layers, remat=layers,

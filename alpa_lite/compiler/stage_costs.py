@@ -310,7 +310,7 @@ class GraphStageCosts:
                 names = set(self.subset(j, j + 1))
                 mesh = self.cluster.logical_mesh(shape)
                 self._tables[key] = build_strategies(self.cg, mesh, nodes=names, context=self._context)
-                add_zero_strategies(self.cg, self._tables[key], mesh, self._zero_params)
+                add_zero_strategies(self.cg, self._tables[key], mesh, self.options.bucket_bytes, self._zero_params)
             out |= self._tables[key]
         return out
 

@@ -463,12 +463,40 @@ class LogicalMesh:
         n, alpha, beta = self._group(axes)
         if n == 1:
             return 0.0
-        if self.collective_curves:
-            key = tuple(sorted({a for a in axes if self.shape[a] > 1}))
-            for k, ax, xs, ts in self.collective_curves:
-                if k == kind and ax == key:
-                    return interpolate_curve(xs, ts, nbytes)
+        curve = self._curve(kind, axes)
+        if curve is not None:
+            return interpolate_curve(*curve, nbytes)
         return alpha + bytes_factor(kind, n) * nbytes * beta
+
+    def marginal_cost(self, kind: str, nbytes: float, axes: tuple[int, ...]) -> float:
+        """Seconds ``nbytes`` more add to a bucketed collective of ``kind`` over ``axes`` (one
+        whose latency is paid once per bucket: gradient buckets, ZeRO-1/2's update all-gathers).
+
+        Without a measured curve: the formula's bandwidth term, ``collective_cost(kind, nbytes)
+        - collective_cost(kind, 0)`` (module docstring). With one: ``nbytes`` times the curve's
+        mean slope over its measured sizes, ``(t_last - t_first) / (B_last - B_first)``, floored
+        at 0. The difference ``cost(nbytes) - cost(0)`` on the curve itself is no marginal cost:
+        a curve measured on a busy machine need not grow between nearby sizes (the 1x4
+        reduce-scatter curve of docs/cost_fidelity_cluster.json takes 13.9 ms at 4 KiB and
+        8.7 ms at 16 KiB), and the ILP then paid a bucket member less than nothing.
+
+        Raises:
+            ValueError: on an unknown kind.
+        """
+        curve = self._curve(kind, axes)
+        if curve is None:
+            return self.collective_cost(kind, nbytes, axes) - self.collective_cost(kind, 0, axes)
+        xs, ts = curve
+        return nbytes * max((ts[-1] - ts[0]) / (xs[-1] - xs[0]), 0.0)
+
+    def _curve(self, kind: str, axes: tuple[int, ...]):
+        """The measured ``(bytes, seconds)`` curve of ``kind`` on the group of ``axes`` (size-1
+        axes ignored), or None."""
+        key = tuple(sorted({a for a in axes if self.shape[a] > 1}))
+        for k, ax, xs, ts in self.collective_curves or ():
+            if k == kind and ax == key:
+                return xs, ts
+        return None
 
     def compute_cost(self, flops: float, nbytes: float, kernel: str | None = None) -> float:
         """Roofline time of a kernel, seconds: ``max(flops / rate, nbytes / mem_bandwidth)`` with

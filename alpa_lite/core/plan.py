@@ -547,10 +547,10 @@ def step_parts(collectives, compute_seconds: float) -> tuple[float, float]:
 
 def gradient_buckets(cg, nodes: dict[str, NodePlan], grad_sync: dict[str, tuple[int, ...]],
                      mesh_shape, bucket_bytes: float) -> list[tuple[str, tuple[int, ...], list[str]]]:
-    """Buckets of deferred gradients: ``(kind, axes, [parameter placeholders])`` in graph order,
-    each at most ``bucket_bytes`` of local gradient (a larger single gradient is its own bucket);
-    ``kind`` is ``"reduce-scatter"`` for ZeRO-2 parameters (``NodePlan.zero_stage``), else
-    ``"all-reduce"``."""
+    """Buckets of deferred gradients: ``(kind, axes, [parameter placeholders])`` in the order of
+    the parameters' first uses (``first_use_order``), each at most ``bucket_bytes`` of local
+    gradient (a larger single gradient is its own bucket); ``kind`` is ``"reduce-scatter"`` for
+    ZeRO-2 parameters (``NodePlan.zero_stage``), else ``"all-reduce"``."""
     kinds = {ph: ("reduce-scatter" if nodes[ph].zero_stage == 2 else "all-reduce", axes)
              for ph, axes in grad_sync.items()}
     return [(kind, axes, members) for (kind, axes), members in _buckets(cg, nodes, kinds, mesh_shape, bucket_bytes)]
@@ -559,22 +559,48 @@ def gradient_buckets(cg, nodes: dict[str, NodePlan], grad_sync: dict[str, tuple[
 def update_buckets(cg, nodes: dict[str, NodePlan], mesh_shape, bucket_bytes: float
                    ) -> list[tuple[tuple[int, ...], list[str]]]:
     """Buckets of ZeRO-1/2 parameters all-gathered after the optimizer step: ``(axes,
-    [placeholders])``, in graph order, each at most ``bucket_bytes`` of local parameter."""
+    [placeholders])``, in the order of their first uses, each at most ``bucket_bytes`` of local
+    parameter."""
     axes = {ph: nodes[ph].zero_axes for ph in cg.param_fqns if ph in nodes and nodes[ph].zero_stage in (1, 2)}
     return _buckets(cg, nodes, axes, mesh_shape, bucket_bytes)
 
 
+def first_use_order(cg) -> list[str]:
+    """The parameter placeholders of ``cg`` in the order of their first uses in the graph (through
+    a mixed-precision cast, ``CapturedGraph.param_casts``: its first reader); unused ones last.
+
+    Backward completes a parameter's gradient when it reaches the first use, so buckets filled in
+    this order and launched in reverse become ready one after the other, last layers first (as
+    DDP's buckets, rebuilt in the order gradients arrive: Li et al., VLDB 2020, section 3.2.3).
+    Placeholder order is not that order: a tied weight (GPT's ``wte`` / ``lm_head``) sits where its
+    module is registered or last used, but its gradient is complete only at its first use."""
+    position = {n.name: i for i, n in enumerate(cg.graph.nodes)}
+    casts = cg.param_casts
+
+    def first(ph: str) -> int:
+        return min((min((position[w.name] for w in u.users), default=position[u.name]) if u.name in casts
+                    else position[u.name] for u in cg.node(ph).users), default=len(position))
+
+    return sorted(cg.param_fqns, key=first)
+
+
 def _buckets(cg, nodes, keys: dict, mesh_shape, bucket_bytes: float) -> list[tuple[object, list[str]]]:
+    """Per key (sorted), its parameters in buckets of at most ``bucket_bytes``, in first-use order.
+    They are filled from the last parameter back, the order backward completes them, so the
+    bucket it completes last (bucket 0, launched after backward, not hidden behind it) holds
+    the remainder, as DDP's last bucket does."""
     buckets: list[tuple[object, list[str]]] = []
+    order = first_use_order(cg)
     for key in sorted(set(keys.values())):
-        size = math.inf
-        for ph in (p for p in cg.param_fqns if keys.get(p) == key):
+        size, filled = math.inf, []
+        for ph in reversed([p for p in order if keys.get(p) == key]):
             nbytes = local_bytes(cg.node(ph).meta["val"], nodes[ph].out_specs[0], mesh_shape)
             if size + nbytes > bucket_bytes:
-                buckets.append((key, []))
+                filled.append([])
                 size = 0
-            buckets[-1][1].append(ph)
+            filled[-1].append(ph)
             size += nbytes
+        buckets += [(key, members[::-1]) for members in filled[::-1]]
     return buckets
 
 

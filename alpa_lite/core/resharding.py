@@ -213,8 +213,7 @@ class ReshardCosts:
             axes = tuple(sorted(grad_partial))
             kind = "reduce-scatter" if zero[0] == 2 else "all-reduce"
             # the marginal cost of nbytes more in a bucket: the latency is paid per bucket
-            cost = self._cache[key] = (self.mesh.collective_cost(kind, nbytes, axes)
-                                       - self.mesh.collective_cost(kind, 0, axes))
+            cost = self._cache[key] = self.mesh.marginal_cost(kind, nbytes, axes)
         if cost is None:
             steps = forward_steps(src, dst, shape, itemsize, self.mesh.shape)
             if grad_partial is not None:
