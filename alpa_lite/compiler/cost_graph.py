@@ -202,7 +202,7 @@ def _price_value(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple, z
     can want, where moving to it costs something, by one shared move; every other entry on its
     edge. A parameter's gradient sync stays on its edge (bucketed per use; ``ReshardCosts``), and
     so does a move a switch forbids (``inf``)."""
-    wanted = Counter(t for _, ins in edges for t in set(ins))
+    wanted = Counter(t for _, ins in edges for t in dict.fromkeys(ins))  # first-use order, not hash order
 
     def once(o, t):  # the seconds of moving to t once, or 0 where it stays on the edge
         if parameter and is_gradient_sync(o, *t):

@@ -223,8 +223,8 @@ def _shared_in_group(cg, costs: GraphStageCosts, stages, chunks: int) -> str | N
     for d in range(groups):
         seen: dict[str, int] = {}
         for i in range(d, len(stages), groups):
-            for ph in set(costs.subset(stages[i].start, stages[i].end)) & state.keys():
-                if seen.setdefault(ph, i) != i:
+            for ph in costs.subset(stages[i].start, stages[i].end):  # graph order: the first one is named
+                if ph in state and seen.setdefault(ph, i) != i:
                     return state[ph]
     return None
 
