@@ -36,10 +36,16 @@ def test_terminal_shows_each_phase_with_its_time():
 
 
 def test_pipeline_phases_name_every_submesh():
-    text = _printed(True, pipeline="auto", num_microbatches=2, workers=1)
-    for phase in ("capture (microbatch 4, B=2)", "stage costs on submesh 1x1", "stage costs on submesh 1x2",
-                  "stage DP (B=2)", "stage plans"):
-        assert f"done {phase}" in text, phase
+    """Each submesh whose stage costs are computed is named: under ``"auto"`` the whole model on
+    the whole mesh (priced first; on this tiny model it bounds out every other pair), with two
+    stages forced the ranges on 1x1."""
+    auto = _printed(True, pipeline="auto", num_microbatches=2, workers=1)
+    two = _printed(True, pipeline=2, num_microbatches=2, workers=1)
+    for text, phases in ((auto, ("capture (microbatch 4, B=2)", "stage costs on submesh 1x2 (the whole model, one stage)",
+                                 "stage DP (B=2)", "stage plans")),
+                         (two, ("stage costs on submesh 1x1 (9 layer ranges)", "stage DP (B=2)", "stage plans"))):
+        for phase in phases:
+            assert f"done {phase}" in text, phase
 
 
 def test_quiet_when_not_a_terminal():

@@ -141,6 +141,7 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
         bound = best[0].objective if best else math.inf
         if linear and pipeline.num_stages in (None, 1) and mesh.shape in shapes \
                 and b * costs.lower_bound(0, len(layers), mesh.shape) <= bound:
+            say(f"stage costs on submesh {mesh.shape[0]}x{mesh.shape[1]} (the whole model, one stage)")
             bound = min(bound, _one_stage_seconds(costs(0, len(layers), mesh.shape), b, budget, linear))
         floors = _pipeline_floors(costs, len(layers), shapes, devices, b, linear, pipeline.num_stages)
         within = {"linear": _kept(costs, lambda k, i, q: floors[k, i, q] < math.inf
