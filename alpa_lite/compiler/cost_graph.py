@@ -13,6 +13,12 @@ resharding matrix still enter the objective and the memory sum once per node.
 A value read by several consumers is moved once per spec they want (the runtime reshards it
 once and sums the readers' gradients before the move's backward): a target spec two or more
 of its reader edges can want is priced by one shared move (``CostGraph.moves``), not per edge.
+
+What backward hides (``CostGraph.pools``, ``ilp.Pool``; docs/planner.md, "One price"): a
+parameter edge's gradient sync joins the pool of its bucket's kind and mesh axes (its marginal
+seconds, as the edge pays them), and a ZeRO-3 use a group can take (``resharding.grouped_steps``)
+its reduce-scatter's seconds to the ZeRO-3 pool; each node's compute times ``BACKWARD_SHARE``
+is what hides them (``CostGraph.backward``), as ``core.plan.hidden_seconds`` prices a listing.
 """
 from __future__ import annotations
 
@@ -27,9 +33,10 @@ import torch
 from ..core.capture import CapturedGraph
 from ..core.mesh import LogicalMesh
 from ..core.options import PlanOptions
-from ..core.resharding import ReshardCosts, is_gradient_sync, regathers, reshard_costs
+from ..core.plan import BACKWARD_SHARE
+from ..core.resharding import ReshardCosts, grouped_steps, is_gradient_sync, regathers, reshard_costs, step_cost
 from ..core.spec import ShardingSpec
-from .ilp import CostGraph, RematGroup
+from .ilp import CostGraph, Pool, RematGroup
 from .strategies import BACKWARD_FLOPS_FACTOR, NodeStrategies, kept_for_backward
 
 
@@ -97,7 +104,8 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
     of the layer's variables is charged per variable, where the runtime moves it once; a ZeRO-3
     parameter's gather nothing: its edge already pays the backward's gather, which
     recomputation replaces).
-    ``options``: its switches forbid moves (``resharding.ReshardCosts``).
+    ``options``: its switches forbid moves (``resharding.ReshardCosts``); its ``bucket_bytes``
+    bound what stays unhidden of each overlap pool (``ilp.Pool.unhidden``).
     """
     if nodes is not None:
         table = {k: v for k, v in table.items() if k in nodes}
@@ -121,6 +129,7 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
     def new_var(name, ns):
         graph.costs.append([0.0] * len(ns.strategies))
         graph.memory.append([0.0] * len(ns.strategies))
+        graph.backward[len(graph.names)] = [0.0] * len(ns.strategies)
         graph.names.append(name)
         return Var(len(graph.costs) - 1, list(range(len(ns.strategies))))
 
@@ -159,6 +168,7 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         for p, q in enumerate(placed.index):
             s = ns.strategies[q]
             graph.costs[placed.var][p] += s.cost
+            graph.backward[placed.var][p] += BACKWARD_SHARE * s.compute
             (group.act.setdefault(placed.var, [0.0] * width) if internal else graph.memory[placed.var])[p] += s.memory * kept
             if group is not None:
                 group.extra.setdefault(placed.var, [0.0] * width)[p] += s.compute / (1 + BACKWARD_FLOPS_FACTOR) + s.comm
@@ -181,6 +191,9 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         parameter = src_name in cg.param_fqns or src_name in casts
         _price_value(graph, reshard, src.var, outs, zeros, reduced, edges, tuple(val.shape), val.element_size(),
                      parameter)
+        if parameter:
+            _pool_parameter(graph, reshard, src.var, outs, zeros, edges, tuple(val.shape), val.element_size(),
+                            (options or PlanOptions()).bucket_bytes)
         # forward only (no gradient); a forbidden pair: not chosen; a ZeRO-3 use: free, the
         # recomputation's gather replaces the backward's (``resharding.regathers``)
         for v, ins, i in recomputed.get((src_name, r), ()):
@@ -220,3 +233,29 @@ def _price_value(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple, z
     if shared:
         graph.add_move(u, [(v, [index.get(t, -1) for t in ins]) for v, ins in edges if any(t in index for t in ins)],
                        [[once(o, t) for t in shared] for o in outs])
+
+
+def _pool_parameter(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple, zeros: tuple, edges: list, shape,
+                    itemsize: int, bucket_bytes: float) -> None:
+    """Add what backward may hide of one parameter's uses (``outs``, ``zeros``, ``edges`` as
+    ``_price_value``) to the cost graph's pools: each gradient sync's seconds on its edge to the
+    pool of its bucket's (kind, mesh axes), and each groupable ZeRO-3 use's reduce-scatter to the
+    ZeRO-3 pool. A pool leaves at most its first bucket (group) of ``bucket_bytes`` unhidden."""
+    mesh = reshard.mesh
+    for v, ins in edges:
+        sync = reshard.sync_matrix(outs, ins, shape, itemsize, zeros)
+        parts: dict[tuple, list[list[float]]] = {}
+        for p, (row, (stage, _)) in enumerate(zip(sync, zeros)):
+            for q, (c, (_, gp)) in enumerate(zip(row, ins)):
+                if c:
+                    key = ("bucket", "reduce-scatter" if stage == 2 else "all-reduce", tuple(sorted(gp)))
+                    parts.setdefault(key, [[0.0] * len(ins) for _ in outs])[p][q] = c
+                steps = grouped_steps(outs[p], *ins[q], shape, itemsize, mesh.shape)
+                if steps is not None:
+                    parts.setdefault(("groups",), [[0.0] * len(ins) for _ in outs])[p][q] = step_cost(steps[1], mesh)
+        for key, matrix in parts.items():
+            if key not in graph.pools:
+                axes = [(a,) for a in (0, 1) if mesh.shape[a] > 1]
+                graph.pools[key] = Pool(mesh.marginal_cost(key[1], bucket_bytes, key[2]) if key[0] == "bucket" else
+                                        min(mesh.collective_cost("reduce-scatter", bucket_bytes, a) for a in axes))
+            graph.pools[key].add_edge(u, v, matrix)

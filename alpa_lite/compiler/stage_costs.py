@@ -532,7 +532,9 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
     ``build_strategies(cg, mesh)`` of the whole graph, reused. A data-parallel gradient
     all-reduce runs once per step, after the last of ``B`` microbatches: the objective, which is
     per microbatch, weighs it ``sync_weight = 1 / B``, and so the all-gather of a ZeRO-1/2
-    parameter after the update and the latency of its buckets. The returned ``seconds`` and
+    parameter after the update, the latency of its buckets and what the last microbatch's
+    backward hides of the buckets (their ``ilp.Pool`` weight; the ZeRO-3 reduce-scatters hidden
+    behind every microbatch's backward weigh 1, as ``step_parts`` splits them). The returned ``seconds`` and
     ``once_seconds`` are not the objective's: they price the stage as its plan lists it
     (``training_step``; ``core.plan.step_parts``: per microbatch, and the buckets once per step,
     less what backward hides), so a stage and an SPMD plan are priced alike. ``sends``: values
@@ -583,6 +585,9 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
     if sync_weight != 1.0:
         _discount_gradient_sync(cg, table, where, graph, names, reshard, sync_weight)
         _discount_zero_updates(cg, table, where, graph, names, sync_weight)
+        for key, pool in graph.pools.items():  # buckets hide behind the last microbatch's backward, once per step
+            if key[0] == "bucket":
+                pool.weight = sync_weight
     weight_vars = {where[p].var for p in names if p in cg.param_fqns or p in cg.buffer_fqns}
     unscaled = graph.memory
     if act_scale != 1:
