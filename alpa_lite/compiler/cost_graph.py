@@ -18,7 +18,8 @@ What backward hides (``CostGraph.pools``, ``ilp.Pool``; docs/planner.md, "One pr
 parameter edge's gradient sync joins the pool of its bucket's kind and mesh axes (its marginal
 seconds, as the edge pays them), and a ZeRO-3 use a group can take (``resharding.grouped_steps``)
 its reduce-scatter's seconds to the ZeRO-3 pool; each node's compute times ``BACKWARD_SHARE``
-is what hides them (``CostGraph.backward``), as ``core.plan.hidden_seconds`` prices a listing.
+is what hides them (``CostGraph.backward``; a parameter's, its optimizer update, hides nothing),
+as ``core.plan.hidden_seconds`` prices a listing.
 """
 from __future__ import annotations
 
@@ -168,7 +169,8 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         for p, q in enumerate(placed.index):
             s = ns.strategies[q]
             graph.costs[placed.var][p] += s.cost
-            graph.backward[placed.var][p] += BACKWARD_SHARE * s.compute
+            if node.name not in cg.param_fqns:  # a parameter's compute is its optimizer update
+                graph.backward[placed.var][p] += BACKWARD_SHARE * s.compute
             (group.act.setdefault(placed.var, [0.0] * width) if internal else graph.memory[placed.var])[p] += s.memory * kept
             if group is not None:
                 group.extra.setdefault(placed.var, [0.0] * width)[p] += s.compute / (1 + BACKWARD_FLOPS_FACTOR) + s.comm
@@ -240,7 +242,8 @@ def _pool_parameter(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple
     """Add what backward may hide of one parameter's uses (``outs``, ``zeros``, ``edges`` as
     ``_price_value``) to the cost graph's pools: each gradient sync's seconds on its edge to the
     pool of its bucket's (kind, mesh axes), and each groupable ZeRO-3 use's reduce-scatter to the
-    ZeRO-3 pool. A pool leaves at most its first bucket (group) of ``bucket_bytes`` unhidden."""
+    ZeRO-3 pool. A pool leaves at most its first bucket (group) of ``bucket_bytes`` unhidden
+    (a bucket priced as its members, ``ReshardCosts.bucket_cost``)."""
     mesh = reshard.mesh
     for v, ins in edges:
         sync = reshard.sync_matrix(outs, ins, shape, itemsize, zeros)
@@ -256,6 +259,6 @@ def _pool_parameter(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple
         for key, matrix in parts.items():
             if key not in graph.pools:
                 axes = [(a,) for a in (0, 1) if mesh.shape[a] > 1]
-                graph.pools[key] = Pool(mesh.marginal_cost(key[1], bucket_bytes, key[2]) if key[0] == "bucket" else
+                graph.pools[key] = Pool(reshard.bucket_cost(key[1], bucket_bytes, key[2]) if key[0] == "bucket" else
                                         min(mesh.collective_cost("reduce-scatter", bucket_bytes, a) for a in axes))
             graph.pools[key].add_edge(u, v, matrix)

@@ -447,9 +447,23 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
                                              rhs=1), f"one_{v}")
         for x, c in zip(xs, graph.costs[v]):
             add(x, c)
+    pools = _live_pools(graph)
+    hideable = {k: _vector_terms(s, pool.extra) for k, pool in pools.items()}  # S_P's terms
+    on_edges: dict[tuple[int, int], list] = {}  # a pool's matrices on an edge of the graph share its e
+    for k, pool in pools.items():
+        for (u, v), matrix in sorted(pool.edges.items()):
+            if (v, u) in graph.edges:
+                u, v, matrix = v, u, [list(col) for col in zip(*matrix)]
+            if (u, v) in graph.edges:
+                on_edges.setdefault((u, v), []).append((k, matrix))
+            else:
+                hideable[k] += _edge_terms(prob, f"h{k}", s, u, v, matrix)[0]
     for (u, v), matrix in sorted(graph.edges.items()):
-        for x, c in _edge_terms(prob, "", s, u, v, matrix):
+        terms = _edge_terms(prob, "", s, u, v, matrix, *(m for _, m in on_edges.get((u, v), ())))
+        for x, c in terms[0]:
             add(x, c)
+        for (k, _), pool_terms in zip(on_edges.get((u, v), ()), terms[1:]):
+            hideable[k] += pool_terms
     for k, (key, (seconds, members)) in enumerate(sorted(graph.fixed.items(), key=lambda kv: str(kv[0]))):
         if any(s[v] is None for v, _ in members):  # always paid
             add(None, seconds)
@@ -461,7 +475,7 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
         add(y, seconds)
     for g, ((u, readers), matrix) in enumerate(sorted(graph.moves.items())):
         _shared_move(prob, g, s, u, readers, matrix, add)
-    _overlap_terms(prob, graph, s, add, per)
+    _overlap_terms(prob, graph, pools, hideable, s, add, per)
     unit = max(memory_budget, 1.0) if math.isfinite(memory_budget) else 1.0
     r, mem_terms = _remat_terms(prob, graph, s, add, unit, per)
     prob.setObjective(pulp.LpAffineExpression(list(objective.items()), constant=constant))
@@ -520,17 +534,19 @@ def _seconds_unit(graph: CostGraph) -> float:
     return largest or 1.0
 
 
-def _edge_terms(prob, tag: str, s, u: int, v: int, matrix) -> list:
-    """The terms ``(x, coefficient)`` (x None: a constant) of ``<e_uv, matrix>``, adding ``e_uv``
-    and its linearization rows to ``prob`` where the cost depends on both ends (module docstring);
-    ``tag`` tells apart the variables of several matrices on one pair."""
-    rows, cols = _identical(matrix), _identical(list(zip(*matrix)))
-    if len(rows) == 1:  # the cost depends on v's choice only (always so when u has one strategy)
-        return [(None if s[v] is None else s[v][q], c) for q, c in enumerate(matrix[0])]
+def _edge_terms(prob, tag: str, s, u: int, v: int, *matrices) -> list[list]:
+    """Per matrix, the terms ``(x, coefficient)`` (x None: a constant) of ``<e_uv, matrix>``,
+    adding ``e_uv`` and its linearization rows to ``prob`` where a cost depends on both ends
+    (module docstring); the matrices of one pair share ``e_uv``, over the classes of rows (columns)
+    equal in all of them. ``tag`` tells apart the variables of several calls on one pair."""
+    rows = _identical([sum((tuple(m[p]) for m in matrices), ()) for p in range(len(matrices[0]))])
+    cols = _identical([sum((tuple(row[q] for row in m) for m in matrices), ()) for q in range(len(matrices[0][0]))])
+    if len(rows) == 1:  # the costs depend on v's choice only (always so when u has one strategy)
+        return [[(None if s[v] is None else s[v][q], c) for q, c in enumerate(m[0])] for m in matrices]
     if len(cols) == 1:  # ... on u's choice only
-        return [(s[u][p], row[0]) for p, row in enumerate(matrix)]
-    if not any(any(row) for row in matrix):
-        return []
+        return [[(s[u][p], row[0]) for p, row in enumerate(m)] for m in matrices]
+    if not any(any(row) for m in matrices for row in m):
+        return [[] for _ in matrices]
 
     def equal(terms, name):
         prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(terms), pulp.LpConstraintEQ, rhs=0), name)
@@ -542,7 +558,7 @@ def _edge_terms(prob, tag: str, s, u: int, v: int, matrix) -> list:
         equal([(x, 1) for x in e[a]] + [(s[u][p], -1) for p in ps], f"row{tag}_{u}_{v}_{a}")
     for b, qs in enumerate(cols):
         equal([(e[a][b], 1) for a in range(len(rows))] + [(s[v][q], -1) for q in qs], f"col{tag}_{u}_{v}_{b}")
-    return [(e[a][b], matrix[ps[0]][qs[0]]) for a, ps in enumerate(rows) for b, qs in enumerate(cols)]
+    return [[(e[a][b], m[ps[0]][qs[0]]) for a, ps in enumerate(rows) for b, qs in enumerate(cols)] for m in matrices]
 
 
 def _remat_terms(prob, graph: CostGraph, s, add, unit: float, seconds: float):
@@ -570,7 +586,7 @@ def _remat_terms(prob, graph: CostGraph, s, add, unit: float, seconds: float):
         big_e = (RematGroup.bound(g.extra) + sum(max(map(max, m)) for m in g.edges.values())) / seconds
         a, e = expr(g.act, unit), expr(g.extra, seconds)
         for (u, v), matrix in sorted(g.edges.items()):
-            e += [(x, c / seconds) for x, c in _edge_terms(prob, f"r{i}", s, u, v, matrix)]
+            e += [(x, c / seconds) for x, c in _edge_terms(prob, f"r{i}", s, u, v, matrix)[0]]
         w = pulp.LpVariable(f"remat_w_{i}", lowBound=0)
         add(w, seconds)
         if r is True:
@@ -600,26 +616,28 @@ def _at_most(prob, terms, name: str) -> None:
                                          pulp.LpConstraintLE, rhs=-sum(c for x, c in terms if x is None)), name)
 
 
-def _overlap_terms(prob, graph: CostGraph, s, add, seconds: float) -> None:
-    """The variables ``h_P`` and ``z_P`` and the rows of the overlap (module docstring), in
-    units of ``seconds`` (``_seconds_unit``); a pool that can never exceed what stays unhidden
-    gets none."""
+def _live_pools(graph: CostGraph) -> dict[int, Pool]:
+    """The pools of ``graph`` that can hide something (their largest ``S_P`` above ``c_P``, a
+    weight), by their index in key order."""
+    ordered = sorted(graph.pools.items(), key=lambda kv: str(kv[0]))
+    return {k: pool for k, (_, pool) in enumerate(ordered) if pool.bound() > pool.unhidden and pool.weight}
+
+
+def _overlap_terms(prob, graph: CostGraph, pools: dict[int, Pool], hideable: dict[int, list], s, add,
+                   seconds: float) -> None:
+    """The variables ``h_P`` and ``z_P`` and the rows of the overlap (module docstring) of the
+    live ``pools`` (``_live_pools``), whose ``S_P`` has the terms ``hideable[k]``, in units of
+    ``seconds`` (``_seconds_unit``)."""
     hidden = []
-    for k, (key, pool) in enumerate(sorted(graph.pools.items(), key=lambda kv: str(kv[0]))):
-        bound = pool.bound()
-        if bound <= pool.unhidden or not pool.weight:
-            continue
-        terms = _vector_terms(s, pool.extra)
-        for (u, v), matrix in sorted(pool.edges.items()):
-            terms += _edge_terms(prob, f"h{k}", s, u, v, matrix)
-        terms = [(x, -c / seconds) for x, c in terms]
+    for k, pool in pools.items():
+        terms = [(x, -c / seconds) for x, c in hideable[k]]
         h = pulp.LpVariable(f"hide_{k}", lowBound=0)
         add(h, -pool.weight * seconds)
         hidden.append((h, 1.0))
         if pool.unhidden > 0:
             z = pulp.LpVariable(f"hide_z_{k}", cat=pulp.LpBinary)
             _at_most(prob, [(h, 1.0), (z, pool.unhidden / seconds)] + terms, f"hide_{k}")
-            _at_most(prob, [(h, 1.0), (z, (pool.unhidden - bound) / seconds)], f"hide_z_{k}")
+            _at_most(prob, [(h, 1.0), (z, (pool.unhidden - pool.bound()) / seconds)], f"hide_z_{k}")
         else:
             _at_most(prob, [(h, 1.0)] + terms, f"hide_{k}")
     if hidden:

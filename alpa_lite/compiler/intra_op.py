@@ -97,6 +97,7 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
                   loss_reduction=loss_reduction or LossReduction("mean", None),
                   zero_stages=zero_stages(cg, nodes), captured=cg,
                   remat=remat,
-                  solver_limits=solver_limits("intra-op", sol))
+                  solver_limits=solver_limits("intra-op", sol),
+                  update_seconds=sum(s.compute for n, s in chosen.items() if n in cg.param_fqns))
     stats["total_s"] = time.perf_counter() - t1
     return result

@@ -145,6 +145,9 @@ class Plan:
         solver_limits: the ILPs of this plan whose solver stopped at its time limit, each
             ``{"ilp": which, "gap": relative gap to the solver's bound or None (unknown)}``; such a
             plan may come out otherwise on a rerun or another machine (empty: every ILP optimal).
+        update_seconds: the optimizer step's part of ``compute_seconds`` (each parameter's AdamW
+            update), seconds: it runs after backward and hides no gradient synchronization
+            (``overlap_seconds``; 0 in plans written before it was recorded).
     """
 
     mesh: LogicalMesh
@@ -165,6 +168,7 @@ class Plan:
     captured: object = field(default=None, compare=False, repr=False)
     remat: list[list[str]] = field(default_factory=list)
     solver_limits: list[dict] = field(default_factory=list)
+    update_seconds: float = 0.0
 
     kind = "spmd"
 
@@ -186,20 +190,20 @@ class Plan:
         one but the last to become ready (group 0, and the first bucket of each kind and mesh
         axes: their parameters used first, often the first layer's, complete only when backward
         ends) can run under the remaining backward compute, which is 2/3 of the step's compute
-        (backward is 2x forward FLOPs): hidden = min(their time - group 0's and those buckets',
-        2/3 compute) (``hidden_seconds``).
+        but the optimizer update's (backward is 2x forward FLOPs): hidden = min(their time -
+        group 0's and those buckets', 2/3 (compute - update)) (``hidden_seconds``).
         """
-        return sum(hidden_seconds(self.collectives, self.compute_seconds))
+        return sum(hidden_seconds(self.collectives, self.compute_seconds - self.update_seconds))
 
     @property
     def once_seconds(self) -> float:
         """The part of ``step_seconds`` a pipeline stage pays once per step, seconds (``step_parts``)."""
-        return step_parts(self.collectives, self.compute_seconds)[1]
+        return step_parts(self.collectives, self.compute_seconds, self.update_seconds)[1]
 
     @property
     def microbatch_seconds(self) -> float:
         """The part of ``step_seconds`` a pipeline stage pays per microbatch, seconds (``step_parts``)."""
-        return step_parts(self.collectives, self.compute_seconds)[0]
+        return step_parts(self.collectives, self.compute_seconds, self.update_seconds)[0]
 
     def collective_counts(self) -> dict[tuple[str, str], int]:
         """``(kind, phase) -> count`` over one training step."""
@@ -237,6 +241,7 @@ class Plan:
             "loss_reduction": self.loss_reduction.to_dict(),
             "zero_stages": {k: {"stage": z, "axes": list(a)} for k, (z, a) in sorted(self.zero_stages.items())},
             "remat": self.remat,
+            "update_seconds": self.update_seconds,
         }
         if self.solver_limits:
             d["solver_limits"] = self.solver_limits
@@ -255,7 +260,8 @@ class Plan:
                    LossReduction.from_dict(d["loss_reduction"]) if "loss_reduction" in d else LossReduction("mean", None),
                    {k: (int(v["stage"]), tuple(v["axes"])) for k, v in d.get("zero_stages", {}).items()},
                    remat=[list(layer) for layer in d.get("remat", [])],
-                   solver_limits=list(d.get("solver_limits", [])))
+                   solver_limits=list(d.get("solver_limits", [])),
+                   update_seconds=float(d.get("update_seconds", 0.0)))
 
     def to_json(self, path: str | Path | None = None) -> str:
         """The plan as JSON (byte-identical for the same inputs); written to ``path`` if given.
@@ -385,7 +391,8 @@ class PipelinePlan:
         step time, seconds: ``step_seconds`` with it added back is the step of a run that waits on
         every collective where it is issued (``report=True``)."""
         sched = get_schedule(self.schedule, self.chunks)
-        hidden = [hidden_seconds(s.plan.collectives, s.plan.compute_seconds) for s in self.stages]
+        hidden = [hidden_seconds(s.plan.collectives, s.plan.compute_seconds - s.plan.update_seconds)
+                  for s in self.stages]
         waited = (sum(s.once_seconds + h[1] for s, h in zip(self.stages, hidden))
                   + schedule_step_seconds(sched, [s.seconds + h[0] for s, h in zip(self.stages, hidden)],
                                           self.num_microbatches))
@@ -527,7 +534,8 @@ hide the gradient synchronization (``hidden_seconds``)."""
 
 def hidden_seconds(collectives, compute_seconds: float) -> tuple[float, float]:
     """``(ZeRO-3 reduce-scatters, gradient buckets)`` hidden behind backward, seconds, of a step
-    (or a pipeline stage's last microbatch) that computes ``compute_seconds`` and issues
+    (or a pipeline stage's last microbatch) that computes ``compute_seconds`` forward and
+    backward (the optimizer update not included) and issues
     ``collectives`` (``Plan.overlap_seconds``): every ZeRO-3 group's reduce-scatter but group 0's
     first, then every gradient bucket but the first listed of each (kind, mesh axes), within the
     backward's share of the compute (``BACKWARD_SHARE``). The first bucket of a (kind, axes)
@@ -547,13 +555,14 @@ def hidden_seconds(collectives, compute_seconds: float) -> tuple[float, float]:
     return groups, min(budget - groups, buckets)
 
 
-def step_parts(collectives, compute_seconds: float) -> tuple[float, float]:
+def step_parts(collectives, compute_seconds: float, update_seconds: float = 0.0) -> tuple[float, float]:
     """``(per microbatch, once per step)`` seconds of a step (a pipeline stage's: per microbatch)
-    that computes ``compute_seconds`` and issues ``collectives``: compute and the collectives of
+    that computes ``compute_seconds`` (``update_seconds`` of it the optimizer update, which hides
+    nothing) and issues ``collectives``: compute and the collectives of
     every microbatch less the ZeRO-3 reduce-scatters hidden behind its backward; the gradient and
     parameter buckets (``is_once_per_step``) less those hidden behind the last microbatch's
     backward (``hidden_seconds``). Their sum is ``Plan.step_seconds``."""
-    groups, buckets = hidden_seconds(collectives, compute_seconds)
+    groups, buckets = hidden_seconds(collectives, compute_seconds - update_seconds)
     once = sum(c.seconds for c in collectives if is_once_per_step(c))
     return compute_seconds + sum(c.seconds for c in collectives) - once - groups, once - buckets
 
