@@ -14,7 +14,7 @@ from alpa_lite.compiler.constraints import restrict
 from alpa_lite.compiler.ilp import Pool, brute_force, highs_available, solve
 from alpa_lite.core.capture import capture
 from alpa_lite.core.options import PlanOptions
-from alpa_lite.core.plan import first_use_positions, gradient_buckets
+from alpa_lite.core.plan import first_use_positions, gradient_buckets, local_bytes
 
 from test_ilp import random_graph
 from test_planner import MLP
@@ -112,11 +112,12 @@ def test_mlp_optimum_is_the_least_listing_of_every_zero2_assignment(mlp, monkeyp
     bucket): every parameter replicated, its 4 all-reduce buckets 1-3 hidden in the listing.
 
     Every plan's objective is within its stated bound of its listing (docs/planner.md, "One
-    price"): the objective pays no gradient all-reduce bucket's latency and, of the ZeRO-1/2
-    buckets, one latency per kind and axes plus the update's share ``bytes / bucket_bytes``
-    (exactly, below); of each (kind, axes) it hides ``max(0, S - c)`` (``S`` its buckets'
-    bandwidth seconds, ``c`` one full bucket's), the listing all but its first bucket, their
-    latency included: ``0 <= overlap - hidden <= sum (c + (n - 1) alpha)``."""
+    price"): where the listing pays one latency per bucket, the objective pays each gradient's
+    share ``min(1, b / bucket_bytes)`` and, of the ZeRO-1/2 buckets, one latency per kind and axes
+    plus the update's share ``bytes / bucket_bytes`` (exactly, below); of each (kind, axes) it
+    hides ``max(0, S - c)`` (``S`` its members' seconds, ``c`` one full bucket's), the listing all
+    but its first bucket: ``0 <= overlap - hidden <= sum (c + (n - 1) alpha)`` over the
+    (kind, axes) of ``n`` buckets."""
     _, _, cg = mlp
     alpha = MESH.collective_cost("all-reduce", 0, (0,))
     assert all(MESH.collective_cost(k, 0, a) == alpha for k in ("all-gather", "reduce-scatter") for a in ((0,), (1,)))
@@ -126,11 +127,13 @@ def test_mlp_optimum_is_the_least_listing_of_every_zero2_assignment(mlp, monkeyp
         p = plans[stages] = with_zero(cg, zero, monkeypatch, param_specs=TP, bucket_bytes=bucket)
         kinds = buckets_of(p)
         updates = [c.nbytes for c in p.collectives if c.node.startswith("parameter bucket")]
-        latency = (-alpha * len(kinds.get(("all-reduce", (0,)), ())) + alpha * (sum(updates) / bucket + 1 - len(updates))
-                   * bool(updates) + alpha * (1 - len(kinds.get(("reduce-scatter", (0,)), ()))) * bool(any(stages)))
+        shares = sum(min(1.0, local_bytes(cg.node(ph).meta["val"], p.nodes[ph].out_specs[0], MESH.shape) / bucket)
+                     for ph in p.grad_sync)
+        ilp_latency = alpha * (shares + any(stages) + (sum(updates) / bucket + 1) * bool(updates))
+        listed_latency = alpha * (sum(map(len, kinds.values())) + len(updates))
         assert p.stats["ilp_objective"] == pytest.approx(p.step_seconds + p.overlap_seconds - p.stats["ilp_hidden"]
-                                                         + latency, rel=1e-9)
-        slack = sum(MESH.marginal_cost(k, bucket, a) + (len(b) - 1) * alpha for (k, a), b in kinds.items())
+                                                         + ilp_latency - listed_latency, rel=1e-9)
+        slack = sum(MESH.marginal_cost(k, bucket, a) + len(b) * alpha for (k, a), b in kinds.items())
         assert -1e-15 <= p.overlap_seconds - p.stats["ilp_hidden"] <= slack
     by_objective = min(plans, key=lambda k: plans[k].stats["ilp_objective"])
     by_listing = min(plans, key=lambda k: plans[k].step_seconds)
