@@ -243,7 +243,8 @@ def _pool_parameter(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple
     ``_price_value``) to the cost graph's pools: each gradient sync's seconds on its edge to the
     pool of its bucket's (kind, mesh axes), and each groupable ZeRO-3 use's reduce-scatter to the
     ZeRO-3 pool. A pool leaves at most its first bucket (group) of ``bucket_bytes`` unhidden
-    (a bucket priced as its members, ``ReshardCosts.bucket_cost``)."""
+    (a bucket priced as its members, ``ReshardCosts.bucket_cost``); an all-reduce pool pays one
+    latency when any parameter syncs in it (a reduce-scatter's: ZeRO-2's fixed charge)."""
     mesh = reshard.mesh
     for v, ins in edges:
         sync = reshard.sync_matrix(outs, ins, shape, itemsize, zeros)
@@ -259,6 +260,9 @@ def _pool_parameter(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple
         for key, matrix in parts.items():
             if key not in graph.pools:
                 axes = [(a,) for a in (0, 1) if mesh.shape[a] > 1]
-                graph.pools[key] = Pool(reshard.bucket_cost(key[1], bucket_bytes, key[2]) if key[0] == "bucket" else
-                                        min(mesh.collective_cost("reduce-scatter", bucket_bytes, a) for a in axes))
+                if key[0] == "groups":
+                    graph.pools[key] = Pool(min(mesh.collective_cost("reduce-scatter", bucket_bytes, a) for a in axes))
+                else:  # a reduce-scatter's latency is ZeRO-2's fixed charge
+                    latency = mesh.collective_cost("all-reduce", 0, key[2]) if key[1] == "all-reduce" else 0.0
+                    graph.pools[key] = Pool(reshard.bucket_cost(key[1], bucket_bytes, key[2]), latency=latency)
             graph.pools[key].add_edge(u, v, matrix)

@@ -49,7 +49,10 @@ them hide within ``D(s) = sum_v d_v^T s_v``, backward's share of the compute. Wi
 
 so ``h_P = max(0, S_P - c_P)``, the pools of larger weight ``w_P`` first (a pipeline stage's
 buckets, run once per step, weigh ``1 / B``) within ``D``, as ``core.plan.hidden_seconds``
-fills its budget. Where ``c_P = 0`` there is no ``z_P``.
+fills its budget. Where ``c_P = 0`` there is no ``z_P``. A pool of gradient all-reduces also
+pays its first bucket's latency ``a_P`` once if it has any member (``y_P >= x`` for every
+variable ``x`` of ``S_P``, ``+ a_P y_P``; a fixed charge on edges), its members their share of
+the other buckets' (``ReshardCosts.bucket_cost``).
 
 Activation checkpointing (rematerialization; Chen et al. 2016, "Training Deep Nets with
 Sublinear Memory Cost"; Alpa's remat): a ``RematGroup`` ``l`` (a layer) holds the bytes
@@ -157,12 +160,15 @@ class Pool:
             or bucket, of at most ``bucket_bytes``).
         weight: ``w_P``, the weight of a hidden second in the objective (1; a pipeline stage's
             buckets, run once per step: ``1 / B``).
+        latency: seconds paid once when any of its seconds is chosen (``S_P > 0``): the latency of
+            the kind and axes' first bucket (its members pay their share of the others').
         extra: variable -> seconds per strategy.
         edges: ``(u, v) -> matrix``, seconds when u picks p and v picks q (``CostGraph.edges``).
     """
 
     unhidden: float
     weight: float = 1.0
+    latency: float = 0.0
     extra: dict[int, list[float]] = field(default_factory=dict)
     edges: dict[tuple[int, int], list[list[float]]] = field(default_factory=dict)
 
@@ -249,6 +255,7 @@ class CostGraph:
                 + sum(m[choice[u]][t] for (u, readers), m in self.moves.items()
                       for t in {wants[choice[v]] for v, wants in readers} if t >= 0)
                 + sum(g.recompute(choice) for g, r in zip(self.remat, remat) if r)
+                + sum(p.latency for p in self.pools.values() if p.seconds(choice) > 0)
                 - self.hidden(choice))
 
     def hidden(self, choice: list[int]) -> float:
@@ -447,7 +454,7 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
                                              rhs=1), f"one_{v}")
         for x, c in zip(xs, graph.costs[v]):
             add(x, c)
-    pools = _live_pools(graph)
+    pools = _used_pools(graph)
     hideable = {k: _vector_terms(s, pool.extra) for k, pool in pools.items()}  # S_P's terms
     on_edges: dict[tuple[int, int], list] = {}  # a pool's matrices on an edge of the graph share its e
     for k, pool in pools.items():
@@ -616,20 +623,37 @@ def _at_most(prob, terms, name: str) -> None:
                                          pulp.LpConstraintLE, rhs=-sum(c for x, c in terms if x is None)), name)
 
 
-def _live_pools(graph: CostGraph) -> dict[int, Pool]:
-    """The pools of ``graph`` that can hide something (their largest ``S_P`` above ``c_P``, a
-    weight), by their index in key order."""
+def _hides(pool: Pool) -> bool:
+    """Whether ``pool`` can hide anything: its largest ``S_P`` above ``c_P``, and a weight."""
+    return pool.bound() > pool.unhidden and bool(pool.weight)
+
+
+def _used_pools(graph: CostGraph) -> dict[int, Pool]:
+    """The pools of ``graph`` that can hide something (``_hides``) or charge a latency, by their
+    index in key order."""
     ordered = sorted(graph.pools.items(), key=lambda kv: str(kv[0]))
-    return {k: pool for k, (_, pool) in enumerate(ordered) if pool.bound() > pool.unhidden and pool.weight}
+    return {k: pool for k, (_, pool) in enumerate(ordered) if _hides(pool) or pool.latency}
 
 
 def _overlap_terms(prob, graph: CostGraph, pools: dict[int, Pool], hideable: dict[int, list], s, add,
                    seconds: float) -> None:
-    """The variables ``h_P`` and ``z_P`` and the rows of the overlap (module docstring) of the
-    live ``pools`` (``_live_pools``), whose ``S_P`` has the terms ``hideable[k]``, in units of
+    """The variables ``h_P`` and ``z_P`` and the rows of the overlap (module docstring), and each
+    pool's latency ``y_P >= x`` for every term ``x`` of ``S_P`` (paid once if any is chosen), for
+    ``pools`` (``_used_pools``), whose ``S_P`` has the terms ``hideable[k]``, in units of
     ``seconds`` (``_seconds_unit``)."""
     hidden = []
     for k, pool in pools.items():
+        if pool.latency:
+            if any(x is None and c > 0 for x, c in hideable[k]):
+                add(None, pool.latency)
+            else:
+                y = pulp.LpVariable(f"pool_y_{k}", lowBound=0, upBound=1)
+                add(y, pool.latency)
+                for i, (x, c) in enumerate(hideable[k]):
+                    if c > 0:
+                        _at_most(prob, [(x, 1.0), (y, -1.0)], f"pool_y_{k}_{i}")
+        if not _hides(pool):
+            continue
         terms = [(x, -c / seconds) for x, c in hideable[k]]
         h = pulp.LpVariable(f"hide_{k}", lowBound=0)
         add(h, -pool.weight * seconds)

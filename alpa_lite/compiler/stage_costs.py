@@ -587,9 +587,9 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
     if sync_weight != 1.0:
         _discount_gradient_sync(cg, table, where, graph, names, reshard, sync_weight)
         _discount_zero_updates(cg, table, where, graph, names, sync_weight)
-        for key, pool in graph.pools.items():  # buckets hide behind the last microbatch's backward, once per step
+        for key, pool in graph.pools.items():  # buckets run, and hide behind the last microbatch's backward, once per step
             if key[0] == "bucket":
-                pool.weight = sync_weight
+                pool.weight, pool.latency = sync_weight, pool.latency * sync_weight
     weight_vars = {where[p].var for p in names if p in cg.param_fqns or p in cg.buffer_fqns}
     unscaled = graph.memory
     if act_scale != 1:
