@@ -34,7 +34,7 @@ import torch
 from ..core.capture import CapturedGraph
 from ..core.mesh import LogicalMesh
 from ..core.options import PlanOptions
-from ..core.plan import BACKWARD_SHARE
+from ..core.plan import BACKWARD_SHARE, first_use_positions
 from ..core.resharding import ReshardCosts, grouped_steps, is_gradient_sync, regathers, reshard_costs, step_cost
 from ..core.spec import ShardingSpec
 from .ilp import CostGraph, Pool, RematGroup
@@ -126,6 +126,8 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
     readers: dict[tuple[str, int], list[tuple[int, tuple]]] = {}  # value -> reader edges (var, wanted per strategy)
     recomputed: dict[tuple[str, int], dict] = {}  # value -> {(var, wanted, group index)} read inside remat layers
     casts = cg.param_casts  # a parameter's low-precision copy: its gradient sync is bucketed too
+    position = first_use_positions(cg)
+    first = min((position[ph] for ph in cg.param_fqns if ph in table), default=None)
 
     def new_var(name, ns):
         graph.costs.append([0.0] * len(ns.strategies))
@@ -193,9 +195,9 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         parameter = src_name in cg.param_fqns or src_name in casts
         _price_value(graph, reshard, src.var, outs, zeros, reduced, edges, tuple(val.shape), val.element_size(),
                      parameter)
-        if parameter:
+        if parameter:  # the parameters used first complete their gradients when backward ends
             _pool_parameter(graph, reshard, src.var, outs, zeros, edges, tuple(val.shape), val.element_size(),
-                            (options or PlanOptions()).bucket_bytes)
+                            (options or PlanOptions()).bucket_bytes, position[casts.get(src_name, src_name)] != first)
         # forward only (no gradient); a forbidden pair: not chosen; a ZeRO-3 use: free, the
         # recomputation's gather replaces the backward's (``resharding.regathers``)
         for v, ins, i in recomputed.get((src_name, r), ()):
@@ -238,13 +240,15 @@ def _price_value(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple, z
 
 
 def _pool_parameter(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple, zeros: tuple, edges: list, shape,
-                    itemsize: int, bucket_bytes: float) -> None:
+                    itemsize: int, bucket_bytes: float, hides: bool) -> None:
     """Add what backward may hide of one parameter's uses (``outs``, ``zeros``, ``edges`` as
     ``_price_value``) to the cost graph's pools: each gradient sync's seconds on its edge to the
     pool of its bucket's (kind, mesh axes), and each groupable ZeRO-3 use's reduce-scatter to the
     ZeRO-3 pool. A pool leaves at most its first bucket (group) of ``bucket_bytes`` unhidden
-    (a bucket priced as its members, ``ReshardCosts.bucket_cost``); an all-reduce pool pays one
-    latency when any parameter syncs in it (a reduce-scatter's: ZeRO-2's fixed charge)."""
+    (a bucket priced as its members, ``LogicalMesh.bucketed_cost``); an all-reduce pool pays one
+    latency when any parameter syncs in it (a reduce-scatter's: ZeRO-2's fixed charge). ``hides``
+    False: a parameter used first, in the bucket (group) completed last, whatever its size: a
+    member that pays the pool's latency, not part of what hides."""
     mesh = reshard.mesh
     for v, ins in edges:
         sync = reshard.sync_matrix(outs, ins, shape, itemsize, zeros)
@@ -264,5 +268,7 @@ def _pool_parameter(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple
                     graph.pools[key] = Pool(min(mesh.collective_cost("reduce-scatter", bucket_bytes, a) for a in axes))
                 else:  # a reduce-scatter's latency is ZeRO-2's fixed charge
                     latency = mesh.collective_cost("all-reduce", 0, key[2]) if key[1] == "all-reduce" else 0.0
-                    graph.pools[key] = Pool(reshard.bucket_cost(key[1], bucket_bytes, key[2]), latency=latency)
-            graph.pools[key].add_edge(u, v, matrix)
+                    graph.pools[key] = Pool(mesh.bucketed_cost(key[1], bucket_bytes, key[2], bucket_bytes),
+                                            latency=latency)
+            if hides or graph.pools[key].latency:
+                graph.pools[key].add_edge(u, v, matrix, hides)

@@ -52,7 +52,7 @@ buckets, run once per step, weigh ``1 / B``) within ``D``, as ``core.plan.hidden
 fills its budget. Where ``c_P = 0`` there is no ``z_P``. A pool of gradient all-reduces also
 pays its first bucket's latency ``a_P`` once if it has any member (``y_P >= x`` for every
 variable ``x`` of ``S_P``, ``+ a_P y_P``; a fixed charge on edges), its members their share of
-the other buckets' (``ReshardCosts.bucket_cost``).
+the other buckets' (``LogicalMesh.bucketed_cost``).
 
 Activation checkpointing (rematerialization; Chen et al. 2016, "Training Deep Nets with
 Sublinear Memory Cost"; Alpa's remat): a ``RematGroup`` ``l`` (a layer) holds the bytes
@@ -160,10 +160,13 @@ class Pool:
             or bucket, of at most ``bucket_bytes``).
         weight: ``w_P``, the weight of a hidden second in the objective (1; a pipeline stage's
             buckets, run once per step: ``1 / B``).
-        latency: seconds paid once when any of its seconds is chosen (``S_P > 0``): the latency of
-            the kind and axes' first bucket (its members pay their share of the others').
+        latency: seconds paid once when any member is chosen (``used``): the latency of the kind
+            and axes' first bucket (its members pay their share of the others').
         extra: variable -> seconds per strategy.
         edges: ``(u, v) -> matrix``, seconds when u picks p and v picks q (``CostGraph.edges``).
+        held_extra / held_edges: the same, of members that never hide (the parameters used first:
+            their gradients complete when backward ends); they are no part of ``S_P`` but pay
+            ``latency``.
     """
 
     unhidden: float
@@ -171,10 +174,21 @@ class Pool:
     latency: float = 0.0
     extra: dict[int, list[float]] = field(default_factory=dict)
     edges: dict[tuple[int, int], list[list[float]]] = field(default_factory=dict)
+    held_extra: dict[int, list[float]] = field(default_factory=dict)
+    held_edges: dict[tuple[int, int], list[list[float]]] = field(default_factory=dict)
 
-    def add_edge(self, u: int, v: int, matrix: list[list[float]]) -> None:
-        """Add (or accumulate into) the pool's seconds on ``u -> v`` (``CostGraph.add_edge``)."""
-        _add_linear_edge(self.extra, self.edges, u, v, matrix)
+    def add_edge(self, u: int, v: int, matrix: list[list[float]], hides: bool = True) -> None:
+        """Add (or accumulate into) the pool's seconds on ``u -> v`` (``CostGraph.add_edge``);
+        ``hides`` False: of members that never hide (``held_edges``)."""
+        if hides:
+            _add_linear_edge(self.extra, self.edges, u, v, matrix)
+        else:
+            _add_linear_edge(self.held_extra, self.held_edges, u, v, matrix)
+
+    def used(self, choice) -> bool:
+        """Whether ``choice`` chooses any member's seconds (all are non-negative)."""
+        return self.seconds(choice) > 0 or (sum(vec[choice[v]] for v, vec in self.held_extra.items())
+                                            + sum(m[choice[u]][choice[v]] for (u, v), m in self.held_edges.items())) > 0
 
     def seconds(self, choice) -> float:
         """``S_P``: the pool's seconds under ``choice``."""
@@ -255,7 +269,7 @@ class CostGraph:
                 + sum(m[choice[u]][t] for (u, readers), m in self.moves.items()
                       for t in {wants[choice[v]] for v, wants in readers} if t >= 0)
                 + sum(g.recompute(choice) for g, r in zip(self.remat, remat) if r)
-                + sum(p.latency for p in self.pools.values() if p.seconds(choice) > 0)
+                + sum(p.latency for p in self.pools.values() if p.latency and p.used(choice))
                 - self.hidden(choice))
 
     def hidden(self, choice: list[int]) -> float:
@@ -455,22 +469,24 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
         for x, c in zip(xs, graph.costs[v]):
             add(x, c)
     pools = _used_pools(graph)
-    hideable = {k: _vector_terms(s, pool.extra) for k, pool in pools.items()}  # S_P's terms
+    parts = {(k, hides): (pool.extra, pool.edges) if hides else (pool.held_extra, pool.held_edges)
+             for k, pool in pools.items() for hides in ((True, False) if pool.latency else (True,))}
+    pool_terms = {key: _vector_terms(s, extra) for key, (extra, _) in parts.items()}  # S_P's, the held members'
     on_edges: dict[tuple[int, int], list] = {}  # a pool's matrices on an edge of the graph share its e
-    for k, pool in pools.items():
-        for (u, v), matrix in sorted(pool.edges.items()):
+    for key, (_, edges) in parts.items():
+        for (u, v), matrix in sorted(edges.items()):
             if (v, u) in graph.edges:
                 u, v, matrix = v, u, [list(col) for col in zip(*matrix)]
             if (u, v) in graph.edges:
-                on_edges.setdefault((u, v), []).append((k, matrix))
+                on_edges.setdefault((u, v), []).append((key, matrix))
             else:
-                hideable[k] += _edge_terms(prob, f"h{k}", s, u, v, matrix)[0]
+                pool_terms[key] += _edge_terms(prob, f"h{key[0]}{'h' if key[1] else 'k'}", s, u, v, matrix)[0]
     for (u, v), matrix in sorted(graph.edges.items()):
         terms = _edge_terms(prob, "", s, u, v, matrix, *(m for _, m in on_edges.get((u, v), ())))
         for x, c in terms[0]:
             add(x, c)
-        for (k, _), pool_terms in zip(on_edges.get((u, v), ()), terms[1:]):
-            hideable[k] += pool_terms
+        for (key, _), more in zip(on_edges.get((u, v), ()), terms[1:]):
+            pool_terms[key] += more
     for k, (key, (seconds, members)) in enumerate(sorted(graph.fixed.items(), key=lambda kv: str(kv[0]))):
         if any(s[v] is None for v, _ in members):  # always paid
             add(None, seconds)
@@ -482,7 +498,7 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
         add(y, seconds)
     for g, ((u, readers), matrix) in enumerate(sorted(graph.moves.items())):
         _shared_move(prob, g, s, u, readers, matrix, add)
-    _overlap_terms(prob, graph, pools, hideable, s, add, per)
+    _overlap_terms(prob, graph, pools, pool_terms, s, add, per)
     unit = max(memory_budget, 1.0) if math.isfinite(memory_budget) else 1.0
     r, mem_terms = _remat_terms(prob, graph, s, add, unit, per)
     prob.setObjective(pulp.LpAffineExpression(list(objective.items()), constant=constant))
@@ -635,26 +651,27 @@ def _used_pools(graph: CostGraph) -> dict[int, Pool]:
     return {k: pool for k, (_, pool) in enumerate(ordered) if _hides(pool) or pool.latency}
 
 
-def _overlap_terms(prob, graph: CostGraph, pools: dict[int, Pool], hideable: dict[int, list], s, add,
+def _overlap_terms(prob, graph: CostGraph, pools: dict[int, Pool], pool_terms: dict[tuple, list], s, add,
                    seconds: float) -> None:
     """The variables ``h_P`` and ``z_P`` and the rows of the overlap (module docstring), and each
-    pool's latency ``y_P >= x`` for every term ``x`` of ``S_P`` (paid once if any is chosen), for
-    ``pools`` (``_used_pools``), whose ``S_P`` has the terms ``hideable[k]``, in units of
-    ``seconds`` (``_seconds_unit``)."""
+    pool's latency ``y_P >= x`` for every term ``x`` of its members (paid once if any is chosen),
+    for ``pools`` (``_used_pools``), whose ``S_P`` has the terms ``pool_terms[k, True]`` and whose
+    held members ``pool_terms[k, False]``, in units of ``seconds`` (``_seconds_unit``)."""
     hidden = []
     for k, pool in pools.items():
         if pool.latency:
-            if any(x is None and c > 0 for x, c in hideable[k]):
+            members = pool_terms[k, True] + pool_terms[k, False]
+            if any(x is None and c > 0 for x, c in members):
                 add(None, pool.latency)
             else:
                 y = pulp.LpVariable(f"pool_y_{k}", lowBound=0, upBound=1)
                 add(y, pool.latency)
-                for i, (x, c) in enumerate(hideable[k]):
+                for i, (x, c) in enumerate(members):
                     if c > 0:
                         _at_most(prob, [(x, 1.0), (y, -1.0)], f"pool_y_{k}_{i}")
         if not _hides(pool):
             continue
-        terms = [(x, -c / seconds) for x, c in hideable[k]]
+        terms = [(x, -c / seconds) for x, c in pool_terms[k, True]]
         h = pulp.LpVariable(f"hide_{k}", lowBound=0)
         add(h, -pool.weight * seconds)
         hidden.append((h, 1.0))

@@ -171,11 +171,10 @@ class ReshardCosts:
     """Memoized cost (seconds, forward + backward) of moving a tensor between specs.
 
     A parameter's gradient synchronization (``is_gradient_sync``) is bucketed: the ILP charges its
-    bandwidth term over the flattened axes (``LogicalMesh.marginal_cost``) and its share
-    ``b / bucket_bytes`` of a bucket's latency (``Plan`` pays one latency per bucket of at most
-    ``bucket_bytes``: ``B`` bytes in ``n`` buckets, ``B / bucket_bytes <= n < B / bucket_bytes + 1``
-    for gradients under the size; ZeRO-2's reduce-scatter also pays one latency as the cost
-    graph's fixed charge).
+    bandwidth term over the flattened axes and its share of a bucket's latency
+    (``LogicalMesh.bucketed_cost``; ``Plan`` pays one latency per bucket of at most
+    ``bucket_bytes``); the first bucket's latency is the cost graph's: a pool's for all-reduces
+    (``ilp.Pool.latency``), ZeRO-2's fixed charge for reduce-scatters.
 
     Alpa's switches (``PlanOptions``, docs/planner.md): a move with a step of a kind in ``forbid``
     (``"all-gather"``, ``"all-to-all"``; forward or backward, and the once-per-step all-gather of a
@@ -216,7 +215,7 @@ class ReshardCosts:
             nbytes = itemsize * math.prod(src.local_shape(shape, self.mesh.shape))
             axes = tuple(sorted(grad_partial))
             kind = "reduce-scatter" if zero[0] == 2 else "all-reduce"
-            cost = self._cache[key] = self.bucket_cost(kind, nbytes, axes)
+            cost = self._cache[key] = self.mesh.bucketed_cost(kind, nbytes, axes, self.bucket_bytes)
         if cost is None:
             steps = forward_steps(src, dst, shape, itemsize, self.mesh.shape)
             if grad_partial is not None:
@@ -226,13 +225,6 @@ class ReshardCosts:
             forbidden = any(s.kind in self.forbid for s in steps)
             cost = self._cache[key] = math.inf if forbidden else sum(step_cost(s, self.mesh) for s in steps)
         return cost
-
-    def bucket_cost(self, kind: str, nbytes: float, axes: tuple[int, ...]) -> float:
-        """Seconds ``nbytes`` of gradient add to a bucketed ``kind`` over ``axes``: the marginal
-        cost of the bytes (``LogicalMesh.marginal_cost``) and their share ``min(1, nbytes /
-        bucket_bytes)`` of a bucket's latency (a larger gradient is its own bucket)."""
-        return (self.mesh.marginal_cost(kind, nbytes, axes)
-                + self.mesh.collective_cost(kind, 0, axes) * min(1.0, nbytes / self.bucket_bytes))
 
     def matrix(self, outs: tuple, ins: tuple, shape, itemsize, parameter: bool = False,
                zeros: tuple | None = None, reduced: tuple | None = None) -> list[list[float]]:
