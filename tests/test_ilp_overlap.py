@@ -3,15 +3,18 @@ gradient buckets and ZeRO-3 reduce-scatters is in the objective, so the ILP's op
 its listing prices fastest. Exact against brute force on random graphs; on the hidden-1024 MLP
 of tests/test_zero.py against the listings of every ZeRO-2 assignment of its parameters."""
 import itertools
+import math
 import random
 
 import pytest
 import torch
 
 from alpa_lite import LogicalMesh, plan
-from alpa_lite.compiler import intra_op
+from alpa_lite.compiler import intra_op, stage_costs
 from alpa_lite.compiler.constraints import restrict
 from alpa_lite.compiler.ilp import Pool, brute_force, highs_available, solve
+from alpa_lite.compiler.strategies import build_strategies
+from alpa_lite.compiler.zero import add_zero_strategies
 from alpa_lite.core.capture import capture
 from alpa_lite.core.options import PlanOptions
 from alpa_lite.core.plan import first_use_positions, gradient_buckets, local_bytes
@@ -178,3 +181,45 @@ def test_zero2_everywhere_is_chosen_where_the_listing_prices_it_fastest(mlp, mon
     assert p.overlap_seconds == 0.0
     assert p.step_seconds == pytest.approx(9.144136e-5, rel=1e-6)
     assert p.stats["ilp_objective"] > free.stats["ilp_objective"]
+
+
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_stage_ilp_optimum_is_the_least_stage_listing(mlp, monkeypatch, microbatches):
+    """The MLP as one pipeline stage of ``B`` microbatches (``stage_costs.solve_stage``, 2 MiB
+    buckets, Megatron's specs forced), each parameter ZeRO-2 over axis 0 or not: the stage ILP's
+    least objective is the least ``t + o / B`` of the stage's listing (``core.plan.step_parts``:
+    buckets once per step, hidden behind the last microbatch's backward), which its buckets'
+    overlap pools, weighing ``1 / B``, price; and the free stage ILP is listed at it. ``B = 1``:
+    every parameter replicated (the SPMD plan of the same buckets); ``B = 4``: ZeRO-2 on every
+    parameter (its update all-gather runs once per step, its smaller per-microbatch update wins)."""
+    _, _, cg = mlp
+    options = PlanOptions(batch_axis=0, param_specs=TP, bucket_bytes=2 * 2**20 + 8192)
+    names = [n.name for n in cg.graph.nodes if n.op != "output"]
+    solved = []
+    real = stage_costs.solve
+
+    def spy(graph, *args, **kwargs):
+        solved.append((graph, real(graph, *args, **kwargs)))
+        return solved[-1][1]
+
+    monkeypatch.setattr(stage_costs, "solve", spy)
+
+    def stage(zero=None):
+        table = build_strategies(cg, MESH)
+        add_zero_strategies(cg, table, MESH, options.bucket_bytes)
+        for ph, fqn in cg.param_fqns.items():
+            if zero is not None:
+                restrict(table[ph], lambda s, want=zero[fqn]: (s.zero_stage, s.zero_axes) == want)
+        sol = stage_costs.solve_stage(cg, names, MESH, math.inf, 1, table, options, sync_weight=1 / microbatches)
+        graph, ilp_sol = solved[-1]
+        pools = {key[0]: (p.weight, p.latency) for key, p in graph.pools.items()}
+        assert pools.get("bucket", (1 / microbatches,))[0] == 1 / microbatches and pools.get("groups", (1,))[0] == 1
+        return sol.seconds + sol.once_seconds / microbatches, ilp_sol.objective
+
+    priced = {stages: stage({f: (z, (0,) if z else ()) for f, z in zip(TP, stages)})
+              for stages in itertools.product((0, 2), repeat=len(TP))}
+    by_listing = min(priced, key=lambda k: priced[k][0])
+    by_objective = min(priced, key=lambda k: priced[k][1])
+    assert priced[by_objective][0] == pytest.approx(priced[by_listing][0], rel=1e-12)
+    assert by_listing == ((0,) if microbatches == 1 else (2,)) * len(TP)
+    assert stage()[0] == pytest.approx(priced[by_listing][0], rel=1e-12)
