@@ -301,9 +301,9 @@ def _capture(model, example_inputs, loss_fn, targets, example_kwargs, compute_dt
     trainable = {spec.arg.name for spec in ep.graph_signature.input_specs
                  if spec.kind is InputKind.PARAMETER and spec.target not in frozen}
     try:
-        tracked, mutated = _fake_run(ep.graph_module, trainable, store=any_batch)
+        tracked, mutated = _fake_run(ep.graph, trainable, store=any_batch)
     except RuntimeError:  # a parameter written in place (a leaf that requires grad): look for writes without grad
-        tracked, mutated = None, _fake_run(ep.graph_module, set(), store=any_batch)[1]
+        tracked, mutated = None, _fake_run(ep.graph, set(), store=any_batch)[1]
     if mutated and any_batch:
         raise CaptureError("the model writes buffers in place: functionalizing retraces the graph at the example's "
                            "shapes, so it is not for any batch size")
@@ -355,7 +355,7 @@ def _capture(model, example_inputs, loss_fn, targets, example_kwargs, compute_dt
                       for name in (fqn, *tied.get(fqn, ()))}
     param_mutations = _parameters_read_in_place(gm, sig.parameters_to_mutate, placeholder_of, strip)
     if tracked is None:
-        tracked = _fake_run(gm, set(param_fqns))[0]
+        tracked = _fake_run(gm.graph, set(param_fqns))[0]
     else:  # the graph the fake run saw, less the layout copies dropped since (their users are tracked alike) and
         # the placeholders of tied names, which feed nothing now
         tracked = {n.name for n in gm.graph.nodes if n.name in tracked and (n.op != "placeholder" or n.name in param_fqns)}
@@ -435,15 +435,14 @@ def _is_size(node: torch.fx.Node) -> bool:
     return isinstance(val, int) and not isinstance(val, bool)
 
 
-def _replace_sizes(gm: torch.fx.GraphModule) -> None:
+def _replace_sizes(graph: torch.fx.Graph) -> None:
     """Replace every size node (``_is_size``) by its value in the ops that read it, as a capture at
     the example's shapes records them (``view(x, [8, 1024, 768])``)."""
-    for node in reversed(list(gm.graph.nodes)):
+    for node in reversed(list(graph.nodes)):
         if node.op == "call_function" and _is_size(node):
             for user in list(node.users):
                 user.replace_input_with(node, node.meta["val"])
-            gm.graph.erase_node(node)
-    gm.recompile()
+            graph.erase_node(node)
 
 
 @dataclass(frozen=True)
@@ -500,7 +499,8 @@ class AnyBatchGraph:
             node read is a ``_Ref``, an op target ``(namespace, name, overload)``; a placeholder's
             ``meta["val"]`` is ``(shape, dtype, device, requires_grad)`` with None at its batch dim.
             Size nodes (``aten.sym_size`` and arithmetic on sizes) are kept: ``at`` replaces them.
-        fields: the ``CapturedGraph`` fields besides the graph (node names: the same at any batch).
+        fields: the ``CapturedGraph`` fields besides the graph (node names: the same at any batch;
+            ``in_spec`` as ``pytree.treespec_dumps`` writes it).
         batches: the (smallest, largest) batch it holds for (export's range, at least 2).
     """
 
@@ -519,7 +519,11 @@ class AnyBatchGraph:
                 meta["val"] = (shape, val.dtype, val.device, val.requires_grad)
             args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: _Ref(a.name))
             records.append((n.name, n.op, _target_key(n.target), tuple(args), dict(kwargs), meta))
-        return cls(records, {f: getattr(cg, f) for f in _FIELDS}, batches)
+        try:  # a tree spec pickles with a deprecation warning on load: kept as its JSON
+            in_spec = pytree.treespec_dumps(cg.in_spec)
+        except (TypeError, NotImplementedError) as e:  # an input container without a serialized name
+            raise CaptureError(f"the inputs' structure cannot be kept: {e}") from e
+        return cls(records, {f: getattr(cg, f) for f in _FIELDS} | {"in_spec": in_spec}, batches)
 
     def at(self, batch: int) -> CapturedGraph:
         """The graph at ``batch`` samples, node for node the graph ``capture`` gives for inputs of
@@ -545,10 +549,9 @@ class AnyBatchGraph:
                     node.meta["val"] = torch.empty([batch if s is None else s for s in shape], dtype=dtype,
                                                    device=device, requires_grad=grad)
             env[name] = node
-        gm = torch.fx.GraphModule(torch.nn.Module(), graph)
-        _fake_run(gm, set(self.fields["param_fqns"]), store=True)
-        _replace_sizes(gm)
-        return CapturedGraph(gm, **self.fields)
+        _fake_run(graph, set(self.fields["param_fqns"]), store=True)
+        _replace_sizes(graph)
+        return CapturedGraph(torch.fx.GraphModule(torch.nn.Module(), graph), **self.fields | {"in_spec": pytree.treespec_loads(self.fields["in_spec"])})
 
 
 def capture_any_batch(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets: tuple = (),
@@ -576,12 +579,15 @@ def capture_any_batch(model: torch.nn.Module, example_inputs: tuple, loss_fn=Non
     return graph
 
 
+_MODULE_STATE = set(vars(torch.nn.Module()))  # what every module holds (parameters, hooks ...): keyed apart
+
+
 def capture_key(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets: tuple = (),
                 example_kwargs: dict | None = None, compute_dtype: torch.dtype | None = None) -> tuple | None:
     """What the graph ``capture_any_batch`` gives for this call depends on, besides the batch
     size: the torch version; the source files of the model's module classes and of ``loss_fn``
-    (outside torch) and of this module; each module's name, class, training flag and hook counts;
-    each parameter's and buffer's name, shape, dtype, device, ``requires_grad`` and which names
+    (outside torch) and of this module; each module's name, class, training flag, hook counts and
+    other attributes (their ``repr``: a config, a head count); each parameter's and buffer's name, shape, dtype, device, ``requires_grad`` and which names
     share a tensor; the call's structure with each tensor's shape past dim 0, dtype and device,
     and every non-tensor value; ``loss_fn`` (pickled), ``compute_dtype``, grad mode and the
     default dtype. A plan cache keeps the graph under it (``compiler/plan_cache.py``). Code a
@@ -598,7 +604,8 @@ def capture_key(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, tar
     call = [(tuple(x.shape[1:]), x.dim(), x.dtype, x.device.type) if isinstance(x, torch.Tensor) else ("value", x)
             for x in leaves]
     modules = [(name, f"{type(m).__module__}.{type(m).__qualname__}", m.training, len(m._forward_hooks),
-                len(m._forward_pre_hooks)) for name, m in model.named_modules(remove_duplicate=False)]
+                len(m._forward_pre_hooks), sorted((k, repr(v)) for k, v in vars(m).items() if k not in _MODULE_STATE))
+               for name, m in model.named_modules(remove_duplicate=False)]
     first: dict[int, int] = {}
     tensors = [(name, tuple(t.shape), t.dtype, t.device.type, t.requires_grad, first.setdefault(id(t), i))
                for i, (name, t) in enumerate([*model.named_parameters(remove_duplicate=False),
@@ -862,8 +869,8 @@ def _fresh_attr(gm: torch.fx.GraphModule, base: str) -> str:
     return f"{base}_inlined{k}"
 
 
-def _fake_run(gm: torch.fx.GraphModule, params: set[str], store: bool = False) -> tuple[set[str], set[str]]:
-    """Run ``gm`` on fake tensors with ``params`` requiring grad: (nodes whose result requires
+def _fake_run(graph: torch.fx.Graph, params: set[str], store: bool = False) -> tuple[set[str], set[str]]:
+    """Run ``graph`` on fake tensors with ``params`` requiring grad: (nodes whose result requires
     grad when only the parameters do, with exact autograd semantics: a view of data stays
     untracked, for example; placeholders the graph writes in place, ``batch_norm``'s running
     statistics or ``add_`` on a counter, found by their version counters). ``capture`` runs it
@@ -897,7 +904,8 @@ def _fake_run(gm: torch.fx.GraphModule, params: set[str], store: bool = False) -
             return out
 
     with mode:
-        Tracker(gm).run(*[None for n in gm.graph.nodes if n.op == "placeholder"])
+        Tracker(graph.owning_module or torch.nn.Module(), graph=graph).run(
+            *[None for n in graph.nodes if n.op == "placeholder"])
     return tracked, {name for name, (t, version) in inputs.items() if t._version != version}
 
 
