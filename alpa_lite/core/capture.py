@@ -275,10 +275,10 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets
 
 
 def _capture(model, example_inputs, loss_fn, targets, example_kwargs, compute_dtype,
-             any_batch: bool) -> tuple[CapturedGraph, dict[str, int], tuple[int, float]]:
+             any_batch: bool) -> tuple[CapturedGraph, set[str], tuple[int, float]]:
     """``capture``, or with ``any_batch`` its graph for every batch size (``capture_any_batch``):
-    (the graph, with its size nodes when ``any_batch``; placeholder -> its batch dim; the batch
-    sizes the graph holds for, inclusive)."""
+    (the graph, with its size nodes when ``any_batch``; the placeholders whose dim 0 is the batch;
+    the batch sizes the graph holds for, inclusive)."""
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     _check_loss_fn_arity(loss_fn, tuple(targets))
@@ -293,7 +293,7 @@ def _capture(model, example_inputs, loss_fn, targets, example_kwargs, compute_dt
         raise CaptureError("an autocast region is retraced at the example's shapes (make_fx): its graph is not "
                            "for any batch size")
     _inline_regions(ep.graph_module)
-    batch_dims, batches = _concrete_batch(ep, batch) if any_batch else ({}, (0, 0))
+    batched, batches = _concrete_batch(ep, batch) if any_batch else (set(), (0, 0))
     _name_outputs(ep)
     if compute_dtype is not None:
         _cast_per_use(ep.graph_module)
@@ -360,7 +360,7 @@ def _capture(model, example_inputs, loss_fn, targets, example_kwargs, compute_dt
         # the placeholders of tied names, which feed nothing now
         tracked = {n.name for n in gm.graph.nodes if n.name in tracked and (n.op != "placeholder" or n.name in param_fqns)}
     return (CapturedGraph(gm, param_fqns, buffer_fqns, input_names, loss.name, tied, mutations, param_mutations,
-                          tracked, constants, ep.call_spec.in_spec, static), batch_dims, batches)
+                          tracked, constants, ep.call_spec.in_spec, static), batched, batches)
 
 
 def _export(wrapper: TrainingLoss, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
@@ -393,24 +393,24 @@ def _export_any_batch(wrapper: TrainingLoss, args: tuple, kwargs: dict, batch: i
         raise CaptureError(f"the tensor inputs' dims 0 are {[x.shape[0] for x in leaves]}: not one batch of at least 2")
     dim = torch.export.Dim("batch")
     spec = lambda x: {0: dim} if isinstance(x, torch.Tensor) and x.dim() > 0 else None  # noqa: E731
-    dynamic = {"args": pytree.tree_map(spec, args)} | ({"kwargs": pytree.tree_map(spec, kwargs)} if kwargs else {})
+    dynamic = {"args": pytree.tree_map(spec, args), "kwargs": pytree.tree_map(spec, kwargs)}
     try:
         return torch.export.export(wrapper, args, kwargs, dynamic_shapes=dynamic, strict=False)
     except Exception as e:  # noqa: BLE001 - the reason the graph is not batch-free
         raise CaptureError(f"{type(wrapper.model).__name__} does not export for any batch size: {_first_line(e)}") from e
 
 
-def _concrete_batch(ep: torch.export.ExportedProgram, batch: int) -> tuple[dict[str, int], tuple[int, float]]:
+def _concrete_batch(ep: torch.export.ExportedProgram, batch: int) -> tuple[set[str], tuple[int, float]]:
     """Give every placeholder of ``ep`` its value at ``batch`` (a fake tensor; the ops stay symbolic):
-    (placeholder -> its batch dim, the (smallest, largest) batch export's range allows, at least 2:
-    a size 1 is specialized by export).
+    (the placeholders whose dim 0 is the batch, the (smallest, largest) batch export's range
+    allows, at least 2: a size 1 is specialized by export).
 
     Raises:
         CaptureError: a dim other than the inputs' dim 0 is symbolic.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    mode, dims, batches = FakeTensorMode(), {}, (2, float("inf"))
+    mode, batched, batches = FakeTensorMode(), set(), (2, float("inf"))
     for n in ep.graph.nodes:
         val = n.meta.get("val") if n.op == "placeholder" else None
         if not isinstance(val, torch.Tensor):
@@ -422,11 +422,11 @@ def _concrete_batch(ep: torch.export.ExportedProgram, batch: int) -> tuple[dict[
             raise CaptureError(f"placeholder {n.name} has symbolic dims {symbolic}, not only the batch (dim 0)")
         r = ep.range_constraints[val.shape[0].node.expr]
         batches = (max(batches[0], int(r.lower)), min(batches[1], float(r.upper)))
-        dims[n.name] = 0
+        batched.add(n.name)
         with mode:
             n.meta["val"] = torch.empty((batch, *val.shape[1:]), dtype=val.dtype, device=val.device,
                                         requires_grad=val.requires_grad)
-    return dims, batches
+    return batched, batches
 
 
 def _is_size(node: torch.fx.Node) -> bool:
@@ -509,13 +509,13 @@ class AnyBatchGraph:
     batches: tuple[int, float]
 
     @classmethod
-    def of(cls, cg: CapturedGraph, batch_dims: dict[str, int], batches: tuple[int, float]) -> AnyBatchGraph:
+    def of(cls, cg: CapturedGraph, batched: set[str], batches: tuple[int, float]) -> AnyBatchGraph:
         records = []
         for n in cg.graph.nodes:
             meta = {k: n.meta[k] for k in _KEPT_META if k in n.meta}
             val = n.meta.get("val")
             if n.op == "placeholder" and isinstance(val, torch.Tensor):
-                shape = tuple(None if d == batch_dims.get(n.name) else s for d, s in enumerate(val.shape))
+                shape = tuple(None if d == 0 and n.name in batched else s for d, s in enumerate(val.shape))
                 meta["val"] = (shape, val.dtype, val.device, val.requires_grad)
             args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: _Ref(a.name))
             records.append((n.name, n.op, _target_key(n.target), tuple(args), dict(kwargs), meta))
@@ -571,9 +571,9 @@ def capture_any_batch(model: torch.nn.Module, example_inputs: tuple, loss_fn=Non
             batch or the batch is 1, the graph is retraced at the example's shapes (an autocast
             region, in-place buffer updates), or the result at the example's batch is not ``fresh``.
     """
-    cg, batch_dims, batches = _capture(model, example_inputs, loss_fn, targets, example_kwargs, compute_dtype,
+    cg, batched, batches = _capture(model, example_inputs, loss_fn, targets, example_kwargs, compute_dtype,
                                        any_batch=True)
-    graph = AnyBatchGraph.of(cg, batch_dims, batches)
+    graph = AnyBatchGraph.of(cg, batched, batches)
     if _summary(graph.at(batch_size(((example_inputs, targets), example_kwargs)))) != _summary(fresh):
         raise CaptureError("the graph for any batch size, at the example's batch, is not the graph captured at it")
     return graph
