@@ -50,10 +50,11 @@ def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None
             to every stage of a pipelined plan too.
         pipeline: ``None`` (no pipeline), ``"auto"``, a stage count ``K`` or ``PipelineOptions``.
         progress: ``progress(stage: str)`` called as planning advances.
-        cache: a directory (created if missing) keeping ILP answers between runs: planning the
-            same model again with other pipeline options reuses them, and the plan is the one
-            planned without it (docs/planner.md, "Re-planning"); ``plan.stats["disk_hits"]``
-            counts the answers read.
+        cache: a directory (created if missing) keeping ILP answers and the captured graph between
+            runs: planning the same model again with other pipeline options reuses the answers, at
+            another batch size or microbatch count the graph (no torch.export), and the plan is the
+            one planned without it (docs/planner.md, "Re-planning"); ``plan.stats["disk_hits"]``
+            counts the answers read, ``plan.stats["graph_hits"]`` the graphs.
         option_fields: fields of ``PlanOptions`` or ``PipelineOptions`` given as keywords
             (``force_data_parallel=True``, ``param_specs={...}``, ``num_microbatches=4`` ...);
             a ``PipelineOptions`` field turns the pipeline on.

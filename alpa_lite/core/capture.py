@@ -393,7 +393,7 @@ def _export_any_batch(wrapper: TrainingLoss, args: tuple, kwargs: dict, batch: i
         raise CaptureError(f"the tensor inputs' dims 0 are {[x.shape[0] for x in leaves]}: not one batch of at least 2")
     dim = torch.export.Dim("batch")
     spec = lambda x: {0: dim} if isinstance(x, torch.Tensor) and x.dim() > 0 else None  # noqa: E731
-    dynamic = {"args": pytree.tree_map(spec, args), "kwargs": pytree.tree_map(spec, kwargs)}
+    dynamic = {"args": pytree.tree_map(spec, args)} | ({"kwargs": pytree.tree_map(spec, kwargs)} if kwargs else {})
     try:
         return torch.export.export(wrapper, args, kwargs, dynamic_shapes=dynamic, strict=False)
     except Exception as e:  # noqa: BLE001 - the reason the graph is not batch-free
