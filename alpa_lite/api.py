@@ -17,7 +17,7 @@ from .compiler.ilp import MemoryBudgetError
 from .compiler.inter_op import plan_pipeline
 from .compiler.intra_op import plan_intra_op
 from .compiler.loss_reduction import loss_reduction
-from .compiler.plan_cache import PlanCache
+from .compiler.plan_cache import PlanCache, capture_cached
 from .compiler.stage_dp import PipelinePlanError
 from .core.capture import CaptureError, CapturedGraph, batch_size, capture, rows
 from .core.mesh import LogicalMesh
@@ -50,10 +50,11 @@ def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None
             to every stage of a pipelined plan too.
         pipeline: ``None`` (no pipeline), ``"auto"``, a stage count ``K`` or ``PipelineOptions``.
         progress: ``progress(stage: str)`` called as planning advances.
-        cache: a directory (created if missing) keeping ILP answers between runs: planning the
-            same model again with other pipeline options reuses them, and the plan is the one
-            planned without it (docs/planner.md, "Re-planning"); ``plan.stats["disk_hits"]``
-            counts the answers read.
+        cache: a directory (created if missing) keeping ILP answers and the captured graph between
+            runs: planning the same model again with other pipeline options reuses the answers, at
+            another batch size or microbatch count the graph (no torch.export), and the plan is the
+            one planned without it (docs/planner.md, "Re-planning"); ``plan.stats["disk_hits"]``
+            counts the answers read, ``plan.stats["graph_hits"]`` the graphs.
         option_fields: fields of ``PlanOptions`` or ``PipelineOptions`` given as keywords
             (``force_data_parallel=True``, ``param_specs={...}``, ``num_microbatches=4`` ...);
             a ``PipelineOptions`` field turns the pipeline on.
@@ -76,16 +77,17 @@ def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None
     targets = tuple(targets)
     if pipe is not None:
         batch = batch_size((inputs, example_kwargs))
-
-        return plan_pipeline(lambda n: _capture_rows(model, inputs, loss_fn, targets, example_kwargs, n,
-                                                     options.compute_dtype), batch, mesh,
-                             options, pipe, progress=progress, cache=cache)
-    t0 = time.perf_counter()
-    say("capture")
-    cg = capture(model, inputs, loss_fn, targets, example_kwargs, options.compute_dtype)
-    capture_s = time.perf_counter() - t0
-    result = plan_intra_op(cg, mesh, options, progress, loss_reduction(cg), cache)
-    result.stats |= {"capture_s": capture_s, "total_s": time.perf_counter() - t0}
+        result = plan_pipeline(lambda n: _capture_rows(model, inputs, loss_fn, targets, example_kwargs, n,
+                                                       options.compute_dtype, cache), batch, mesh,
+                               options, pipe, progress=progress, cache=cache)
+    else:
+        t0 = time.perf_counter()
+        say("capture")
+        cg = capture_cached(cache, model, inputs, loss_fn, targets, example_kwargs, options.compute_dtype)
+        capture_s = time.perf_counter() - t0
+        result = plan_intra_op(cg, mesh, options, progress, loss_reduction(cg), cache)
+        result.stats |= {"capture_s": capture_s, "total_s": time.perf_counter() - t0}
+    result.stats["graph_hits"] = cache.graph_hits if cache is not None else 0
     return result
 
 
@@ -200,10 +202,11 @@ def _accumulation_rows(inputs: tuple, targets: tuple, example_kwargs, accumulate
 
 
 def _capture_rows(model, inputs: tuple, loss_fn, targets: tuple, example_kwargs, n: int,
-                  compute_dtype: torch.dtype | None) -> CapturedGraph:
-    """The captured graph of a microbatch: the first ``n`` samples of every batched input."""
-    return capture(model, rows(inputs, 0, n), loss_fn, rows(targets, 0, n), rows(example_kwargs, 0, n),
-                   compute_dtype)
+                  compute_dtype: torch.dtype | None, cache: PlanCache | None = None) -> CapturedGraph:
+    """The captured graph of a microbatch: the first ``n`` samples of every batched input (from
+    ``cache`` when it keeps the model's graph for any batch size)."""
+    return capture_cached(cache, model, rows(inputs, 0, n), loss_fn, rows(targets, 0, n), rows(example_kwargs, 0, n),
+                          compute_dtype)
 
 
 _ERRORS = (ValueError, TypeError, PlanError, CaptureError, MemoryBudgetError, PipelinePlanError)

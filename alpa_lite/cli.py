@@ -29,8 +29,9 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
                    help="ILP branch-and-bound nodes per solve (reproducible; 0: no limit)")
     p.add_argument("--json", default=None, help="write the plan JSON here")
     p.add_argument("--cache", default=None, metavar="DIR",
-                   help="keep ILP answers in DIR between runs: re-planning the same model with other pipeline "
-                        "options (schedule, stages, microbatches at the same batch) reuses them; same plan")
+                   help="keep ILP answers and the captured graph in DIR between runs: re-planning the same model "
+                        "with other pipeline options (schedule, stages, microbatches at the same batch) reuses the "
+                        "answers, at another batch or microbatch count the graph (no torch.export); same plan")
     p.add_argument("--all-params", action="store_true", help="list every parameter (no folding of layers)")
     p.add_argument("--pipeline", default=None, metavar="auto|K",
                    help="pipeline stages on submeshes of the mesh (Alpa's inter-op pass): 'auto' or a stage count")
@@ -82,7 +83,7 @@ def cmd_plan(args) -> int:
                       node_limit=args.node_limit or None, **pipelined,
                       progress=progress, cache=args.cache)
     for w in caught:
-        if "strateg" in str(w.message):
+        if "strateg" in str(w.message) or "plan cache" in str(w.message):
             console.print(f"[yellow]warning:[/] {w.message}")
     if args.explain:
         explained = node_table(result, args.explain)  # an unknown name fails before the tables

@@ -3,6 +3,7 @@
     python benchmarks/plan_time.py [--out docs/plan_time.md]
     python benchmarks/plan_time.py --case gpt3-39b:8x8:32 --pipeline auto [--microbatches 32] [--solver cbc]
     python benchmarks/plan_time.py --depth gpt3-1.3b:2x4:16 --layers 8,16,32,64 [--repeats 3] [--pipeline auto --microbatches 4]
+    python benchmarks/plan_time.py --replan gpt3-2.6b:2x4:32 --batches 16,64 [--repeats 3]
 
 For each case: capture (torch.export on meta tensors), strategy enumeration + cost graph, ILP
 solve, with the graph size before and after merging (follower ops, shared repeated blocks).
@@ -10,10 +11,15 @@ Prints a table, writes it with the command to docs/plan_time.md and plots docs/p
 ``--depth``: one model width planned at several depths (``num_layers``), each the median of
 ``--repeats`` runs; prints a markdown table and the least-squares line of planning seconds
 against layers (slope, intercept, R^2) for docs/plan_time.md.
+``--replan``: each plan in a process of its own (as ``alpa-lite plan`` runs): a fresh plan at
+each batch without a cache, then on a new cache directory the plan at the case's batch and
+re-plans at ``--batches``; prints the medians over ``--repeats`` (wall and CPU seconds of model
+build + plan, the stages of ``plan.stats``) as a markdown table.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import warnings
@@ -42,12 +48,18 @@ def main() -> int:
     ap.add_argument("--solver", default="auto", choices=("auto", "cbc", "highs"))
     ap.add_argument("--depth", default=None, metavar="MODEL:NxM:BATCH", help="sweep this model's num_layers")
     ap.add_argument("--layers", default="8,16,32,64", help="with --depth: the depths")
-    ap.add_argument("--repeats", type=int, default=3, help="with --depth: runs per depth (the median is reported)")
+    ap.add_argument("--repeats", type=int, default=3, help="with --depth / --replan: runs (the median is reported)")
+    ap.add_argument("--cache", default=None, metavar="DIR", help="with --case: plan with this cache directory")
+    ap.add_argument("--json", action="store_true", help="with --case: print one JSON line per plan (seconds, stats)")
+    ap.add_argument("--replan", default=None, metavar="MODEL:NxM:BATCH", help="time re-plans at other batches")
+    ap.add_argument("--batches", default="16,64", help="with --replan: the batches re-planned")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     console = Console(width=180)
     if args.depth:
         return _depth(args, console)
+    if args.replan:
+        return _replan(args, console)
     if args.case:
         return _cases(args, console)
     rows = []
@@ -94,15 +106,55 @@ def _cases(args, console) -> int:
     for case in args.case:
         name, mesh, batch = case.split(":")
         shape = tuple(int(x) for x in mesh.split("x"))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         model, example = build_model(name, int(batch))
         pipe = {} if args.pipeline is None else {"pipeline": args.pipeline, "num_microbatches": args.microbatches}
-        p = plan(model, example, LogicalMesh(shape, cluster=args.cluster), solver=args.solver, **pipe)
+        p = plan(model, example, LogicalMesh(shape, cluster=args.cluster), solver=args.solver, cache=args.cache, **pipe)
         wall = time.perf_counter() - t0
+        if args.json:
+            keys = ("capture_s", "strategy_s", "ilp_s", "total_s", "graph_hits", "disk_hits")
+            print(json.dumps({"wall": wall, "cpu": time.process_time() - c0} | {k: p.stats.get(k) for k in keys}))
+            continue
         layout = (f"{len(p.stages)} stages, B={p.num_microbatches}, {p.stats['ilp_solves']} stage ILPs, "
                   f"{p.stats['ilp_s']:.1f} s in them" if args.pipeline else f"ILP {p.stats['ilp_s']:.2f} s")
         console.print(f"{case} pipeline={args.pipeline} solver={args.solver}: {wall:.1f} s "
                       f"(predicted step {p.step_seconds:.4f} s; {layout}; {len(p.solver_limits)} ILPs at the time limit)")
+    return 0
+
+
+def _replan(args, console) -> int:
+    import os
+    import statistics
+    import subprocess
+    import tempfile
+
+    name, mesh, batch = args.replan.split(":")
+    batches = [int(batch), *(int(b) for b in args.batches.split(","))]
+
+    def one(b: int, cache: str | None) -> dict:
+        cmd = [sys.executable, __file__, "--case", f"{name}:{mesh}:{b}", "--cluster", args.cluster, "--json",
+               *(["--cache", cache] if cache else [])]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    runs: dict[str, list[dict]] = {}
+    for _ in range(args.repeats):
+        for b in batches:
+            runs.setdefault(f"fresh, no cache, batch {b}", []).append(one(b, None))
+        with tempfile.TemporaryDirectory() as cache:
+            for i, b in enumerate(batches):
+                label = f"{'first plan' if i == 0 else 're-plan'} with the cache, batch {b}"
+                runs.setdefault(label, []).append(one(b, cache))
+        console.print(f"round done (load {os.getloadavg()[0]:.1f})")
+    cols = ("wall", "cpu", "capture_s", "strategy_s", "ilp_s", "total_s")
+    print(f"| {name} / {mesh} | wall s | CPU s | capture s | strategies s | ILP s | plan() total s | graph read |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, rs in runs.items():
+        med = [statistics.median(r[c] for r in rs) for c in cols]
+        spread = f" ({min(r['wall'] for r in rs):.2f}-{max(r['wall'] for r in rs):.2f})"
+        print(f"| {label} | {med[0]:.2f}{spread} | " + " | ".join(f"{v:.2f}" for v in med[1:])
+              + f" | {rs[0]['graph_hits']} |")
+    print(f"\nmedian of {args.repeats}; load (1 min) at the end {os.getloadavg()[0]:.1f}")
     return 0
 
 

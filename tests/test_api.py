@@ -114,11 +114,11 @@ def test_two_plan_kinds_round_trip_and_old_files_load(tmp_path):
 
 
 def test_a_planning_call_captures_once(monkeypatch):
-    import alpa_lite.api as api
+    import alpa_lite.compiler.plan_cache as plan_cache
 
     calls = []
-    real = api.capture
-    monkeypatch.setattr(api, "capture", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = plan_cache.capture
+    monkeypatch.setattr(plan_cache, "capture", lambda *a, **k: calls.append(1) or real(*a, **k))
     model, example = mlp()
     p = plan(model, example, LogicalMesh((2, 2), cluster="cpu-gloo"))
     assert len(calls) == 1 and p.captured is not None

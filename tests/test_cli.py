@@ -130,3 +130,17 @@ def test_train_saves_and_resumes_on_another_mesh(tmp_path):
     assert all(x["grad_norm"] > 0 for x in logs["whole"])
     r = alpa_lite("train", "--resume", str(tmp_path / "nothing"))
     assert r.returncode == 2 and "no checkpoint there" in " ".join(r.stderr.split())
+
+
+def test_plan_cache_replans_another_batch_from_the_graph(capsys, tmp_path):
+    """``--cache DIR``: a second run at another batch reads the captured graph (said in the summary)
+    and writes the plan a run without the cache writes."""
+    cache, plans = tmp_path / "cache", {}
+    for name, batch, extra in (("first", "8", ["--cache", str(cache)]), ("again", "16", ["--cache", str(cache)]),
+                               ("fresh", "16", [])):
+        r = in_process(capsys, "plan", "gpt-tiny", "--mesh", "2x2", "--batch", batch, "--json",
+                       str(tmp_path / f"{name}.json"), *extra)
+        assert r.returncode == 0, r.stderr
+        plans[name] = ((tmp_path / f"{name}.json").read_text(), "captured graph read from the cache" in r.stdout)
+    assert [read for _, read in plans.values()] == [False, True, False]
+    assert plans["again"][0] == plans["fresh"][0]

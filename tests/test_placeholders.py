@@ -284,18 +284,18 @@ def test_capture_runs_the_graph_on_fake_tensors_once(monkeypatch):
 
     real, runs = capture_module._fake_run, []
 
-    def counted(gm, params):
+    def counted(graph, params, store=False):
         runs.append(len(params))
-        return real(gm, params)
+        return real(graph, params, store)
 
     monkeypatch.setattr(capture_module, "_fake_run", counted)
     model, example = build_model("gpt-tiny", 4, 8, device="meta")  # tied embedding and head
     cg = capture(model, example)
     assert len(runs) == 1 and runs[0] > len(cg.param_fqns)  # the tied name's placeholder was a parameter then
-    assert cg.requires_grad == real(cg.graph_module, set(cg.param_fqns))[0]
+    assert cg.requires_grad == real(cg.graph, set(cg.param_fqns))[0]
     runs.clear()
     norm = MODELS["norm"]()
     args, kwargs = MODELS["norm"].batch(torch.Generator().manual_seed(0))
     cg = capture(norm, args, example_kwargs=kwargs)
     assert len(runs) == 2 and cg.buffer_mutations
-    assert cg.requires_grad == real(cg.graph_module, set(cg.param_fqns))[0]
+    assert cg.requires_grad == real(cg.graph, set(cg.param_fqns))[0]

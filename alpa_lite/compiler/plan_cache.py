@@ -15,9 +15,15 @@ the file maps each ILP key to its answer.
 - ``intra`` families (``intra_op.plan_intra_op``): parts = a hash of the whole cost graph (costs,
   memory, edges, moves, remat groups), the budget, solver, time limit and switches; one key.
 
+- ``graph`` families (``capture_cached``): parts = ``core.capture.capture_key`` (the model's
+  structure and code, the call's shapes past the batch dim, the capture options, the torch
+  version); one entry: the captured graph for any batch size (``AnyBatchGraph``), or why the
+  model has none. A plan at another batch, or another microbatch count of a pipeline, gets its
+  graph from it without torch.export.
+
 A batch size or sequence length that changes the microbatch's shapes changes the fingerprint
 and every layer signature, and another ``B`` at the same batch changes the microbatch rows: such
-a re-plan finds nothing to reuse (an answer of another ILP is never returned).
+a re-plan reads no ILP answer (an answer of another ILP is never returned), only the graph.
 
 Files are pickles ``{"version", "parts", "entries"}`` written to a temporary name and renamed
 (a reader never sees half a file; of two writers the last wins, each file whole). A file that
@@ -32,6 +38,8 @@ import pickle
 import tempfile
 import warnings
 from pathlib import Path
+
+from ..core.capture import AnyBatchGraph, CaptureError, CapturedGraph, batch_size, capture, capture_any_batch, capture_key
 
 VERSION = 5  # 2: stage ILPs offer ZeRO-1/2 (their answers of version 1 are of other ILPs); 3: answers name the
 # layers recomputed (remat="auto" in stages); 4: answers carry the solver limits they reached; 5: stage ILPs
@@ -85,6 +93,7 @@ class PlanCache:
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
+        self.graph_hits = 0  # captures answered from the cache (``capture_cached``)
         if self.directory.exists() and not self.directory.is_dir():
             raise ValueError(f"plan cache {self.directory} is not a directory: give a directory (created if missing)")
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -109,3 +118,37 @@ def solve_cached(cache: PlanCache | None, graph, budget: float, solve, **solver_
     family.put("solution", answer)
     family.save()
     return answer, False
+
+
+def capture_cached(cache: PlanCache | None, model, example_inputs: tuple, loss_fn, targets: tuple, example_kwargs,
+                   compute_dtype) -> CapturedGraph:
+    """``core.capture.capture(model, example_inputs, loss_fn, targets, example_kwargs,
+    compute_dtype)``, without torch.export when ``cache`` keeps this model's graph for any batch
+    size (``AnyBatchGraph.at``, node for node the same graph; ``cache.graph_hits`` counts them).
+    The first capture of a model on a cache also exports it for any batch size
+    (``capture_any_batch``, checked against the graph captured) and keeps that graph, or why
+    there is none (the model specializes on the batch ...): later plans of it then capture
+    afresh, as without a cache.
+
+    Raises:
+        CaptureError: as ``capture``.
+    """
+    call = (model, example_inputs, loss_fn, targets, example_kwargs, compute_dtype)
+    key = capture_key(*call) if cache is not None else None
+    if key is None:
+        return capture(*call)
+    family = cache.file("graph", *key)
+    kept = family.get("any-batch")
+    batch = batch_size(((example_inputs, targets), example_kwargs))
+    if isinstance(kept, AnyBatchGraph) and kept.batches[0] <= batch <= kept.batches[1]:
+        cache.graph_hits += 1
+        return kept.at(batch)
+    cg = capture(*call)
+    if kept is None:
+        try:
+            kept = capture_any_batch(*call, fresh=cg)
+        except CaptureError as e:
+            kept = str(e)  # the reason: kept, so that later plans do not export again
+        family.put("any-batch", kept)
+        family.save()
+    return cg

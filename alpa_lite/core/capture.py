@@ -23,8 +23,9 @@ from __future__ import annotations
 import hashlib
 import inspect
 import operator
+import pickle
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from unittest import mock
 
@@ -270,6 +271,14 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets
             holds a construct the runtime cannot run (a higher-order op such as ``torch.cond``,
             a custom object, an effectful op), or the captured value is not a scalar loss.
     """
+    return _capture(model, example_inputs, loss_fn, targets, example_kwargs, compute_dtype, any_batch=False)[0]
+
+
+def _capture(model, example_inputs, loss_fn, targets, example_kwargs, compute_dtype,
+             any_batch: bool) -> tuple[CapturedGraph, set[str], tuple[int, float]]:
+    """``capture``, or with ``any_batch`` its graph for every batch size (``capture_any_batch``):
+    (the graph, with its size nodes when ``any_batch``; the placeholders whose dim 0 is the batch;
+    the batch sizes the graph holds for, inclusive)."""
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     _check_loss_fn_arity(loss_fn, tuple(targets))
@@ -277,16 +286,14 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets
     args = tuple(example_inputs) + tuple(targets)
     kwargs = dict(example_kwargs or {})
     wrapper = TrainingLoss(model, loss_fn, len(example_inputs), compute_dtype)
+    batch = batch_size((args, kwargs)) if any_batch else 0
     with _reentrant_checkpoint_as_function():
-        try:
-            ep = torch.export.export(wrapper, args, kwargs, strict=False)
-        except Exception as first:  # noqa: BLE001 - reported with its construct below
-            try:  # plain modules: symbolic_trace's python-level graph sometimes exports when the module does not
-                traced = torch.fx.symbolic_trace(wrapper)
-                ep = torch.export.export(traced, args, kwargs, strict=False)
-            except Exception:  # noqa: BLE001
-                raise CaptureError(f"cannot capture {type(model).__name__}: {_first_line(first)}") from first
+        ep = _export_any_batch(wrapper, args, kwargs, batch) if any_batch else _export(wrapper, args, kwargs)
+    if any_batch and any(_hop_name(n.target) == "wrap_with_autocast" for n in ep.graph.nodes):
+        raise CaptureError("an autocast region is retraced at the example's shapes (make_fx): its graph is not "
+                           "for any batch size")
     _inline_regions(ep.graph_module)
+    batched, batches = _concrete_batch(ep, batch) if any_batch else (set(), (0, 0))
     _name_outputs(ep)
     if compute_dtype is not None:
         _cast_per_use(ep.graph_module)
@@ -294,9 +301,12 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets
     trainable = {spec.arg.name for spec in ep.graph_signature.input_specs
                  if spec.kind is InputKind.PARAMETER and spec.target not in frozen}
     try:
-        tracked, mutated = _fake_run(ep.graph_module, trainable)
+        tracked, mutated = _fake_run(ep.graph, trainable, store=any_batch)
     except RuntimeError:  # a parameter written in place (a leaf that requires grad): look for writes without grad
-        tracked, mutated = None, _fake_run(ep.graph_module, set())[1]
+        tracked, mutated = None, _fake_run(ep.graph, set(), store=any_batch)[1]
+    if mutated and any_batch:
+        raise CaptureError("the model writes buffers in place: functionalizing retraces the graph at the example's "
+                           "shapes, so it is not for any batch size")
     if mutated:  # export's training IR writes buffers in place: functionalize
         ep = ep.run_decompositions({})  # (keeps the ops; mutations become outputs, ``buffers_to_mutate``)
         tracked = None  # another graph: its tracked nodes are found below
@@ -335,7 +345,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets
     shape = shape_of(loss)
     if shape is None or len(shape) != 0:
         raise CaptureError(f"the captured output has shape {shape}, not a scalar loss; pass loss_fn=")
-    unsupported = [n for n in gm.graph.nodes if n.op == "call_function" and not _is_op(n.target)]
+    unsupported = [n for n in gm.graph.nodes if n.op == "call_function" and not _is_op(n.target)
+                   and not (any_batch and _is_size(n))]
     if unsupported:
         raise CaptureError(f"unsupported construct in the graph: {unsupported[0].target}")
     tied = _one_placeholder_per_tensor(gm, model, param_fqns, buffer_fqns)
@@ -344,12 +355,272 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets
                       for name in (fqn, *tied.get(fqn, ()))}
     param_mutations = _parameters_read_in_place(gm, sig.parameters_to_mutate, placeholder_of, strip)
     if tracked is None:
-        tracked = _fake_run(gm, set(param_fqns))[0]
+        tracked = _fake_run(gm.graph, set(param_fqns))[0]
     else:  # the graph the fake run saw, less the layout copies dropped since (their users are tracked alike) and
         # the placeholders of tied names, which feed nothing now
         tracked = {n.name for n in gm.graph.nodes if n.name in tracked and (n.op != "placeholder" or n.name in param_fqns)}
-    return CapturedGraph(gm, param_fqns, buffer_fqns, input_names, loss.name, tied, mutations, param_mutations,
-                         tracked, constants, ep.call_spec.in_spec, static)
+    return (CapturedGraph(gm, param_fqns, buffer_fqns, input_names, loss.name, tied, mutations, param_mutations,
+                          tracked, constants, ep.call_spec.in_spec, static), batched, batches)
+
+
+def _export(wrapper: TrainingLoss, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    """``torch.export`` (non-strict) of ``wrapper(*args, **kwargs)`` at the example's shapes.
+
+    Raises:
+        CaptureError: export failed, also after ``symbolic_trace`` (the message names the construct or op).
+    """
+    try:
+        return torch.export.export(wrapper, args, kwargs, strict=False)
+    except Exception as first:  # noqa: BLE001 - reported with its construct below
+        try:  # plain modules: symbolic_trace's python-level graph sometimes exports when the module does not
+            traced = torch.fx.symbolic_trace(wrapper)
+            return torch.export.export(traced, args, kwargs, strict=False)
+        except Exception:  # noqa: BLE001
+            raise CaptureError(f"cannot capture {type(wrapper.model).__name__}: {_first_line(first)}") from first
+
+
+def _export_any_batch(wrapper: TrainingLoss, args: tuple, kwargs: dict, batch: int) -> torch.export.ExportedProgram:
+    """``torch.export`` (non-strict) of ``wrapper(*args, **kwargs)`` with dim 0 of every tensor
+    leaf of a dim one symbol, the batch (``torch.export.Dim``).
+
+    Raises:
+        CaptureError: a tensor input's dim 0 is not ``batch``, ``batch`` is 1 (export specializes a
+            size 1), or export failed: the model specializes on the batch size (a literal batch in
+            a ``view``, a branch on it: export refuses a guard on a ``Dim``), or fails anyway.
+    """
+    leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim() > 0]
+    if batch < 2 or any(x.shape[0] != batch for x in leaves):
+        raise CaptureError(f"the tensor inputs' dims 0 are {[x.shape[0] for x in leaves]}: not one batch of at least 2")
+    dim = torch.export.Dim("batch")
+    spec = lambda x: {0: dim} if isinstance(x, torch.Tensor) and x.dim() > 0 else None  # noqa: E731
+    dynamic = {"args": pytree.tree_map(spec, args)} | ({"kwargs": pytree.tree_map(spec, kwargs)} if kwargs else {})
+    try:
+        return torch.export.export(wrapper, args, kwargs, dynamic_shapes=dynamic, strict=False)
+    except Exception as e:  # noqa: BLE001 - the reason the graph is not batch-free
+        raise CaptureError(f"{type(wrapper.model).__name__} does not export for any batch size: {_first_line(e)}") from e
+
+
+def _concrete_batch(ep: torch.export.ExportedProgram, batch: int) -> tuple[set[str], tuple[int, float]]:
+    """Give every placeholder of ``ep`` its value at ``batch`` (a fake tensor; the ops stay symbolic):
+    (the placeholders whose dim 0 is the batch, the (smallest, largest) batch export's range
+    allows, at least 2: a size 1 is specialized by export).
+
+    Raises:
+        CaptureError: a dim other than the inputs' dim 0 is symbolic.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode, batched, batches = FakeTensorMode(), set(), (2, float("inf"))
+    for n in ep.graph.nodes:
+        val = n.meta.get("val") if n.op == "placeholder" else None
+        if not isinstance(val, torch.Tensor):
+            continue
+        symbolic = [d for d, s in enumerate(val.shape) if not isinstance(s, int)]
+        if not symbolic:
+            continue
+        if symbolic != [0]:
+            raise CaptureError(f"placeholder {n.name} has symbolic dims {symbolic}, not only the batch (dim 0)")
+        r = ep.range_constraints[val.shape[0].node.expr]
+        batches = (max(batches[0], int(r.lower)), min(batches[1], float(r.upper)))
+        batched.add(n.name)
+        with mode:
+            n.meta["val"] = torch.empty((batch, *val.shape[1:]), dtype=val.dtype, device=val.device,
+                                        requires_grad=val.requires_grad)
+    return batched, batches
+
+
+def _is_size(node: torch.fx.Node) -> bool:
+    """A node computing a size (``aten.sym_size``, arithmetic on sizes) of a graph for any batch."""
+    val = node.meta.get("val")
+    return isinstance(val, int) and not isinstance(val, bool)
+
+
+def _replace_sizes(graph: torch.fx.Graph) -> None:
+    """Replace every size node (``_is_size``) by its value in the ops that read it, as a capture at
+    the example's shapes records them (``view(x, [8, 1024, 768])``)."""
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and _is_size(node):
+            for user in list(node.users):
+                user.replace_input_with(node, node.meta["val"])
+            graph.erase_node(node)
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """A node read by another node, by name (``AnyBatchGraph.nodes``)."""
+    name: str
+
+
+_KEPT_META = ("nn_module_stack", "stack_trace", "torch_fn")  # besides "val": what the planner and errors read
+
+
+def _target_key(target):
+    """An op as ``(namespace, name, overload)``, which pickles; any other target as it is."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target.namespace, target._opname, target._overloadname
+    return target
+
+
+def _target_of(key):
+    if isinstance(key, tuple):
+        return getattr(getattr(getattr(torch.ops, key[0]), key[1]), key[2])
+    return key
+
+
+def _val_key(val):
+    """``meta["val"]`` as (shape, dtype, device) per tensor, for comparing two graphs."""
+    if isinstance(val, torch.Tensor):
+        return tuple(val.shape), val.dtype, val.device
+    if isinstance(val, (tuple, list)):
+        return tuple(_val_key(v) for v in val)
+    return val
+
+
+_FIELDS = tuple(f.name for f in fields(CapturedGraph) if f.name != "graph_module")
+
+
+def _summary(cg: CapturedGraph) -> tuple:
+    """Everything of ``cg`` the planner and runtime read: each node's name, op, target, arguments,
+    kept metadata and value (shape, dtype, device), and the other fields (constants by value)."""
+    nodes = [(n.name, n.op, _target_key(n.target), torch.fx.node.map_arg((n.args, n.kwargs), lambda a: _Ref(a.name)),
+              [n.meta.get(k) for k in _KEPT_META], _val_key(n.meta.get("val"))) for n in cg.graph.nodes]
+    other = {f: getattr(cg, f) for f in _FIELDS if f != "constants"}
+    return nodes, other, {k: (_val_key(v), v.tolist()) for k, v in cg.constants.items()}
+
+
+@dataclass
+class AnyBatchGraph:
+    """A captured training loss for every batch size in ``batches`` (``capture_any_batch``), as
+    picklable records: a plan cache keeps it (``compiler/plan_cache.py``) and ``at(batch)`` gives
+    the ``CapturedGraph`` of that batch without torch.export.
+
+    Attributes:
+        nodes: one record per graph node, in order: ``(name, op, target, args, kwargs, meta)``; a
+            node read is a ``_Ref``, an op target ``(namespace, name, overload)``; a placeholder's
+            ``meta["val"]`` is ``(shape, dtype, device, requires_grad)`` with None at its batch dim.
+            Size nodes (``aten.sym_size`` and arithmetic on sizes) are kept: ``at`` replaces them.
+        fields: the ``CapturedGraph`` fields besides the graph (node names: the same at any batch;
+            ``in_spec`` as ``pytree.treespec_dumps`` writes it).
+        batches: the (smallest, largest) batch it holds for (export's range, at least 2).
+    """
+
+    nodes: list[tuple]
+    fields: dict
+    batches: tuple[int, float]
+
+    @classmethod
+    def of(cls, cg: CapturedGraph, batched: set[str], batches: tuple[int, float]) -> AnyBatchGraph:
+        records = []
+        for n in cg.graph.nodes:
+            meta = {k: n.meta[k] for k in _KEPT_META if k in n.meta}
+            val = n.meta.get("val")
+            if n.op == "placeholder" and isinstance(val, torch.Tensor):
+                shape = tuple(None if d == 0 and n.name in batched else s for d, s in enumerate(val.shape))
+                meta["val"] = (shape, val.dtype, val.device, val.requires_grad)
+            args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: _Ref(a.name))
+            records.append((n.name, n.op, _target_key(n.target), tuple(args), dict(kwargs), meta))
+        try:  # a tree spec pickles with a deprecation warning on load: kept as its JSON
+            in_spec = pytree.treespec_dumps(cg.in_spec)
+        except (TypeError, NotImplementedError) as e:  # an input container without a serialized name
+            raise CaptureError(f"the inputs' structure cannot be kept: {e}") from e
+        return cls(records, {f: getattr(cg, f) for f in _FIELDS} | {"in_spec": in_spec}, batches)
+
+    def at(self, batch: int) -> CapturedGraph:
+        """The graph at ``batch`` samples, node for node the graph ``capture`` gives for inputs of
+        that batch: every value from one fake run of the records (``_fake_run``), every size node
+        replaced by its value.
+
+        Raises:
+            ValueError: ``batch`` outside ``batches``.
+        """
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        if not self.batches[0] <= batch <= self.batches[1]:
+            raise ValueError(f"batch {batch} is outside the batch sizes {self.batches} this graph holds for")
+        graph, env, mode = torch.fx.Graph(), {}, FakeTensorMode()
+        read = lambda a: env[a.name] if isinstance(a, _Ref) else a  # noqa: E731
+        for name, op, target, args, kwargs, meta in self.nodes:
+            node = graph.create_node(op, _target_of(target), torch.fx.node.map_aggregate(args, read),
+                                     torch.fx.node.map_aggregate(kwargs, read), name=name)
+            node.meta = dict(meta)
+            if op == "placeholder" and "val" in meta:
+                shape, dtype, device, grad = meta["val"]
+                with mode:
+                    node.meta["val"] = torch.empty([batch if s is None else s for s in shape], dtype=dtype,
+                                                   device=device, requires_grad=grad)
+            env[name] = node
+        _fake_run(graph, set(self.fields["param_fqns"]), store=True)
+        _replace_sizes(graph)
+        return CapturedGraph(torch.fx.GraphModule(torch.nn.Module(), graph), **self.fields | {"in_spec": pytree.treespec_loads(self.fields["in_spec"])})
+
+
+def capture_any_batch(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets: tuple = (),
+                      example_kwargs: dict | None = None, compute_dtype: torch.dtype | None = None, *,
+                      fresh: CapturedGraph) -> AnyBatchGraph:
+    """The graph of ``capture(model, example_inputs, ...)`` for every batch size: export with
+    dim 0 of every tensor input a symbol (``torch.export.Dim``), the same processing as
+    ``capture`` on values at the example's batch, the size nodes kept (docs/planner.md,
+    "Re-planning a changed batch").
+
+    Args: as ``capture``; ``fresh``: what ``capture`` gave for this call: the result at the
+        example's batch must be it, node for node (names, ops, arguments, metadata, shapes).
+
+    Raises:
+        CaptureError: the model specializes on the batch (export refuses the symbol: a literal
+            batch in a ``view``, a branch on the batch size), a tensor input's dim 0 is not the
+            batch or the batch is 1, the graph is retraced at the example's shapes (an autocast
+            region, in-place buffer updates), or the result at the example's batch is not ``fresh``.
+    """
+    cg, batched, batches = _capture(model, example_inputs, loss_fn, targets, example_kwargs, compute_dtype,
+                                       any_batch=True)
+    graph = AnyBatchGraph.of(cg, batched, batches)
+    if _summary(graph.at(batch_size(((example_inputs, targets), example_kwargs)))) != _summary(fresh):
+        raise CaptureError("the graph for any batch size, at the example's batch, is not the graph captured at it")
+    return graph
+
+
+_MODULE_STATE = set(vars(torch.nn.Module()))  # what every module holds (parameters, hooks ...): keyed apart
+
+
+def capture_key(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets: tuple = (),
+                example_kwargs: dict | None = None, compute_dtype: torch.dtype | None = None) -> tuple | None:
+    """What the graph ``capture_any_batch`` gives for this call depends on, besides the batch
+    size: the torch version; the source files of the model's module classes and of ``loss_fn``
+    (outside torch) and of this module; each module's name, class, training flag, hook counts and
+    other attributes (their ``repr``: a config, a head count); each parameter's and buffer's name, shape, dtype, device, ``requires_grad`` and which names
+    share a tensor; the call's structure with each tensor's shape past dim 0, dtype and device,
+    and every non-tensor value; ``loss_fn`` (pickled), ``compute_dtype``, grad mode and the
+    default dtype. A plan cache keeps the graph under it (``compiler/plan_cache.py``). Code a
+    ``forward`` calls in other files is not in it: after editing such code, use a new cache.
+
+    Returns None when ``loss_fn`` cannot be pickled (a lambda, a local function): no key.
+    """
+    try:
+        loss = pickle.dumps(loss_fn, protocol=4)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        return None
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    leaves, spec = pytree.tree_flatten((inputs, tuple(targets), dict(example_kwargs or {})))
+    call = [(tuple(x.shape[1:]), x.dim(), x.dtype, x.device.type) if isinstance(x, torch.Tensor) else ("value", x)
+            for x in leaves]
+    modules = [(name, f"{type(m).__module__}.{type(m).__qualname__}", m.training, len(m._forward_hooks),
+                len(m._forward_pre_hooks), sorted((k, repr(v)) for k, v in vars(m).items() if k not in _MODULE_STATE))
+               for name, m in model.named_modules(remove_duplicate=False)]
+    first: dict[int, int] = {}
+    tensors = [(name, tuple(t.shape), t.dtype, t.device.type, t.requires_grad, first.setdefault(id(t), i))
+               for i, (name, t) in enumerate([*model.named_parameters(remove_duplicate=False),
+                                              *model.named_buffers(remove_duplicate=False)])]
+    torch_dir = str(Path(torch.__file__).parent)
+    files = {inspect.getsourcefile(type(m)) for m in model.modules()} | {__file__}
+    if loss_fn is not None:
+        try:
+            files.add(inspect.getsourcefile(loss_fn if inspect.isfunction(loss_fn) else type(loss_fn)))
+        except TypeError:  # a builtin: its behaviour is torch's
+            pass
+    read = sorted(f for f in files if f and not f.startswith(torch_dir) and Path(f).is_file())
+    sources = hashlib.sha256(b"".join(Path(f).read_bytes() for f in read)).hexdigest()
+    return (torch.__version__, sources, modules, tensors, str(spec), call, loss, str(compute_dtype),
+            torch.is_grad_enabled(), torch.get_default_dtype())
 
 
 def _cast_per_use(gm: torch.fx.GraphModule) -> None:
@@ -598,12 +869,14 @@ def _fresh_attr(gm: torch.fx.GraphModule, base: str) -> str:
     return f"{base}_inlined{k}"
 
 
-def _fake_run(gm: torch.fx.GraphModule, params: set[str]) -> tuple[set[str], set[str]]:
-    """Run ``gm`` on fake tensors with ``params`` requiring grad: (nodes whose result requires
+def _fake_run(graph: torch.fx.Graph, params: set[str], store: bool = False) -> tuple[set[str], set[str]]:
+    """Run ``graph`` on fake tensors with ``params`` requiring grad: (nodes whose result requires
     grad when only the parameters do, with exact autograd semantics: a view of data stays
     untracked, for example; placeholders the graph writes in place, ``batch_norm``'s running
     statistics or ``add_`` on a counter, found by their version counters). ``capture`` runs it
-    once on export's graph, and again only when that graph had to be functionalized."""
+    once on export's graph, and again only when that graph had to be functionalized. With
+    ``store`` every node's ``meta["val"]`` becomes its value of this run (a graph for any batch
+    size, valued from its placeholders' values: ``AnyBatchGraph``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     tracked: set[str] = set()
@@ -626,10 +899,13 @@ def _fake_run(gm: torch.fx.GraphModule, params: set[str]) -> tuple[set[str], set
             vals = out if isinstance(out, (tuple, list)) else [out]
             if any(isinstance(v, torch.Tensor) and v.requires_grad for v in vals):
                 tracked.add(n.name)
+            if store and n.op != "output":
+                n.meta["val"] = out
             return out
 
     with mode:
-        Tracker(gm).run(*[None for n in gm.graph.nodes if n.op == "placeholder"])
+        Tracker(graph.owning_module or torch.nn.Module(), graph=graph).run(
+            *[None for n in graph.nodes if n.op == "placeholder"])
     return tracked, {name for name, (t, version) in inputs.items() if t._version != version}
 
 

@@ -64,7 +64,8 @@ def summary_table(plan: Plan, title: str = "plan") -> Table:
         t.add_row("collectives (stage plans)", str(sum(len(s.plan.collectives) for s in plan.stages)))
         if st:
             t.add_row("planning time", f"{st.get('total_s', 0):.2f} s ({st.get('ilp_solves')} stage ILPs solved, "
-                                       f"{st.get('cache_hits')} answers reused, {st.get('layers')} layers)")
+                                       f"{st.get('cache_hits')} answers reused, {st.get('layers')} layers"
+                                       f"{_graph_read(st)})")
         return t
     t.add_row("step time (predicted)", f"{_seconds(plan.step_seconds)} = compute {_seconds(plan.compute_seconds)}"
                                        f" + communication {_seconds(plan.comm_seconds)}"
@@ -76,8 +77,14 @@ def summary_table(plan: Plan, title: str = "plan") -> Table:
                                  f"{st.get('ilp_edges')} edges ({st.get('ilp_strategy_vars')} + "
                                  f"{st.get('ilp_edge_vars')} ILP columns)")
         t.add_row("planning time", f"capture {st.get('capture_s', 0):.2f} s, strategies {st.get('strategy_s', 0):.2f} s, "
-                                   f"ILP {st.get('ilp_s', 0):.2f} s")
+                                   f"ILP {st.get('ilp_s', 0):.2f} s{_graph_read(st)}")
     return t
+
+
+def _graph_read(stats: dict) -> str:
+    """How many captured graphs a plan read from its cache (none: nothing to say)."""
+    hits = stats.get("graph_hits", 0)
+    return f"; {hits} captured graph{'s' if hits > 1 else ''} read from the cache" if hits else ""
 
 
 def param_table(plan: Plan, max_rows: int = 40) -> Table:
