@@ -113,10 +113,15 @@ def test_predicted_overlap_hides_all_buckets_but_the_first_up_to_backward():
     bucket = lambda k, s: Collective("all-reduce", (0, 1), 1e6, "backward", f"gradient bucket {k}", "", s)  # noqa: E731
     other = Collective("all-gather", (1,), 1e6, "forward", "mm", "x", 0.5)
     p = replace(base, collectives=[other, bucket(0, 1.0), bucket(1, 2.0), bucket(2, 3.0)], compute_seconds=9.0,
-                comm_seconds=6.5)
+                comm_seconds=6.5, update_seconds=0.0)
     assert p.overlap_seconds == 5.0  # buckets 1 and 2; bucket 0 is ready only when backward ends
     assert p.step_seconds == 9.0 + 6.5 - 5.0
     short = replace(p, compute_seconds=3.0)  # backward (2/3 of compute) hides at most 2 s
     assert short.overlap_seconds == 2.0 and short.step_seconds == 3.0 + 6.5 - 2.0
+    # the optimizer update runs after backward: 1.5 s of it leave 2/3 of 1.5 s to hide in
+    assert replace(short, update_seconds=1.5).overlap_seconds == 1.0
     assert replace(p, collectives=[other, bucket(0, 1.0)]).overlap_seconds == 0.0
     assert replace(p, collectives=[other]).overlap_seconds == 0.0
+    # the first bucket of each kind and axes holds its parameters used first: not hidden either
+    rs = replace(bucket(2, 3.0), kind="reduce-scatter")
+    assert replace(p, collectives=[other, bucket(0, 1.0), bucket(1, 2.0), rs]).overlap_seconds == 2.0

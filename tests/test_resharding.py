@@ -150,8 +150,12 @@ def test_zero_pattern_and_costs():
     assert ReshardCosts(mesh)(s0, rr, (0,), SHAPE, 4, parameter=True) == pytest.approx(3 * (1e-5 + 0.5 * full * 1e-9))
     # data-parallel gradient sync: nothing forward, an all-reduce backward (2 (n-1)/n B beta + alpha)
     assert ReshardCosts(mesh)(rr, rr, (1,), SHAPE, 4) == pytest.approx(2e-5 + 2 * 0.5 * full * 2e-9)
-    # ... bucketed for parameters: the latency is paid per bucket, not per tensor
-    assert ReshardCosts(mesh)(rr, rr, (1,), SHAPE, 4, parameter=True) == pytest.approx(2 * 0.5 * full * 2e-9)
+    # ... bucketed for parameters: the latency is paid per bucket of at most bucket_bytes, so a
+    # tensor pays its bandwidth and its share full / bucket_bytes of the latency (at most one)
+    assert ReshardCosts(mesh)(rr, rr, (1,), SHAPE, 4, parameter=True) == pytest.approx(
+        2 * 0.5 * full * 2e-9 + 2e-5 * full / (25 * 2**20))
+    assert ReshardCosts(mesh, bucket_bytes=full / 4)(rr, rr, (1,), SHAPE, 4, parameter=True) == pytest.approx(
+        2 * 0.5 * full * 2e-9 + 2e-5)
     # S0R -> RS0 is one all-to-all of the local bytes
     a2a = forward_steps(s0, ShardingSpec.parse("RS0"), SHAPE, 4, MESH)
     assert [(s.kind, s.nbytes) for s in a2a] == [("all-to-all", full / 2)]

@@ -13,6 +13,13 @@ resharding matrix still enter the objective and the memory sum once per node.
 A value read by several consumers is moved once per spec they want (the runtime reshards it
 once and sums the readers' gradients before the move's backward): a target spec two or more
 of its reader edges can want is priced by one shared move (``CostGraph.moves``), not per edge.
+
+What backward hides (``CostGraph.pools``, ``ilp.Pool``; docs/planner.md, "One price"): a
+parameter edge's gradient sync joins the pool of its bucket's kind and mesh axes (its marginal
+seconds, as the edge pays them), and a ZeRO-3 use a group can take (``resharding.grouped_steps``)
+its reduce-scatter's seconds to the ZeRO-3 pool; each node's compute times ``BACKWARD_SHARE``
+is what hides them (``CostGraph.backward``; a parameter's, its optimizer update, hides nothing),
+as ``core.plan.hidden_seconds`` prices a listing.
 """
 from __future__ import annotations
 
@@ -27,9 +34,10 @@ import torch
 from ..core.capture import CapturedGraph
 from ..core.mesh import LogicalMesh
 from ..core.options import PlanOptions
-from ..core.resharding import ReshardCosts, is_gradient_sync, regathers, reshard_costs
+from ..core.plan import BACKWARD_SHARE, first_use_positions
+from ..core.resharding import ReshardCosts, grouped_steps, is_gradient_sync, regathers, reshard_costs, step_cost
 from ..core.spec import ShardingSpec
-from .ilp import CostGraph, RematGroup
+from .ilp import CostGraph, Pool, RematGroup
 from .strategies import BACKWARD_FLOPS_FACTOR, NodeStrategies, kept_for_backward
 
 
@@ -97,7 +105,8 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
     of the layer's variables is charged per variable, where the runtime moves it once; a ZeRO-3
     parameter's gather nothing: its edge already pays the backward's gather, which
     recomputation replaces).
-    ``options``: its switches forbid moves (``resharding.ReshardCosts``).
+    ``options``: its switches forbid moves (``resharding.ReshardCosts``); its ``bucket_bytes``
+    bound what stays unhidden of each overlap pool (``ilp.Pool.unhidden``).
     """
     if nodes is not None:
         table = {k: v for k, v in table.items() if k in nodes}
@@ -117,10 +126,13 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
     readers: dict[tuple[str, int], list[tuple[int, tuple]]] = {}  # value -> reader edges (var, wanted per strategy)
     recomputed: dict[tuple[str, int], dict] = {}  # value -> {(var, wanted, group index)} read inside remat layers
     casts = cg.param_casts  # a parameter's low-precision copy: its gradient sync is bucketed too
+    position = first_use_positions(cg)
+    first = min((position[ph] for ph in cg.param_fqns if ph in table), default=None)
 
     def new_var(name, ns):
         graph.costs.append([0.0] * len(ns.strategies))
         graph.memory.append([0.0] * len(ns.strategies))
+        graph.backward[len(graph.names)] = [0.0] * len(ns.strategies)
         graph.names.append(name)
         return Var(len(graph.costs) - 1, list(range(len(ns.strategies))))
 
@@ -159,6 +171,8 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         for p, q in enumerate(placed.index):
             s = ns.strategies[q]
             graph.costs[placed.var][p] += s.cost
+            if node.name not in cg.param_fqns:  # a parameter's compute is its optimizer update
+                graph.backward[placed.var][p] += BACKWARD_SHARE * s.compute
             (group.act.setdefault(placed.var, [0.0] * width) if internal else graph.memory[placed.var])[p] += s.memory * kept
             if group is not None:
                 group.extra.setdefault(placed.var, [0.0] * width)[p] += s.compute / (1 + BACKWARD_FLOPS_FACTOR) + s.comm
@@ -181,6 +195,9 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         parameter = src_name in cg.param_fqns or src_name in casts
         _price_value(graph, reshard, src.var, outs, zeros, reduced, edges, tuple(val.shape), val.element_size(),
                      parameter)
+        if parameter:  # the parameters used first complete their gradients when backward ends
+            _pool_parameter(graph, reshard, src.var, outs, zeros, edges, tuple(val.shape), val.element_size(),
+                            (options or PlanOptions()).bucket_bytes, position[casts.get(src_name, src_name)] != first)
         # forward only (no gradient); a forbidden pair: not chosen; a ZeRO-3 use: free, the
         # recomputation's gather replaces the backward's (``resharding.regathers``)
         for v, ins, i in recomputed.get((src_name, r), ()):
@@ -220,3 +237,38 @@ def _price_value(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple, z
     if shared:
         graph.add_move(u, [(v, [index.get(t, -1) for t in ins]) for v, ins in edges if any(t in index for t in ins)],
                        [[once(o, t) for t in shared] for o in outs])
+
+
+def _pool_parameter(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple, zeros: tuple, edges: list, shape,
+                    itemsize: int, bucket_bytes: float, hides: bool) -> None:
+    """Add what backward may hide of one parameter's uses (``outs``, ``zeros``, ``edges`` as
+    ``_price_value``) to the cost graph's pools: each gradient sync's seconds on its edge to the
+    pool of its bucket's (kind, mesh axes), and each groupable ZeRO-3 use's reduce-scatter to the
+    ZeRO-3 pool. A pool leaves at most its first bucket (group) of ``bucket_bytes`` unhidden
+    (a bucket priced as its members, ``LogicalMesh.bucketed_cost``); an all-reduce pool pays one
+    latency when any parameter syncs in it (a reduce-scatter's: ZeRO-2's fixed charge). ``hides``
+    False: a parameter used first, in the bucket (group) completed last, whatever its size: a
+    member that pays the pool's latency, not part of what hides."""
+    mesh = reshard.mesh
+    for v, ins in edges:
+        sync = reshard.sync_matrix(outs, ins, shape, itemsize, zeros)
+        parts: dict[tuple, list[list[float]]] = {}
+        for p, (row, (stage, _)) in enumerate(zip(sync, zeros)):
+            for q, (c, (_, gp)) in enumerate(zip(row, ins)):
+                if c:
+                    key = ("bucket", "reduce-scatter" if stage == 2 else "all-reduce", tuple(sorted(gp)))
+                    parts.setdefault(key, [[0.0] * len(ins) for _ in outs])[p][q] = c
+                steps = grouped_steps(outs[p], *ins[q], shape, itemsize, mesh.shape)
+                if steps is not None:
+                    parts.setdefault(("groups",), [[0.0] * len(ins) for _ in outs])[p][q] = step_cost(steps[1], mesh)
+        for key, matrix in parts.items():
+            if key not in graph.pools:
+                axes = [(a,) for a in (0, 1) if mesh.shape[a] > 1]
+                if key[0] == "groups":
+                    graph.pools[key] = Pool(min(mesh.collective_cost("reduce-scatter", bucket_bytes, a) for a in axes))
+                else:  # a reduce-scatter's latency is ZeRO-2's fixed charge
+                    latency = mesh.collective_cost("all-reduce", 0, key[2]) if key[1] == "all-reduce" else 0.0
+                    graph.pools[key] = Pool(mesh.bucketed_cost(key[1], bucket_bytes, key[2], bucket_bytes),
+                                            latency=latency)
+            if hides or graph.pools[key].latency:
+                graph.pools[key].add_edge(u, v, matrix, hides)

@@ -37,6 +37,23 @@ This module knows nothing about torch: the planner builds the ``CostGraph``. Mem
 edge terms, so the least memory any solution needs is ``sum_v min_p m_v[p]``; a budget below
 it is reported with that figure instead of trusting a solver's "infeasible".
 
+Overlap (docs/planner.md, "One price"): backward hides gradient synchronization. A *pool*
+``P`` (ZeRO-3 gradient reduce-scatters; gradient buckets of one kind and mesh axes) has seconds
+``S_P(s) = sum_v x_Pv^T s_v + sum_uv <e_uv, H_Puv>``, of which the listing leaves its first
+collective (group 0, the (kind, axes)'s first bucket) unhidden, at most ``c_P`` seconds; all of
+them hide within ``D(s) = sum_v d_v^T s_v``, backward's share of the compute. With a binary
+``z_P`` (hiding anything at all: ``S_P > c_P``) and ``U_P`` the largest ``S_P``:
+
+    h_P <= S_P(s) - c_P z_P,   h_P <= (U_P - c_P) z_P,   h_P >= 0,   sum_P h_P <= D(s)
+    minimize    ... - sum_P w_P h_P
+
+so ``h_P = max(0, S_P - c_P)``, the pools of larger weight ``w_P`` first (a pipeline stage's
+buckets, run once per step, weigh ``1 / B``) within ``D``, as ``core.plan.hidden_seconds``
+fills its budget. Where ``c_P = 0`` there is no ``z_P``. A pool of gradient all-reduces also
+pays its first bucket's latency ``a_P`` once if it has any member (``y_P >= x`` for every
+variable ``x`` of ``S_P``, ``+ a_P y_P``; a fixed charge on edges), its members their share of
+the other buckets' (``LogicalMesh.bucketed_cost``).
+
 Activation checkpointing (rematerialization; Chen et al. 2016, "Training Deep Nets with
 Sublinear Memory Cost"; Alpa's remat): a ``RematGroup`` ``l`` (a layer) holds the bytes
 ``A_l(s) = sum_v a_lv^T s_v`` of the activations only the layer reads, which are left out of
@@ -121,11 +138,66 @@ class RematGroup:
 
     def add_edge(self, u: int, v: int, matrix: list[list[float]]) -> None:
         """Add (or accumulate into) the forward moves ``u -> v`` (``CostGraph.add_edge``)."""
-        if u == v:
-            diag = [matrix[p][p] for p in range(len(matrix))]
-            self.extra[u] = [a + b for a, b in zip(self.extra.get(u, [0.0] * len(diag)), diag)]
+        _add_linear_edge(self.extra, self.edges, u, v, matrix)
+
+
+def _add_linear_edge(extra: dict, edges: dict, u: int, v: int, matrix: list[list[float]]) -> None:
+    """Add ``matrix`` to the terms ``(extra, edges)``: a self edge's diagonal to ``extra[u]``."""
+    if u == v:
+        diag = [matrix[p][p] for p in range(len(matrix))]
+        extra[u] = [a + b for a, b in zip(extra.get(u, [0.0] * len(diag)), diag)]
+    else:
+        _accumulate(edges, u, v, matrix)
+
+
+@dataclass
+class Pool:
+    """Collectives backward may hide (module docstring, "Overlap"): ZeRO-3 gradient
+    reduce-scatters, or the gradient buckets of one kind and mesh axes.
+
+    Attributes:
+        unhidden: ``c_P``, seconds: the most the listing leaves unhidden of them (its first group
+            or bucket, of at most ``bucket_bytes``).
+        weight: ``w_P``, the weight of a hidden second in the objective (1; a pipeline stage's
+            buckets, run once per step: ``1 / B``).
+        latency: seconds paid once when any member is chosen (``used``): the latency of the kind
+            and axes' first bucket (its members pay their share of the others').
+        extra: variable -> seconds per strategy.
+        edges: ``(u, v) -> matrix``, seconds when u picks p and v picks q (``CostGraph.edges``).
+        held_extra / held_edges: the same, of members that never hide (the parameters used first:
+            their gradients complete when backward ends); they are no part of ``S_P`` but pay
+            ``latency``.
+    """
+
+    unhidden: float
+    weight: float = 1.0
+    latency: float = 0.0
+    extra: dict[int, list[float]] = field(default_factory=dict)
+    edges: dict[tuple[int, int], list[list[float]]] = field(default_factory=dict)
+    held_extra: dict[int, list[float]] = field(default_factory=dict)
+    held_edges: dict[tuple[int, int], list[list[float]]] = field(default_factory=dict)
+
+    def add_edge(self, u: int, v: int, matrix: list[list[float]], hides: bool = True) -> None:
+        """Add (or accumulate into) the pool's seconds on ``u -> v`` (``CostGraph.add_edge``);
+        ``hides`` False: of members that never hide (``held_edges``)."""
+        if hides:
+            _add_linear_edge(self.extra, self.edges, u, v, matrix)
         else:
-            _accumulate(self.edges, u, v, matrix)
+            _add_linear_edge(self.held_extra, self.held_edges, u, v, matrix)
+
+    def used(self, choice) -> bool:
+        """Whether ``choice`` chooses any member's seconds (all are non-negative)."""
+        return self.seconds(choice) > 0 or (sum(vec[choice[v]] for v, vec in self.held_extra.items())
+                                            + sum(m[choice[u]][choice[v]] for (u, v), m in self.held_edges.items())) > 0
+
+    def seconds(self, choice) -> float:
+        """``S_P``: the pool's seconds under ``choice``."""
+        return (sum(vec[choice[v]] for v, vec in self.extra.items())
+                + sum(m[choice[u]][choice[v]] for (u, v), m in self.edges.items()))
+
+    def bound(self) -> float:
+        """``U_P``: the largest ``S_P`` of any assignment, or more."""
+        return sum(max(vec) for vec in self.extra.values()) + sum(max(map(max, m)) for m in self.edges.values())
 
 
 def _accumulate(edges: dict, u: int, v: int, matrix: list[list[float]]) -> None:
@@ -153,6 +225,8 @@ class CostGraph:
             ``readers`` is a tuple of ``(v, wants)``, ``wants[q]`` the target v's strategy ``q``
             wants (-1: none of them).
         remat: the layers that may be recomputed (``RematGroup``).
+        pools: ``key -> Pool``: what backward may hide (module docstring, "Overlap").
+        backward: variable -> ``d_v``, seconds of backward compute per strategy: what hides them.
     """
 
     costs: list[list[float]]
@@ -167,6 +241,8 @@ class CostGraph:
 
     moves: dict[tuple, list[list[float]]] = field(default_factory=dict)
     remat: list[RematGroup] = field(default_factory=list)
+    pools: dict[object, Pool] = field(default_factory=dict)
+    backward: dict[int, list[float]] = field(default_factory=dict)
 
     def add_edge(self, u: int, v: int, matrix: list[list[float]]) -> None:
         """Add (or accumulate into) the edge ``u -> v``; a self edge adds its diagonal to ``u``."""
@@ -192,7 +268,20 @@ class CostGraph:
                 + sum(f for f, members in self.fixed.values() if any(choice[v] == p for v, p in members))
                 + sum(m[choice[u]][t] for (u, readers), m in self.moves.items()
                       for t in {wants[choice[v]] for v, wants in readers} if t >= 0)
-                + sum(g.recompute(choice) for g, r in zip(self.remat, remat) if r))
+                + sum(g.recompute(choice) for g, r in zip(self.remat, remat) if r)
+                + sum(p.latency for p in self.pools.values() if p.latency and p.used(choice))
+                - self.hidden(choice))
+
+    def hidden(self, choice: list[int]) -> float:
+        """Weighted seconds backward hides under ``choice`` (module docstring, "Overlap"): each
+        pool's ``max(0, S_P - c_P)``, larger weights first, within the backward compute."""
+        budget = sum(vec[choice[v]] for v, vec in self.backward.items())
+        total = 0.0
+        for pool in sorted(self.pools.values(), key=lambda p: -p.weight):
+            h = max(0.0, min(pool.seconds(choice) - pool.unhidden, budget))
+            budget -= h
+            total += pool.weight * h
+        return total
 
     def memory_of(self, choice: list[int], remat=()) -> float:
         """Bytes per device: kept activations, plus the largest recomputed layer's."""
@@ -357,8 +446,9 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
          for v, costs in enumerate(graph.costs)]
     objective: dict = {}
     constant = 0.0
+    per = _seconds_unit(graph)
 
-    def add(x, coef):
+    def add(x, coef):  # coef in seconds; the solver sees it in units of ``per``
         nonlocal constant
         if math.isinf(coef):  # forbidden
             if x is None:
@@ -366,9 +456,9 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
                                   f"({len(graph.costs)} variables){blame}")
             x.upBound = 0
         elif x is None:
-            constant += coef
+            constant += coef / per
         elif coef:
-            objective[x] = objective.get(x, 0.0) + coef
+            objective[x] = objective.get(x, 0.0) + coef / per
 
     for v, xs in enumerate(s):
         if xs is None:
@@ -378,9 +468,25 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
                                              rhs=1), f"one_{v}")
         for x, c in zip(xs, graph.costs[v]):
             add(x, c)
+    pools = _used_pools(graph)
+    parts = {(k, hides): (pool.extra, pool.edges) if hides else (pool.held_extra, pool.held_edges)
+             for k, pool in pools.items() for hides in ((True, False) if pool.latency else (True,))}
+    pool_terms = {key: _vector_terms(s, extra) for key, (extra, _) in parts.items()}  # S_P's, the held members'
+    on_edges: dict[tuple[int, int], list] = {}  # a pool's matrices on an edge of the graph share its e
+    for key, (_, edges) in parts.items():
+        for (u, v), matrix in sorted(edges.items()):
+            if (v, u) in graph.edges:
+                u, v, matrix = v, u, [list(col) for col in zip(*matrix)]
+            if (u, v) in graph.edges:
+                on_edges.setdefault((u, v), []).append((key, matrix))
+            else:
+                pool_terms[key] += _edge_terms(prob, f"h{key[0]}{'h' if key[1] else 'k'}", s, u, v, matrix)[0]
     for (u, v), matrix in sorted(graph.edges.items()):
-        for x, c in _edge_terms(prob, "", s, u, v, matrix):
+        terms = _edge_terms(prob, "", s, u, v, matrix, *(m for _, m in on_edges.get((u, v), ())))
+        for x, c in terms[0]:
             add(x, c)
+        for (key, _), more in zip(on_edges.get((u, v), ()), terms[1:]):
+            pool_terms[key] += more
     for k, (key, (seconds, members)) in enumerate(sorted(graph.fixed.items(), key=lambda kv: str(kv[0]))):
         if any(s[v] is None for v, _ in members):  # always paid
             add(None, seconds)
@@ -392,8 +498,9 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
         add(y, seconds)
     for g, ((u, readers), matrix) in enumerate(sorted(graph.moves.items())):
         _shared_move(prob, g, s, u, readers, matrix, add)
+    _overlap_terms(prob, graph, pools, pool_terms, s, add, per)
     unit = max(memory_budget, 1.0) if math.isfinite(memory_budget) else 1.0
-    r, mem_terms = _remat_terms(prob, graph, s, add, unit)
+    r, mem_terms = _remat_terms(prob, graph, s, add, unit, per)
     prob.setObjective(pulp.LpAffineExpression(list(objective.items()), constant=constant))
     if math.isfinite(memory_budget):
         # in units of the budget: byte counts near 1e10 leave the solver's tolerances meaningless
@@ -429,17 +536,40 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
     return Solution(choice, graph.objective(choice, remat), graph.memory_of(choice, remat), stopped, remat, gap)
 
 
-def _edge_terms(prob, tag: str, s, u: int, v: int, matrix) -> list:
-    """The terms ``(x, coefficient)`` (x None: a constant) of ``<e_uv, matrix>``, adding ``e_uv``
-    and its linearization rows to ``prob`` where the cost depends on both ends (module docstring);
-    ``tag`` tells apart the variables of several matrices on one pair."""
-    rows, cols = _identical(matrix), _identical(list(zip(*matrix)))
-    if len(rows) == 1:  # the cost depends on v's choice only (always so when u has one strategy)
-        return [(None if s[v] is None else s[v][q], c) for q, c in enumerate(matrix[0])]
+def _seconds_unit(graph: CostGraph) -> float:
+    """The largest finite seconds figure of ``graph``'s objective terms (1.0 when there is none).
+
+    The ILP is solved in this unit (objective, remat cost rows, overlap rows): the solvers'
+    tolerances are absolute (HiGHS's primal and dual feasibility 1e-7), and against costs in
+    seconds (1e-9 .. 1e-3) they let an answer stop well above the optimum. Measured: gpt-tiny (2
+    blocks, 2x2 A100s, 1.1x its least memory) solved in seconds gave objectives 5e-5 apart for the
+    same ILP with its rows in another order, each reported optimal; the ZeRO-3 MLP of
+    tests/test_zero.py (``bucket_bytes=17_000``) with its overlap rows came out 4% above its
+    optimum, "optimal" in HiGHS and in CBC alike; in this unit both give the optimum
+    (docs/planner.md, "Determinism")."""
+    rows = [*graph.costs, [f for f, _ in graph.fixed.values()], *graph.backward.values()]
+    for m in itertools.chain(graph.edges.values(), graph.moves.values(), *(g.edges.values() for g in graph.remat),
+                             *(p.edges.values() for p in graph.pools.values())):
+        rows += m
+    for g in [*graph.remat, *graph.pools.values()]:
+        rows += g.extra.values()
+    largest = max((abs(c) for row in rows for c in row if math.isfinite(c)), default=0.0)
+    return largest or 1.0
+
+
+def _edge_terms(prob, tag: str, s, u: int, v: int, *matrices) -> list[list]:
+    """Per matrix, the terms ``(x, coefficient)`` (x None: a constant) of ``<e_uv, matrix>``,
+    adding ``e_uv`` and its linearization rows to ``prob`` where a cost depends on both ends
+    (module docstring); the matrices of one pair share ``e_uv``, over the classes of rows (columns)
+    equal in all of them. ``tag`` tells apart the variables of several calls on one pair."""
+    rows = _identical([sum((tuple(m[p]) for m in matrices), ()) for p in range(len(matrices[0]))])
+    cols = _identical([sum((tuple(row[q] for row in m) for m in matrices), ()) for q in range(len(matrices[0][0]))])
+    if len(rows) == 1:  # the costs depend on v's choice only (always so when u has one strategy)
+        return [[(None if s[v] is None else s[v][q], c) for q, c in enumerate(m[0])] for m in matrices]
     if len(cols) == 1:  # ... on u's choice only
-        return [(s[u][p], row[0]) for p, row in enumerate(matrix)]
-    if not any(any(row) for row in matrix):
-        return []
+        return [[(s[u][p], row[0]) for p, row in enumerate(m)] for m in matrices]
+    if not any(any(row) for m in matrices for row in m):
+        return [[] for _ in matrices]
 
     def equal(terms, name):
         prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(terms), pulp.LpConstraintEQ, rhs=0), name)
@@ -451,22 +581,20 @@ def _edge_terms(prob, tag: str, s, u: int, v: int, matrix) -> list:
         equal([(x, 1) for x in e[a]] + [(s[u][p], -1) for p in ps], f"row{tag}_{u}_{v}_{a}")
     for b, qs in enumerate(cols):
         equal([(e[a][b], 1) for a in range(len(rows))] + [(s[v][q], -1) for q in qs], f"col{tag}_{u}_{v}_{b}")
-    return [(e[a][b], matrix[ps[0]][qs[0]]) for a, ps in enumerate(rows) for b, qs in enumerate(cols)]
+    return [[(e[a][b], m[ps[0]][qs[0]]) for a, ps in enumerate(rows) for b, qs in enumerate(cols)] for m in matrices]
 
 
-def _remat_terms(prob, graph: CostGraph, s, add, unit: float):
+def _remat_terms(prob, graph: CostGraph, s, add, unit: float, seconds: float):
     """The remat variables and constraints of the module docstring: returns (per group ``r_l``,
-    ``True`` when forced), and the memory constraint's extra terms (``k_l``, ``z``), in ``unit``."""
+    ``True`` when forced), and the memory constraint's extra terms (``k_l``, ``z``), in ``unit``
+    bytes; the cost rows (``w_l``) are in ``seconds`` (``_seconds_unit``)."""
     if not graph.remat:
         return [], []
     z = pulp.LpVariable("remat_peak", lowBound=0)
     rs, terms = [], [(z, 1.0)]
 
     def expr(vectors: dict[int, list[float]], scale: float) -> list:
-        out = []
-        for v, vec in vectors.items():
-            out += [(None, vec[0] / scale)] if s[v] is None else [(x, c / scale) for x, c in zip(s[v], vec) if c]
-        return out
+        return [(x, c / scale) for x, c in _vector_terms(s, vectors)]
 
     def at_least(lhs, rhs_terms, name):  # lhs >= sum(rhs_terms) (None: a constant)
         const = sum(c for x, c in rhs_terms if x is None)
@@ -478,12 +606,12 @@ def _remat_terms(prob, graph: CostGraph, s, add, unit: float):
         r = True if g.forced else pulp.LpVariable(f"r_{i}", cat=pulp.LpBinary)
         rs.append(r)
         big_a = RematGroup.bound(g.act) / unit
-        big_e = RematGroup.bound(g.extra) + sum(max(map(max, m)) for m in g.edges.values())
-        a, e = expr(g.act, unit), expr(g.extra, 1.0)
+        big_e = (RematGroup.bound(g.extra) + sum(max(map(max, m)) for m in g.edges.values())) / seconds
+        a, e = expr(g.act, unit), expr(g.extra, seconds)
         for (u, v), matrix in sorted(g.edges.items()):
-            e += _edge_terms(prob, f"r{i}", s, u, v, matrix)
+            e += [(x, c / seconds) for x, c in _edge_terms(prob, f"r{i}", s, u, v, matrix)[0]]
         w = pulp.LpVariable(f"remat_w_{i}", lowBound=0)
-        add(w, 1.0)
+        add(w, seconds)
         if r is True:
             at_least(z, a, f"remat_peak_{i}")
             at_least(w, e, f"remat_cost_{i}")
@@ -495,6 +623,66 @@ def _remat_terms(prob, graph: CostGraph, s, add, unit: float):
         at_least(z, a + [(r, big_a), (None, -big_a)], f"remat_peak_{i}")
         at_least(w, e + [(r, big_e), (None, -big_e)], f"remat_cost_{i}")
     return rs, terms
+
+
+def _vector_terms(s, vectors: dict[int, list[float]]) -> list:
+    """The terms ``(x, coefficient)`` (x None: a constant) of ``sum_v vec_v^T s_v``."""
+    out = []
+    for v, vec in vectors.items():
+        out += [(None, vec[0])] if s[v] is None else [(x, c) for x, c in zip(s[v], vec) if c]
+    return out
+
+
+def _at_most(prob, terms, name: str) -> None:
+    """``sum(terms) <= 0`` (a term's x None: a constant)."""
+    prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression([(x, c) for x, c in terms if x is not None]),
+                                         pulp.LpConstraintLE, rhs=-sum(c for x, c in terms if x is None)), name)
+
+
+def _hides(pool: Pool) -> bool:
+    """Whether ``pool`` can hide anything: its largest ``S_P`` above ``c_P``, and a weight."""
+    return pool.bound() > pool.unhidden and bool(pool.weight)
+
+
+def _used_pools(graph: CostGraph) -> dict[int, Pool]:
+    """The pools of ``graph`` that can hide something (``_hides``) or charge a latency, by their
+    index in key order."""
+    ordered = sorted(graph.pools.items(), key=lambda kv: str(kv[0]))
+    return {k: pool for k, (_, pool) in enumerate(ordered) if _hides(pool) or pool.latency}
+
+
+def _overlap_terms(prob, graph: CostGraph, pools: dict[int, Pool], pool_terms: dict[tuple, list], s, add,
+                   seconds: float) -> None:
+    """The variables ``h_P`` and ``z_P`` and the rows of the overlap (module docstring), and each
+    pool's latency ``y_P >= x`` for every term ``x`` of its members (paid once if any is chosen),
+    for ``pools`` (``_used_pools``), whose ``S_P`` has the terms ``pool_terms[k, True]`` and whose
+    held members ``pool_terms[k, False]``, in units of ``seconds`` (``_seconds_unit``)."""
+    hidden = []
+    for k, pool in pools.items():
+        if pool.latency:
+            members = pool_terms[k, True] + pool_terms[k, False]
+            if any(x is None and c > 0 for x, c in members):
+                add(None, pool.latency)
+            else:
+                y = pulp.LpVariable(f"pool_y_{k}", lowBound=0, upBound=1)
+                add(y, pool.latency)
+                for i, (x, c) in enumerate(members):
+                    if c > 0:
+                        _at_most(prob, [(x, 1.0), (y, -1.0)], f"pool_y_{k}_{i}")
+        if not _hides(pool):
+            continue
+        terms = [(x, -c / seconds) for x, c in pool_terms[k, True]]
+        h = pulp.LpVariable(f"hide_{k}", lowBound=0)
+        add(h, -pool.weight * seconds)
+        hidden.append((h, 1.0))
+        if pool.unhidden > 0:
+            z = pulp.LpVariable(f"hide_z_{k}", cat=pulp.LpBinary)
+            _at_most(prob, [(h, 1.0), (z, pool.unhidden / seconds)] + terms, f"hide_{k}")
+            _at_most(prob, [(h, 1.0), (z, (pool.unhidden - pool.bound()) / seconds)], f"hide_z_{k}")
+        else:
+            _at_most(prob, [(h, 1.0)] + terms, f"hide_{k}")
+    if hidden:
+        _at_most(prob, hidden + [(x, -c / seconds) for x, c in _vector_terms(s, graph.backward)], "hide_budget")
 
 
 def _shared_move(prob, g: int, s, u: int, readers, matrix, add) -> None:

@@ -338,13 +338,13 @@ def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budg
     if len(st.option.payload) == 2:  # one ILP for the stage (exact mode, or the chain's fallback)
         sol = solve_stage(cg, names, mesh, budget, scale, costs.table(shape, st.start, st.end), options,
                           sync_weight=costs.sync_weight, sends=costs.sends(st.start, st.end), remat=remat)
-        nodes, compute = sol.nodes, sol.compute_seconds
+        nodes, compute, update = sol.nodes, sol.compute_seconds, sol.update_seconds
         limits = solver_limits(f"layers {st.start}-{st.end - 1}", sol)
     else:  # the chain of per-layer solutions the DP priced, on this stage's own layers
         fixed: dict = {}
         real: dict = {}
         boundary: dict = {}
-        compute = 0.0
+        compute = update = 0.0
         limits = []
         for j in range(st.start, st.end):
             part = costs.subset(j, j + 1)
@@ -352,6 +352,7 @@ def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budg
                               fixed=dict(fixed), sync_weight=costs.sync_weight,
                               remat=[layers[j].nodes] if j - st.start in st.option.remat else [])
             compute += sol.compute_seconds
+            update += sol.update_seconds
             limits += solver_limits(f"layer {j}", sol)
             for n, np_ in sol.nodes.items():
                 (boundary if np_.strategy == "boundary" else real)[n] = np_
@@ -367,7 +368,7 @@ def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budg
                 fingerprint=cg.fingerprint(),
                 options={"memory_budget": budget, "activation_scale": scale, "mode": costs.mode}, grad_sync=grad_sync,
                 bucket_bytes=options.bucket_bytes, zero_stages=zero_stages(view, nodes), solver_limits=limits,
-                remat=remat)
+                remat=remat, update_seconds=update)
     transfer = costs.transfer_seconds(st.start, st.submesh)
     sends = sum(send_gather_seconds(cg, n, nodes[n].out_specs[0], mesh) for n in costs.sends(st.start, st.end))
     return StagePlan((st.start, st.end), [n for layer in layers[st.start:st.end] for n in layer.nodes],

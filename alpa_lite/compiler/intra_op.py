@@ -79,6 +79,7 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
     stats["disk_hits"] = int(hit)
     stats["ilp_s"] = time.perf_counter() - t2
     stats["ilp_objective"] = sol.objective
+    stats["ilp_hidden"] = graph.hidden(sol.choice)  # what the objective subtracts for overlap, seconds
     chosen = {name: table[name].strategies[w.index[sol.choice[w.var]]] for name, w in where.items()}
     remat = [list(layer) for layer, r in zip(layers, sol.remat) if r]
     nodes, grad_sync, collectives = training_step(cg, {name: node_plan(s, table[name]) for name, s in chosen.items()},
@@ -96,6 +97,7 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
                   loss_reduction=loss_reduction or LossReduction("mean", None),
                   zero_stages=zero_stages(cg, nodes), captured=cg,
                   remat=remat,
-                  solver_limits=solver_limits("intra-op", sol))
+                  solver_limits=solver_limits("intra-op", sol),
+                  update_seconds=sum(s.compute for n, s in chosen.items() if n in cg.param_fqns))
     stats["total_s"] = time.perf_counter() - t1
     return result

@@ -501,7 +501,8 @@ class StageSolution:
     recomputed layers, only the values they do not read alone); ``remat_peak``: the largest
     recomputed layer's activations, live once (one layer is recomputed at a time); ``remat``: the
     layers recomputed (node names). ``status`` / ``gap``: ``ilp.Solution``'s (``"Optimal"``, None:
-    proven optimal)."""
+    proven optimal). ``update_seconds``: the optimizer update's part of ``compute_seconds``
+    (``Plan.update_seconds``)."""
 
     seconds: float
     once_seconds: float
@@ -514,6 +515,7 @@ class StageSolution:
     remat_peak: float = 0.0
     remat: list[tuple[str, ...]] = field(default_factory=list)
     status: str = "Optimal"
+    update_seconds: float = 0.0
 
 
 def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int = 1, table=None,
@@ -532,7 +534,9 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
     ``build_strategies(cg, mesh)`` of the whole graph, reused. A data-parallel gradient
     all-reduce runs once per step, after the last of ``B`` microbatches: the objective, which is
     per microbatch, weighs it ``sync_weight = 1 / B``, and so the all-gather of a ZeRO-1/2
-    parameter after the update and the latency of its buckets. The returned ``seconds`` and
+    parameter after the update, the latency of its buckets and what the last microbatch's
+    backward hides of the buckets (their ``ilp.Pool`` weight; the ZeRO-3 reduce-scatters hidden
+    behind every microbatch's backward weigh 1, as ``step_parts`` splits them). The returned ``seconds`` and
     ``once_seconds`` are not the objective's: they price the stage as its plan lists it
     (``training_step``; ``core.plan.step_parts``: per microbatch, and the buckets once per step,
     less what backward hides), so a stage and an SPMD plan are priced alike. ``sends``: values
@@ -583,6 +587,9 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
     if sync_weight != 1.0:
         _discount_gradient_sync(cg, table, where, graph, names, reshard, sync_weight)
         _discount_zero_updates(cg, table, where, graph, names, sync_weight)
+        for key, pool in graph.pools.items():  # buckets run, and hide behind the last microbatch's backward, once per step
+            if key[0] == "bucket":
+                pool.weight, pool.latency = sync_weight, pool.latency * sync_weight
     weight_vars = {where[p].var for p in names if p in cg.param_fqns or p in cg.buffer_fqns}
     unscaled = graph.memory
     if act_scale != 1:
@@ -614,14 +621,15 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
                                             options.gradient_reduce_dtype, remat)
     again = {n for layer in remat for n in layer}
     compute = sum(s.compute * (1 + (n in again) / (1 + BACKWARD_FLOPS_FACTOR)) for n, s in chosen.items())
+    update = sum(s.compute for n, s in chosen.items() if n in cg.param_fqns)
     # priced as the stage's plan lists it (core.plan.step_parts), not by the ILP's objective
-    seconds, once = step_parts(collectives, compute)
+    seconds, once = step_parts(collectives, compute, update)
     seconds += sum(send_gather_seconds(cg, n, nodes[n].out_specs[0], mesh) for n in sends)
     terms = [peak, kept_groups]  # the ILP's memory: weight variables, the others (unscaled)
     for v, m in enumerate(unscaled):
         terms[v not in weight_vars] += m[sol.choice[v]]
     return StageSolution(seconds, once, weights, acts, nodes, compute, tuple(terms), sol.gap, peak,
-                         [tuple(layer) for layer in remat], sol.status)
+                         [tuple(layer) for layer in remat], sol.status, update)
 
 
 def _discount_gradient_sync(cg, table, where, graph, names, reshard, weight: float) -> None:

@@ -13,11 +13,11 @@ split, ``add_zero_strategies`` adds two strategies, both storing the parameter i
 
 Prices: memory ``training_state_bytes`` (parameter, gradient and Adam states separately); time:
 the AdamW update of the slice (the strategy's compute), the all-gather of the parameter (its
-comm: the bandwidth term, ``LogicalMesh.marginal_cost``, and its share ``b / bucket_bytes`` of a
-bucket's latency: the plan all-gathers the updated parameters in buckets of at most
+comm: the bandwidth term and its share ``min(1, b / bucket_bytes)`` of a bucket's latency,
+``LogicalMesh.bucketed_cost``: the plan all-gathers the updated parameters in buckets of at most
 ``bucket_bytes`` after the optimizer step, one latency each, which nothing hides; the cost
-graph's fixed charge pays one latency, so ``B`` bytes pay ``1 + B / bucket_bytes`` latencies,
-at most one more than the plan's buckets), and on each use edge the gradient sync
+graph's fixed charge pays one latency, so ``n`` buckets pay at most ``n + 1`` latencies), and on
+each use edge the gradient sync
 (``ReshardCosts``): every use must be a data-parallel
 gradient sync over exactly ``A``, any other pairing costs ``math.inf`` and the ILP forbids it.
 ZeRO-3 needs no new strategy: it is a storage spec split along axes its uses all-gather (forward,
@@ -52,8 +52,7 @@ def add_zero_strategies(cg: CapturedGraph, table: dict[str, NodeStrategies], mes
             for axes in [(a,) for a in free] + ([tuple(free)] if len(free) == 2 else []):
                 n = math.prod(mesh.shape[a] for a in axes)
                 update = mesh.compute_cost(0.0, ADAM_UPDATE_BYTES_FACTOR * local / n)
-                gather = (mesh.marginal_cost("all-gather", local, axes)
-                          + mesh.all_gather_cost(0, axes) * local / bucket_bytes)
+                gather = mesh.bucketed_cost("all-gather", local, axes, bucket_bytes)
                 extra += [replace(s, name=f"{s.name} ZeRO-{stage}@{''.join(map(str, axes))}", compute=update,
                                   comm=gather, memory=sum(training_state_bytes(local, stage, n)),
                                   zero_stage=stage, zero_axes=axes) for stage in (1, 2)]

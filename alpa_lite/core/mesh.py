@@ -489,6 +489,19 @@ class LogicalMesh:
         xs, ts = curve
         return nbytes * max((ts[-1] - ts[0]) / (xs[-1] - xs[0]), 0.0)
 
+    def bucketed_cost(self, kind: str, nbytes: float, axes: tuple[int, ...], bucket_bytes: float) -> float:
+        """Seconds a tensor of ``nbytes`` adds to the collectives of ``kind`` over ``axes`` that
+        run in buckets of at most ``bucket_bytes``, one latency each (gradient buckets, ZeRO-1/2's
+        update all-gathers): its ``marginal_cost`` and its share ``min(1, nbytes /
+        bucket_bytes)`` of a latency (a larger tensor is its own bucket). Over ``B`` bytes in
+        ``n`` buckets the shares add up to at most ``n``.
+
+        Raises:
+            ValueError: on an unknown kind.
+        """
+        return self.marginal_cost(kind, nbytes, axes) + self.collective_cost(kind, 0, axes) * min(
+            1.0, nbytes / bucket_bytes)
+
     def _curve(self, kind: str, axes: tuple[int, ...]):
         """The measured ``(bytes, seconds)`` curve of ``kind`` on the group of ``axes`` (size-1
         axes ignored), or None."""

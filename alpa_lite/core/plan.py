@@ -145,6 +145,9 @@ class Plan:
         solver_limits: the ILPs of this plan whose solver stopped at its time limit, each
             ``{"ilp": which, "gap": relative gap to the solver's bound or None (unknown)}``; such a
             plan may come out otherwise on a rerun or another machine (empty: every ILP optimal).
+        update_seconds: the optimizer step's part of ``compute_seconds`` (each parameter's AdamW
+            update), seconds: it runs after backward and hides no gradient synchronization
+            (``overlap_seconds``; 0 in plans written before it was recorded).
     """
 
     mesh: LogicalMesh
@@ -165,6 +168,7 @@ class Plan:
     captured: object = field(default=None, compare=False, repr=False)
     remat: list[list[str]] = field(default_factory=list)
     solver_limits: list[dict] = field(default_factory=list)
+    update_seconds: float = 0.0
 
     kind = "spmd"
 
@@ -183,22 +187,23 @@ class Plan:
         backward has produced its gradients, last layers first (``runtime/grad_sync.py``, as DDP:
         Li et al., VLDB 2020, section 3.2.3), and each ZeRO-3 group's gradient reduce-scatter
         once the group's last gradient has arrived (``collectives.GatherGroup``, as FSDP). Every
-        one but the last to become ready (bucket 0 and group 0: the first layers' gradients,
-        ready only when backward ends) can run under the remaining backward compute, which is
-        2/3 of the step's compute (backward is 2x forward FLOPs): hidden = min(their time -
-        bucket 0's and group 0's, 2/3 compute) (``hidden_seconds``).
+        one but the last to become ready (group 0, and the first bucket of each kind and mesh
+        axes: their parameters used first, often the first layer's, complete only when backward
+        ends) can run under the remaining backward compute, which is 2/3 of the step's compute
+        but the optimizer update's (backward is 2x forward FLOPs): hidden = min(their time -
+        group 0's and those buckets', 2/3 (compute - update)) (``hidden_seconds``).
         """
-        return sum(hidden_seconds(self.collectives, self.compute_seconds))
+        return sum(hidden_seconds(self.collectives, self.compute_seconds - self.update_seconds))
 
     @property
     def once_seconds(self) -> float:
         """The part of ``step_seconds`` a pipeline stage pays once per step, seconds (``step_parts``)."""
-        return step_parts(self.collectives, self.compute_seconds)[1]
+        return step_parts(self.collectives, self.compute_seconds, self.update_seconds)[1]
 
     @property
     def microbatch_seconds(self) -> float:
         """The part of ``step_seconds`` a pipeline stage pays per microbatch, seconds (``step_parts``)."""
-        return step_parts(self.collectives, self.compute_seconds)[0]
+        return step_parts(self.collectives, self.compute_seconds, self.update_seconds)[0]
 
     def collective_counts(self) -> dict[tuple[str, str], int]:
         """``(kind, phase) -> count`` over one training step."""
@@ -236,6 +241,7 @@ class Plan:
             "loss_reduction": self.loss_reduction.to_dict(),
             "zero_stages": {k: {"stage": z, "axes": list(a)} for k, (z, a) in sorted(self.zero_stages.items())},
             "remat": self.remat,
+            "update_seconds": self.update_seconds,
         }
         if self.solver_limits:
             d["solver_limits"] = self.solver_limits
@@ -254,7 +260,8 @@ class Plan:
                    LossReduction.from_dict(d["loss_reduction"]) if "loss_reduction" in d else LossReduction("mean", None),
                    {k: (int(v["stage"]), tuple(v["axes"])) for k, v in d.get("zero_stages", {}).items()},
                    remat=[list(layer) for layer in d.get("remat", [])],
-                   solver_limits=list(d.get("solver_limits", [])))
+                   solver_limits=list(d.get("solver_limits", [])),
+                   update_seconds=float(d.get("update_seconds", 0.0)))
 
     def to_json(self, path: str | Path | None = None) -> str:
         """The plan as JSON (byte-identical for the same inputs); written to ``path`` if given.
@@ -384,7 +391,8 @@ class PipelinePlan:
         step time, seconds: ``step_seconds`` with it added back is the step of a run that waits on
         every collective where it is issued (``report=True``)."""
         sched = get_schedule(self.schedule, self.chunks)
-        hidden = [hidden_seconds(s.plan.collectives, s.plan.compute_seconds) for s in self.stages]
+        hidden = [hidden_seconds(s.plan.collectives, s.plan.compute_seconds - s.plan.update_seconds)
+                  for s in self.stages]
         waited = (sum(s.once_seconds + h[1] for s, h in zip(self.stages, hidden))
                   + schedule_step_seconds(sched, [s.seconds + h[0] for s, h in zip(self.stages, hidden)],
                                           self.num_microbatches))
@@ -519,41 +527,62 @@ def is_once_per_step(c: Collective) -> bool:
     return c.node.startswith(("gradient bucket", "parameter bucket"))
 
 
+BACKWARD_SHARE = 2 / 3
+"""The share of a step's compute that backward runs (backward is 2x forward FLOPs): what can
+hide the gradient synchronization (``hidden_seconds``)."""
+
+
 def hidden_seconds(collectives, compute_seconds: float) -> tuple[float, float]:
     """``(ZeRO-3 reduce-scatters, gradient buckets)`` hidden behind backward, seconds, of a step
-    (or a pipeline stage's last microbatch) that computes ``compute_seconds`` and issues
+    (or a pipeline stage's last microbatch) that computes ``compute_seconds`` forward and
+    backward (the optimizer update not included) and issues
     ``collectives`` (``Plan.overlap_seconds``): every ZeRO-3 group's reduce-scatter but group 0's
-    first, then every gradient bucket but bucket 0, within the backward's 2/3 of the compute.
-    A pipeline stage hides its groups' reduce-scatters behind each microbatch's backward and its
-    buckets behind the last one's, in what the groups leave of it."""
-    budget = 2 / 3 * compute_seconds
+    first, then every gradient bucket but the first listed of each (kind, mesh axes), within the
+    backward's share of the compute (``BACKWARD_SHARE``). The first bucket of a (kind, axes)
+    holds its parameters used first (``gradient_buckets``), often the first layer's, whose
+    gradients are complete only when backward ends. A pipeline stage hides its groups'
+    reduce-scatters behind each microbatch's backward and its buckets behind the last one's, in
+    what the groups leave of it."""
+    budget = BACKWARD_SHARE * compute_seconds
     groups = min(budget, sum(c.seconds for c in collectives if c.kind == "reduce-scatter"
                              and c.tensor.startswith("ZeRO-3 group ") and not c.tensor.startswith("ZeRO-3 group 0 ")))
-    buckets = sum(c.seconds for c in collectives
-                  if c.node.startswith("gradient bucket") and c.node != "gradient bucket 0")
+    first, buckets = set(), 0.0
+    for c in collectives:
+        if c.node.startswith("gradient bucket"):
+            if (c.kind, c.mesh_axes) in first:
+                buckets += c.seconds
+            first.add((c.kind, c.mesh_axes))
     return groups, min(budget - groups, buckets)
 
 
-def step_parts(collectives, compute_seconds: float) -> tuple[float, float]:
+def step_parts(collectives, compute_seconds: float, update_seconds: float = 0.0) -> tuple[float, float]:
     """``(per microbatch, once per step)`` seconds of a step (a pipeline stage's: per microbatch)
-    that computes ``compute_seconds`` and issues ``collectives``: compute and the collectives of
+    that computes ``compute_seconds`` (``update_seconds`` of it the optimizer update, which hides
+    nothing) and issues ``collectives``: compute and the collectives of
     every microbatch less the ZeRO-3 reduce-scatters hidden behind its backward; the gradient and
     parameter buckets (``is_once_per_step``) less those hidden behind the last microbatch's
     backward (``hidden_seconds``). Their sum is ``Plan.step_seconds``."""
-    groups, buckets = hidden_seconds(collectives, compute_seconds)
+    groups, buckets = hidden_seconds(collectives, compute_seconds - update_seconds)
     once = sum(c.seconds for c in collectives if is_once_per_step(c))
     return compute_seconds + sum(c.seconds for c in collectives) - once - groups, once - buckets
 
 
 def gradient_buckets(cg, nodes: dict[str, NodePlan], grad_sync: dict[str, tuple[int, ...]],
                      mesh_shape, bucket_bytes: float) -> list[tuple[str, tuple[int, ...], list[str]]]:
-    """Buckets of deferred gradients: ``(kind, axes, [parameter placeholders])`` in the order of
-    the parameters' first uses (``first_use_order``), each at most ``bucket_bytes`` of local
-    gradient (a larger single gradient is its own bucket); ``kind`` is ``"reduce-scatter"`` for
-    ZeRO-2 parameters (``NodePlan.zero_stage``), else ``"all-reduce"``."""
+    """Buckets of deferred gradients: ``(kind, axes, [parameter placeholders])``, each at most
+    ``bucket_bytes`` of local gradient (a larger single gradient is its own bucket) of one
+    ``kind`` (``"reduce-scatter"`` for ZeRO-2 parameters, ``NodePlan.zero_stage``, else
+    ``"all-reduce"``) and axes. Ordered by their earliest member's first use
+    (``first_use_positions``; ties by kind and axes): backward completes a bucket when it reaches
+    that use, so the runtime, launching them in reverse, launches each as soon as it is complete,
+    and bucket 0 is completed last. In key order instead, a (kind, axes) sorting later held its
+    first layer's gradients at the head of the launch order and every other bucket waited for
+    the end of backward behind it."""
     kinds = {ph: ("reduce-scatter" if nodes[ph].zero_stage == 2 else "all-reduce", axes)
              for ph, axes in grad_sync.items()}
-    return [(kind, axes, members) for (kind, axes), members in _buckets(cg, nodes, kinds, mesh_shape, bucket_bytes)]
+    first = first_use_positions(cg)
+    buckets = sorted(_buckets(cg, nodes, kinds, mesh_shape, bucket_bytes), key=lambda b: first[b[1][0]])
+    return [(kind, axes, members) for (kind, axes), members in buckets]
 
 
 def update_buckets(cg, nodes: dict[str, NodePlan], mesh_shape, bucket_bytes: float
@@ -565,15 +594,9 @@ def update_buckets(cg, nodes: dict[str, NodePlan], mesh_shape, bucket_bytes: flo
     return _buckets(cg, nodes, axes, mesh_shape, bucket_bytes)
 
 
-def first_use_order(cg) -> list[str]:
-    """The parameter placeholders of ``cg`` in the order of their first uses in the graph (through
-    a mixed-precision cast, ``CapturedGraph.param_casts``: its first reader); unused ones last.
-
-    Backward completes a parameter's gradient when it reaches the first use, so buckets filled in
-    this order and launched in reverse become ready one after the other, last layers first (as
-    DDP's buckets, rebuilt in the order gradients arrive: Li et al., VLDB 2020, section 3.2.3).
-    Placeholder order is not that order: a tied weight (GPT's ``wte`` / ``lm_head``) sits where its
-    module is registered or last used, but its gradient is complete only at its first use."""
+def first_use_positions(cg) -> dict[str, int]:
+    """Parameter placeholder -> graph position of its first use (through a mixed-precision
+    cast, ``CapturedGraph.param_casts``: its first reader); unused ones: the graph's length."""
     position = {n.name: i for i, n in enumerate(cg.graph.nodes)}
     casts = cg.param_casts
 
@@ -581,13 +604,26 @@ def first_use_order(cg) -> list[str]:
         return min((min((position[w.name] for w in u.users), default=position[u.name]) if u.name in casts
                     else position[u.name] for u in cg.node(ph).users), default=len(position))
 
-    return sorted(cg.param_fqns, key=first)
+    return {ph: first(ph) for ph in cg.param_fqns}
+
+
+def first_use_order(cg) -> list[str]:
+    """The parameter placeholders of ``cg`` in the order of their first uses in the graph
+    (``first_use_positions``); unused ones last.
+
+    Backward completes a parameter's gradient when it reaches the first use, so buckets filled in
+    this order and launched in reverse become ready one after the other, last layers first (as
+    DDP's buckets, rebuilt in the order gradients arrive: Li et al., VLDB 2020, section 3.2.3).
+    Placeholder order is not that order: a tied weight (GPT's ``wte`` / ``lm_head``) sits where its
+    module is registered or last used, but its gradient is complete only at its first use."""
+    first = first_use_positions(cg)
+    return sorted(cg.param_fqns, key=first.__getitem__)
 
 
 def _buckets(cg, nodes, keys: dict, mesh_shape, bucket_bytes: float) -> list[tuple[object, list[str]]]:
     """Per key (sorted), its parameters in buckets of at most ``bucket_bytes``, in first-use order.
     They are filled from the last parameter back, the order backward completes them, so the
-    bucket it completes last (bucket 0, launched after backward, not hidden behind it) holds
+    bucket of a key it completes last (launched after backward, not hidden behind it) holds
     the remainder, as DDP's last bucket does."""
     buckets: list[tuple[object, list[str]]] = []
     order = first_use_order(cg)

@@ -171,8 +171,10 @@ class ReshardCosts:
     """Memoized cost (seconds, forward + backward) of moving a tensor between specs.
 
     A parameter's gradient synchronization (``is_gradient_sync``) is bucketed: the ILP charges its
-    bandwidth term over the flattened axes, the latency is paid once per bucket (``Plan``; a
-    ZeRO-1/2 bucket's is the cost graph's fixed charge).
+    bandwidth term over the flattened axes and its share of a bucket's latency
+    (``LogicalMesh.bucketed_cost``; ``Plan`` pays one latency per bucket of at most
+    ``bucket_bytes``); the first bucket's latency is the cost graph's: a pool's for all-reduces
+    (``ilp.Pool.latency``), ZeRO-2's fixed charge for reduce-scatters.
 
     Alpa's switches (``PlanOptions``, docs/planner.md): a move with a step of a kind in ``forbid``
     (``"all-gather"``, ``"all-to-all"``; forward or backward, and the once-per-step all-gather of a
@@ -181,8 +183,9 @@ class ReshardCosts:
     op could leave it partial and the move reduce-scatter it instead."""
 
     def __init__(self, mesh: LogicalMesh, forbid: frozenset[str] = frozenset(),
-                 prefer_reduce_scatter: bool = False):
+                 prefer_reduce_scatter: bool = False, bucket_bytes: float = 25 * 2**20):
         self.mesh = mesh
+        self.bucket_bytes = bucket_bytes
         self.forbid = forbid
         self.prefer_reduce_scatter = prefer_reduce_scatter
         self._cache: dict[tuple, float] = {}
@@ -212,8 +215,7 @@ class ReshardCosts:
             nbytes = itemsize * math.prod(src.local_shape(shape, self.mesh.shape))
             axes = tuple(sorted(grad_partial))
             kind = "reduce-scatter" if zero[0] == 2 else "all-reduce"
-            # the marginal cost of nbytes more in a bucket: the latency is paid per bucket
-            cost = self._cache[key] = self.mesh.marginal_cost(kind, nbytes, axes)
+            cost = self._cache[key] = self.mesh.bucketed_cost(kind, nbytes, axes, self.bucket_bytes)
         if cost is None:
             steps = forward_steps(src, dst, shape, itemsize, self.mesh.shape)
             if grad_partial is not None:
@@ -260,9 +262,10 @@ def reshard_costs(mesh: LogicalMesh, options: PlanOptions | None = None) -> Resh
     options = options or PlanOptions()
     forbid = frozenset(kind for kind, allowed in (("all-gather", options.allow_all_gather),
                                                   ("all-to-all", options.allow_all_to_all)) if not allowed)
-    return _reshard_costs(mesh, forbid, options.prefer_reduce_scatter)
+    return _reshard_costs(mesh, forbid, options.prefer_reduce_scatter, options.bucket_bytes)
 
 
 @functools.lru_cache(maxsize=64)
-def _reshard_costs(mesh: LogicalMesh, forbid: frozenset[str], prefer_reduce_scatter: bool) -> ReshardCosts:
-    return ReshardCosts(mesh, forbid, prefer_reduce_scatter)
+def _reshard_costs(mesh: LogicalMesh, forbid: frozenset[str], prefer_reduce_scatter: bool,
+                   bucket_bytes: float) -> ReshardCosts:
+    return ReshardCosts(mesh, forbid, prefer_reduce_scatter, bucket_bytes)
