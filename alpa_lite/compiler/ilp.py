@@ -357,8 +357,9 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
          for v, costs in enumerate(graph.costs)]
     objective: dict = {}
     constant = 0.0
+    per = _seconds_unit(graph)
 
-    def add(x, coef):
+    def add(x, coef):  # coef in seconds; the solver sees it in units of ``per``
         nonlocal constant
         if math.isinf(coef):  # forbidden
             if x is None:
@@ -366,9 +367,9 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
                                   f"({len(graph.costs)} variables){blame}")
             x.upBound = 0
         elif x is None:
-            constant += coef
+            constant += coef / per
         elif coef:
-            objective[x] = objective.get(x, 0.0) + coef
+            objective[x] = objective.get(x, 0.0) + coef / per
 
     for v, xs in enumerate(s):
         if xs is None:
@@ -393,7 +394,7 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
     for g, ((u, readers), matrix) in enumerate(sorted(graph.moves.items())):
         _shared_move(prob, g, s, u, readers, matrix, add)
     unit = max(memory_budget, 1.0) if math.isfinite(memory_budget) else 1.0
-    r, mem_terms = _remat_terms(prob, graph, s, add, unit)
+    r, mem_terms = _remat_terms(prob, graph, s, add, unit, per)
     prob.setObjective(pulp.LpAffineExpression(list(objective.items()), constant=constant))
     if math.isfinite(memory_budget):
         # in units of the budget: byte counts near 1e10 leave the solver's tolerances meaningless
@@ -429,6 +430,24 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
     return Solution(choice, graph.objective(choice, remat), graph.memory_of(choice, remat), stopped, remat, gap)
 
 
+def _seconds_unit(graph: CostGraph) -> float:
+    """The largest finite seconds figure of ``graph``'s objective terms (1.0 when there is none).
+
+    The ILP is solved in this unit (objective, remat cost rows): the solvers' tolerances are
+    absolute (HiGHS's primal and dual feasibility 1e-7), and against costs in seconds (1e-9 ..
+    1e-3) they let an answer stop well above the optimum. Measured: gpt-tiny (2 blocks, 2x2
+    A100s, 1.1x its least memory) solved in seconds gave objectives 5e-5 apart for the same ILP
+    with its rows in another order, each reported optimal; in this unit all three orders gave
+    the lowest of them (docs/planner.md, "Determinism")."""
+    rows = [*graph.costs, [f for f, _ in graph.fixed.values()]]
+    for m in itertools.chain(graph.edges.values(), graph.moves.values(), *(g.edges.values() for g in graph.remat)):
+        rows += m
+    for g in graph.remat:
+        rows += g.extra.values()
+    largest = max((abs(c) for row in rows for c in row if math.isfinite(c)), default=0.0)
+    return largest or 1.0
+
+
 def _edge_terms(prob, tag: str, s, u: int, v: int, matrix) -> list:
     """The terms ``(x, coefficient)`` (x None: a constant) of ``<e_uv, matrix>``, adding ``e_uv``
     and its linearization rows to ``prob`` where the cost depends on both ends (module docstring);
@@ -454,9 +473,10 @@ def _edge_terms(prob, tag: str, s, u: int, v: int, matrix) -> list:
     return [(e[a][b], matrix[ps[0]][qs[0]]) for a, ps in enumerate(rows) for b, qs in enumerate(cols)]
 
 
-def _remat_terms(prob, graph: CostGraph, s, add, unit: float):
+def _remat_terms(prob, graph: CostGraph, s, add, unit: float, seconds: float):
     """The remat variables and constraints of the module docstring: returns (per group ``r_l``,
-    ``True`` when forced), and the memory constraint's extra terms (``k_l``, ``z``), in ``unit``."""
+    ``True`` when forced), and the memory constraint's extra terms (``k_l``, ``z``), in ``unit``
+    bytes; the cost rows (``w_l``) are in ``seconds`` (``_seconds_unit``)."""
     if not graph.remat:
         return [], []
     z = pulp.LpVariable("remat_peak", lowBound=0)
@@ -478,12 +498,12 @@ def _remat_terms(prob, graph: CostGraph, s, add, unit: float):
         r = True if g.forced else pulp.LpVariable(f"r_{i}", cat=pulp.LpBinary)
         rs.append(r)
         big_a = RematGroup.bound(g.act) / unit
-        big_e = RematGroup.bound(g.extra) + sum(max(map(max, m)) for m in g.edges.values())
-        a, e = expr(g.act, unit), expr(g.extra, 1.0)
+        big_e = (RematGroup.bound(g.extra) + sum(max(map(max, m)) for m in g.edges.values())) / seconds
+        a, e = expr(g.act, unit), expr(g.extra, seconds)
         for (u, v), matrix in sorted(g.edges.items()):
-            e += _edge_terms(prob, f"r{i}", s, u, v, matrix)
+            e += [(x, c / seconds) for x, c in _edge_terms(prob, f"r{i}", s, u, v, matrix)]
         w = pulp.LpVariable(f"remat_w_{i}", lowBound=0)
-        add(w, 1.0)
+        add(w, seconds)
         if r is True:
             at_least(z, a, f"remat_peak_{i}")
             at_least(w, e, f"remat_cost_{i}")
