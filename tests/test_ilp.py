@@ -170,6 +170,34 @@ def test_highs_and_cbc_find_the_brute_force_optimum(seed):
             assert sol.objective == pytest.approx(exact, rel=1e-6, abs=1e-6), solver
 
 
+def in_seconds(g: CostGraph, scale: float) -> CostGraph:
+    """``g`` with every cost times ``scale``: a planner's costs are seconds, 1e-9 .. 1e-3."""
+    out = CostGraph(costs=[[c * scale for c in row] for row in g.costs], memory=g.memory)
+    for (u, v), matrix in g.edges.items():
+        out.add_edge(u, v, [[c * scale for c in row] for row in matrix])
+    return out
+
+
+@needs_highs
+@pytest.mark.parametrize("seed", range(12))
+def test_both_solvers_find_the_brute_force_optimum_on_costs_in_seconds(seed):
+    """Costs of a planner's size (microseconds, nanoseconds): the solvers' tolerances are
+    absolute (1e-7 .. 1e-6), so the ILP is solved in units of its largest cost
+    (``ilp._seconds_unit``). Solved in seconds, on these graphs CBC returned a worse answer
+    than the optimum on 91 of 160 solves and HiGHS on 68 (up to 10.6x the optimum), each
+    reported optimal."""
+    base = random_graph(300 + seed, classes=2 if seed % 2 else None)
+    for scale in (1e-6, 1e-9):
+        g = in_seconds(base, scale)
+        lo, hi = g.min_memory(), sum(max(m) for m in g.memory)
+        for budget in (float("inf"), lo + 0.3 * (hi - lo)):
+            exact = brute_force(g, budget).objective
+            for solver in ("cbc", "highs"):
+                sol = solve(g, budget, solver=solver)
+                assert sol.memory <= budget + 1e-9
+                assert sol.objective == pytest.approx(exact, rel=1e-6, abs=0), (solver, scale, budget)
+
+
 class MLP(nn.Module):
     def __init__(self, hidden, layers=4):
         super().__init__()

@@ -394,14 +394,16 @@ def _solver(time_limit: float, name: str, node_limit: int | None):
         raise SolverError("solver='highs' needs the highspy package: pip install 'alpa-lite[highs]' "
                           "(or use solver='auto', which falls back to CBC)")
     if name == "highs" or (name == "auto" and highs_available()):
-        # in-process: no model file and no solver process per ILP, as CBC needs; objectives are
-        # seconds (~1e-3), so HiGHS's default gaps (1e-4 relative, 1e-6 absolute) would stop far
-        # from the optimum CBC proves. No restart after the root node: on GPT-3 2.6B / 2x4 HiGHS
-        # fixed a quarter of the binaries by reduced cost there and presolved twice more, 40% of
-        # its time, for the same optimum (docs/plan_time.md)
+        # in-process: no model file and no solver process per ILP, as CBC needs; tight gaps, so
+        # that a tie within HiGHS's defaults (1e-4 relative) is not an answer. No restart after
+        # the root node: on GPT-3 2.6B / 2x4 HiGHS fixed a quarter of the binaries by reduced cost
+        # there and presolved twice more, 40% of its time, for the same optimum. No probing
+        # (presolve rule 15): it was 60% of that ILP's time (1.41 -> 0.52 s), and on 525 ILPs of
+        # the planner (its tests, GPT-3 39B / 8x8 stages, Wide-ResNet 4B / V100 stages) it gave
+        # the same objective every time in 42% of the time (docs/plan_time.md)
         nodes = {} if node_limit is None else {"mip_max_nodes": int(node_limit)}
         return _HiGHS(msg=False, timeLimit=time_limit, threads=1, random_seed=0, gapRel=1e-7, gapAbs=1e-12,
-                      mip_allow_restart=False, **nodes)
+                      mip_allow_restart=False, presolve_rule_off=1 << 15, **nodes)
     # CBC's primal heuristics cost more than they save on these small problems (3x on the
     # per-layer ILPs of GPT-3 39B): branch and bound from the feasible start ``solve`` gives
     return _CBC(msg=False, timeLimit=time_limit, threads=1, warmStart=True, maxNodes=node_limit,
