@@ -73,6 +73,8 @@ def cmd_plan(args) -> int:
     for out in (args.json, args.schedule_chart):  # fail before planning, not after
         if out and not Path(out).resolve().parent.is_dir():
             raise ValueError(f"cannot write {out}: the directory {Path(out).parent} does not exist")
+        if out and Path(out).is_dir():
+            raise ValueError(f"cannot write {out}: it is a directory; give a file name")
     with PlanProgress(console) as progress, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
         pipelined = {} if args.pipeline is None else dict(

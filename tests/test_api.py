@@ -111,6 +111,10 @@ def test_two_plan_kinds_round_trip_and_old_files_load(tmp_path):
     assert load_plan(json.dumps(v1)).to_json() == spmd.to_json()
     with pytest.raises(PlanError, match="unsupported plan version 7 .*versions 1 and 2"):
         load_plan(json.dumps(v1 | {"version": 7}))
+    (tmp_path / "list.json").write_text("[1, 2]")
+    for other in ('{"hello": 1}', str(tmp_path / "list.json")):  # JSON, not a plan
+        with pytest.raises(PlanError, match="is not an alpa-lite plan"):
+            load_plan(other)
 
 
 def test_a_planning_call_captures_once(monkeypatch):

@@ -57,6 +57,8 @@ def test_plan_bad_input_is_one_clear_line(capsys):
     assert r.returncode == 2 and "close: linear" in r.stderr and "step time" not in r.stdout
     r = in_process(capsys, "plan", "mlp", "--json", "/nonexistent/dir/plan.json")  # refused before planning
     assert r.returncode == 2 and "/nonexistent/dir does not exist" in r.stderr and "step time" not in r.stdout
+    r = in_process(capsys, "plan", "mlp", "--json", "/tmp")  # a directory: refused before planning
+    assert r.returncode == 2 and "it is a directory" in r.stderr and "step time" not in r.stdout
 
 
 def test_train_main_job(tmp_path):

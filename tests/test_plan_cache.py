@@ -79,6 +79,30 @@ def test_corrupt_cache_file_is_ignored_and_rebuilt(base, cache):
     assert again.stats["ilp_solves"] == 0 and again.stats["graph_hits"] == 1
 
 
+def test_an_answer_changed_in_a_file_that_still_unpickles_is_not_read(tmp_path):
+    """A byte flipped inside a stored answer can leave a valid pickle, a wrong plan: the entries
+    carry their sha256, and a file whose entries differ from it is rebuilt, with one warning."""
+    import pickle
+    model, example = build_model("gpt-tiny", 8, 16, device="meta", num_layers=2)
+    mesh = LogicalMesh((2, 2), cluster="a100")
+    fresh = plan(model, example, mesh, cache=tmp_path)
+    (path,) = tmp_path.glob("intra-*.pkl")
+    data = pickle.loads(path.read_bytes())
+    entries = pickle.loads(data["entries"])
+    entries["solution"].choice[0] = (entries["solution"].choice[0] + 1) % 2  # another valid strategy index
+    path.write_bytes(pickle.dumps(data | {"entries": pickle.dumps(entries, protocol=4)}))
+    with pytest.warns(UserWarning, match="sha256 differs") as record:
+        again = plan(model, example, mesh, cache=tmp_path)
+    assert sum("ignored and rebuilt" in str(w.message) for w in record) == 1
+    assert again.stats["disk_hits"] == 0 and again.to_json() == fresh.to_json()
+
+
+def test_a_cache_directory_that_cannot_be_created_is_one_clear_error(tmp_path):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ValueError, match="cannot be created"):
+        _plan(tmp_path / "afile" / "sub")
+
+
 # ------------------------------------------------------------------ the graph for any batch size
 
 

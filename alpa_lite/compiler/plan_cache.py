@@ -25,9 +25,11 @@ A batch size or sequence length that changes the microbatch's shapes changes the
 and every layer signature, and another ``B`` at the same batch changes the microbatch rows: such
 a re-plan reads no ILP answer (an answer of another ILP is never returned), only the graph.
 
-Files are pickles ``{"version", "parts", "entries"}`` written to a temporary name and renamed
+Files are pickles ``{"version", "parts", "digest", "entries"}`` (the entries pickled, and their
+sha256) written to a temporary name and renamed
 (a reader never sees half a file; of two writers the last wins, each file whole). A file that
-cannot be read, or has another version or parts, is ignored with a warning and rebuilt. Pickles
+cannot be read, has another version or parts, or entries whose sha256 differs, is ignored with a
+warning and rebuilt. Pickles
 run code when loaded: point the cache only at a directory you trust.
 """
 from __future__ import annotations
@@ -41,9 +43,9 @@ from pathlib import Path
 
 from ..core.capture import AnyBatchGraph, CaptureError, CapturedGraph, batch_size, capture, capture_any_batch, capture_key
 
-VERSION = 5  # 2: stage ILPs offer ZeRO-1/2 (their answers of version 1 are of other ILPs); 3: answers name the
+VERSION = 6  # 2: stage ILPs offer ZeRO-1/2 (their answers of version 1 are of other ILPs); 3: answers name the
 # layers recomputed (remat="auto" in stages); 4: answers carry the solver limits they reached; 5: stage ILPs
-# price what backward hides (ilp.Pool) and stage times leave the optimizer update out of backward
+# price what backward hides (ilp.Pool) and stage times leave the optimizer update out of backward; 6: entries stored with their sha256
 
 
 class CacheFile:
@@ -55,16 +57,22 @@ class CacheFile:
         self.entries = self._read()
         self.new: dict = {}
 
-    def _read(self) -> dict:
+    def _read(self, warn: bool = True) -> dict:
+        """The file's entries; {} for a missing file, and for an unreadable one (with a warning
+        when ``warn``): another version, other inputs, or entries whose sha256 is not the one
+        written with them (a corrupt file that would still unpickle)."""
         if not self.path.exists():
             return {}
         try:
             data = pickle.loads(self.path.read_bytes())
             if data["version"] != VERSION or data["parts"] != self.parts:
                 raise ValueError(f"version {data['version']}, written for other inputs")
-            return dict(data["entries"])
+            if hashlib.sha256(data["entries"]).hexdigest() != data["digest"]:
+                raise ValueError("its entries are not the ones written (sha256 differs)")
+            return dict(pickle.loads(data["entries"]))
         except Exception as e:  # noqa: BLE001 - any unreadable file is rebuilt
-            warnings.warn(f"plan cache file {self.path} ignored and rebuilt: {type(e).__name__}: {e}", stacklevel=2)
+            if warn:
+                warnings.warn(f"plan cache file {self.path} ignored and rebuilt: {type(e).__name__}: {e}", stacklevel=3)
             return {}
 
     def get(self, key):
@@ -76,10 +84,12 @@ class CacheFile:
     def save(self) -> None:
         if not self.new:
             return
-        entries = self._read() | self.new  # another run may have added answers meanwhile
+        entries = self._read(warn=False) | self.new  # another run may have added answers meanwhile
+        blob = pickle.dumps(entries, protocol=4)
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
-            pickle.dump({"version": VERSION, "parts": self.parts, "entries": entries}, f)
+            pickle.dump({"version": VERSION, "parts": self.parts, "digest": hashlib.sha256(blob).hexdigest(),
+                         "entries": blob}, f)
         os.replace(tmp, self.path)
         self.new = {}
 
@@ -88,7 +98,7 @@ class PlanCache:
     """A cache directory (created when missing).
 
     Raises:
-        ValueError: ``directory`` exists and is not a directory.
+        ValueError: ``directory`` exists and is not a directory, or cannot be created.
     """
 
     def __init__(self, directory: str | os.PathLike):
@@ -96,7 +106,10 @@ class PlanCache:
         self.graph_hits = 0  # captures answered from the cache (``capture_cached``)
         if self.directory.exists() and not self.directory.is_dir():
             raise ValueError(f"plan cache {self.directory} is not a directory: give a directory (created if missing)")
-        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a parent is a file, no permission ...
+            raise ValueError(f"plan cache {self.directory} cannot be created: {e.strerror}") from e
 
     def file(self, kind: str, *parts) -> CacheFile:
         """The family ``kind`` of answers that depend on ``parts`` (picklable values)."""

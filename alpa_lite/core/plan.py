@@ -505,7 +505,10 @@ def load_plan(text_or_path: str | Path) -> Plan | PipelinePlan:
             raise PlanError(f"cannot read {source}: {e}") from None
     try:
         d = json.loads(text)
-        version = d.get("version")
+        if not isinstance(d, dict) or "version" not in d:
+            raise PlanError(f"{source} is not an alpa-lite plan (a JSON object with a 'version', as Plan.to_json "
+                            f"writes)")
+        version = d["version"]
         if version == 1:
             d = _from_version_1(d)
         elif version != PLAN_VERSION:

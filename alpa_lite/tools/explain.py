@@ -25,6 +25,10 @@ def _rate(bytes_per_s: float) -> str:
     return f"{bytes_per_s / 1e9:.3g} GB/s"
 
 
+def _budget(b: float) -> str:
+    return "an unlimited budget" if b >= 2**70 else f"a {_bytes(b)} budget"
+
+
 def _bytes(b: float) -> str:
     if b >= 2**70:
         return "unlimited"
@@ -60,7 +64,7 @@ def summary_table(plan: Plan, title: str = "plan") -> Table:
         t.add_row("step time (predicted)", f"{_seconds(plan.step_seconds)}: {n} stage{'s' if n != 1 else ''}, "
                                            f"{plan.num_microbatches} microbatches ({plan.schedule}), bubble "
                                            f"{plan.bubble_fraction:.1%}")
-        t.add_row("memory per device", f"{_bytes(plan.memory_bytes)} (the fullest stage) of a {_bytes(budget)} budget")
+        t.add_row("memory per device", f"{_bytes(plan.memory_bytes)} (the fullest stage) of {_budget(budget)}")
         t.add_row("collectives (stage plans)", str(sum(len(s.plan.collectives) for s in plan.stages)))
         if st:
             t.add_row("planning time", f"{st.get('total_s', 0):.2f} s ({st.get('ilp_solves')} stage ILPs solved, "
@@ -70,7 +74,7 @@ def summary_table(plan: Plan, title: str = "plan") -> Table:
     t.add_row("step time (predicted)", f"{_seconds(plan.step_seconds)} = compute {_seconds(plan.compute_seconds)}"
                                        f" + communication {_seconds(plan.comm_seconds)}"
                                        f" - hidden behind backward {_seconds(plan.overlap_seconds)}")
-    t.add_row("memory per device", f"{_bytes(plan.memory_bytes)} of a {_bytes(budget)} budget")
+    t.add_row("memory per device", f"{_bytes(plan.memory_bytes)} of {_budget(budget)}")
     t.add_row("collectives per step", str(len(plan.collectives)))
     if st:
         t.add_row("graph / ILP", f"{st.get('nodes')} nodes -> {st.get('ilp_variables')} variables, "
