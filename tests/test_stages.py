@@ -309,7 +309,7 @@ def test_layers_that_differ_only_in_a_keyword_argument_do_not_share_an_ilp_answe
 
 
 def test_lower_bound_is_below_every_option():
-    """``GraphStageCosts.lower_bound`` (FLOPs over every device at the fastest rate, plus the
+    """``GraphStageCosts.lower_bound`` (each node's least compute over every device, plus the
     input transfer) never exceeds an option's time: the pipeline search drops (range, submesh)
     pairs by it without pricing them."""
     keys = [(k, i, q) for k in range(4) for i in range(k + 1, 5) for q in submesh_shapes((2, 2))]
@@ -322,6 +322,29 @@ def test_lower_bound_is_below_every_option():
     weights = [(costs.least_weight_bytes(*key), min(o.weight_bytes for o in costs(*key))) for key in keys if costs(*key)]
     assert all(0 < least <= w * (1 + 1e-12) for least, w in weights)
     assert max(least / w for least, w in weights) > 0.99  # ZeRO-3 over every device reaches it
+
+
+@pytest.mark.parametrize("name,overrides", [("gpt-tiny", {"num_layers": 2}), ("moe", {}), ("wide-resnet", {}),
+                                            ("mlp", {})])
+def test_least_compute_is_below_every_strategy(name, overrides):
+    """``stage_costs.least_compute_seconds`` over the mesh's devices is at most the compute of every
+    strategy of its node (ZeRO-1/2 ones included), on meshes of 1 to 8 devices, and equals the
+    least one for most nodes (an op split over every device, a parameter's update under ZeRO-3)."""
+    from alpa_lite.core.capture import capture
+    from alpa_lite.compiler.stage_costs import least_compute_seconds
+    from alpa_lite.compiler.strategies import build_strategies
+    from alpa_lite.compiler.zero import add_zero_strategies
+
+    model, example = build_model(name, 8, 16, device="meta", **overrides)
+    cg = capture(model, example)
+    for shape in [(1, 1), (1, 2), (2, 2), (2, 4)]:
+        mesh = LogicalMesh(shape, cluster="a100")
+        table = build_strategies(cg, mesh)
+        add_zero_strategies(cg, table, mesh, 25 * 2**20, list(cg.param_fqns))
+        pairs = [(least_compute_seconds(cg, cg.node(n), mesh) / mesh.num_devices, min(s.compute for s in ns.strategies))
+                 for n, ns in table.items()]
+        assert all(bound <= least * (1 + 1e-12) for bound, least in pairs), shape
+        assert sum(least > 0 and bound >= least * (1 - 1e-12) for bound, least in pairs) > len(pairs) / 3, shape
 
 
 def test_range_whose_weights_exceed_memory_gets_no_ilp():

@@ -242,33 +242,41 @@ def _pipeline_floors(costs: GraphStageCosts, num_layers: int, shapes, devices: i
     """Per (layer range, submesh) pair ``(k, i, q)``: a lower bound on the step seconds of every
     pipeline of the stage DP (under each of ``schedules``, not ``"interleaved"``) holding it as a
     stage; inf when none can (the other layers cannot make stages on exactly the other devices,
-    e.g. part of the model on the whole cluster). The step is ``B t_max + r (sum t - t_max)`` plus
-    once-per-step terms (``core/schedules.py``; ``r`` the fill ratio, <= 1), so it is at least
-    ``B t + r sum t'``, ``t`` the pair's seconds and ``t'`` the other stages'; each is at least its
-    ``GraphStageCosts.lower_bound``, and the least sum of those over the ways to cut the other
-    layers into stages on exactly the other devices (``num_stages`` stages in all when given)
-    comes from two DPs, over the layers before the range and after it (``b`` is B). A pipeline
-    whose step exceeds a plan the search holds is not chosen, so dropping the pairs whose floor
-    is above that plan's step leaves the DP's answer (when below it) as it was (Alpa's
+    e.g. part of the model on the whole cluster). The step is ``(B - r) t_max + r sum t`` plus
+    once-per-step terms (``core/schedules.py``; ``r`` the fill ratio, <= 1, ``b`` is B), which
+    grows with every stage time, so it is at least that of the stages' ``GraphStageCosts.lower_bound``
+    values: with ``t`` the pair's bound, ``M`` the least largest and ``S`` the least sum of the
+    other stages' bounds over the ways to cut the other layers into stages on exactly the other
+    devices (each least found on its own, by DPs over the layers before the range and after it,
+    ``num_stages`` stages in all when given), the floor is ``(B - r) max(t, M) + r (t + S)``. A
+    pipeline whose step exceeds a plan the search holds is not chosen, so dropping the pairs whose
+    floor is above that plan's step leaves the DP's answer (when below it) as it was (Alpa's
     ``B t_max >= T*`` pruning, section 5.1, applied before the stage ILPs)."""
     L, sizes = num_layers, {q: q[0] * q[1] for q in shapes}
     if not schedules:
         return dict.fromkeys(((k, i, q) for k in range(L) for i in range(k + 1, L + 1) for q in shapes), math.inf)
     r = min(get_schedule(s).fill_ratio() for s in schedules)
     lb = {(k, i, q): costs.lower_bound(k, i, q) for k in range(L) for i in range(k + 1, L + 1) for q in shapes}
-    # before[k, n, d]: least sum of bounds of layers [0, k) as n stages on exactly d devices;
-    # after[i, n, d]: the same for layers [i, L)
-    before = np.full((L + 1, L + 1, devices + 1), np.inf)
-    after = np.full((L + 1, L + 1, devices + 1), np.inf)
-    before[0, 0, 0] = after[L, 0, 0] = 0.0
+    # before[c][k, n, d]: over the ways to cut layers [0, k) into n stages on exactly d devices, the
+    # least sum (c = 0) and the least largest (c = 1) of their bounds; after[c][i, n, d]: layers [i, L)
+    before = np.full((2, L + 1, L + 1, devices + 1), np.inf)
+    after = np.full((2, L + 1, L + 1, devices + 1), np.inf)
+    before[:, 0, 0, 0] = after[:, L, 0, 0] = 0.0
+
+    def extend(table, to, frm, q, t):
+        sz = sizes[q]
+        np.minimum(table[0, to, 1:, sz:], table[0, frm, :-1, :devices + 1 - sz] + t, out=table[0, to, 1:, sz:])
+        np.minimum(table[1, to, 1:, sz:], np.maximum(table[1, frm, :-1, :devices + 1 - sz], t),
+                   out=table[1, to, 1:, sz:])
+
     for k in range(1, L + 1):
         for j in range(k):
-            for q, sz in sizes.items():
-                np.minimum(before[k, 1:, sz:], before[j, :-1, :devices + 1 - sz] + lb[j, k, q], out=before[k, 1:, sz:])
+            for q in shapes:
+                extend(before, k, j, q, lb[j, k, q])
     for i in range(L - 1, -1, -1):
         for e in range(i + 1, L + 1):
-            for q, sz in sizes.items():
-                np.minimum(after[i, 1:, sz:], after[e, :-1, :devices + 1 - sz] + lb[i, e, q], out=after[i, 1:, sz:])
+            for q in shapes:
+                extend(after, i, e, q, lb[i, e, q])
     counts = np.add.outer(np.arange(L + 1), np.arange(L + 1)) + 1  # stages in all: before + this + after
     floors = {}
     for (k, i, q), t in lb.items():
@@ -276,11 +284,13 @@ def _pipeline_floors(costs: GraphStageCosts, num_layers: int, shapes, devices: i
         if rest < 0:
             floors[k, i, q] = math.inf
             continue
-        # others[n1, n2]: least bound sum of n1 stages before on d devices and n2 after on rest - d
-        others = (before[k, :, None, :rest + 1] + after[i, None, :, rest::-1]).min(axis=2)
-        if num_stages is not None:
-            others = np.where(counts == num_stages, others, np.inf)
-        floors[k, i, q] = b * t + r * float(others.min())
+        # over n1 stages before on d devices and n2 after on rest - d: the least sum and largest
+        pre, post = before[:, k, :, None, :rest + 1], after[:, i, None, :, rest::-1]
+        total = (pre[0] + post[0]).min(axis=2)
+        largest = np.maximum(pre[1], post[1]).min(axis=2)
+        feasible = np.isfinite(total) if num_stages is None else np.isfinite(total) & (counts == num_stages)
+        step = np.where(feasible, (b - r) * np.where(feasible, np.maximum(largest, t), 0.0) + r * (t + total), np.inf)
+        floors[k, i, q] = float(step.min())
     return floors
 
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import operator
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -64,7 +65,9 @@ from .cost_graph import build_cost_graph
 from .ilp import MemoryBudgetError, SolverError, solve, solver_limits
 from .intra_op import recomputable
 from .stage_dp import StageOption
-from .strategies import BACKWARD_FLOPS_FACTOR, build_strategies, kept_for_backward, training_state_bytes
+from .ops import flops, signature
+from .strategies import (ADAM_UPDATE_BYTES_FACTOR, BACKWARD_FLOPS_FACTOR, build_strategies, kept_for_backward,
+                         _tensor_vals, kernel_class, training_state_bytes)
 from .training_step import node_plan, training_step
 from .zero import add_zero_strategies
 
@@ -143,6 +146,7 @@ class GraphStageCosts:
         self._tables: dict[tuple, dict] = {}
         self._context = None
         self._memo: dict[tuple, list[StageOption]] = {}
+        self._least: dict[tuple, float] = {}  # (node, logical shape) -> least_compute_seconds
         self.stats = {"ilp_solves": 0, "cache_hits": 0, "disk_hits": 0, "ilp_s": 0.0}
         self._disk = cache and cache.file("stage", cg.fingerprint(), cluster, self.options.to_dict(), memory_bytes,
                                           self.sync_weight)
@@ -178,16 +182,22 @@ class GraphStageCosts:
 
     def lower_bound(self, start: int, end: int, submesh: tuple[int, int]) -> float:
         """A lower bound on the ``seconds`` of every option of layers ``[start, end)`` on ``submesh``
-        (no ILP): their forward + backward FLOPs (``(1 + BACKWARD_FLOPS_FACTOR)`` x the layers'
-        ``flops``, as ``strategies`` prices compute) spread over all the submesh's devices at the
-        fastest kernel rate, plus the input transfer every option pays. A strategy computes its
-        op's FLOPs over at most all devices and every other term of a stage's time is
-        non-negative, so no option is faster."""
-        meshes = [self.cluster.logical_mesh(s) for s in self.shapes(submesh)]
-        rate = max(max([m.peak_flops, *dict(m.kernel_flops).values()]) for m in meshes)
-        devices = max(m.num_devices for m in meshes)
-        fl = sum(layer.flops for layer in self.layers[start:end])
-        return (1 + BACKWARD_FLOPS_FACTOR) * fl / (devices * rate) + self.transfer_seconds(start, submesh)
+        (no ILP): the least compute of each of their nodes and parameters over the submesh's
+        ``d`` devices (``least_compute_seconds`` / ``d``, on the logical mesh of the submesh where
+        that sum is least), plus the input transfer every option pays. An option's per-microbatch
+        ``seconds`` is its compute plus collectives less hidden ZeRO-3 reduce-scatters (at most
+        those collectives: ``core.plan.step_parts``), plus sends, so no option is faster; a chain
+        prices each layer on its own, counting a weight two layers share twice, one ILP once."""
+        d = submesh[0] * submesh[1]
+        names = self.subset(start, end)
+        least = min(sum(self._least_compute(n, shape) for n in names) for shape in self.shapes(submesh))
+        return least / d + self.transfer_seconds(start, submesh)
+
+    def _least_compute(self, name: str, shape: tuple[int, int]) -> float:
+        key = (name, shape)
+        if key not in self._least:
+            self._least[key] = least_compute_seconds(self.cg, self.cg.node(name), self.cluster.logical_mesh(shape))
+        return self._least[key]
 
     def least_weight_bytes(self, start: int, end: int, submesh: tuple[int, int]) -> float:
         """A lower bound on the ``weight_bytes`` of every option of layers ``[start, end)`` on
@@ -437,6 +447,30 @@ def _prefetch_task(keys):
     memo = {key: costs(*key) for key in keys}
     return (memo, {k: v - before[k] for k, v in costs.stats.items()}, costs._disk.new if costs._disk else {},
             costs.limits[seen:])
+
+
+def least_compute_seconds(cg, node: torch.fx.Node, mesh: LogicalMesh) -> float:
+    """``d`` times a lower bound on the ``compute`` (seconds, forward + backward) of every strategy
+    of ``node`` on ``mesh`` of ``d`` devices, from the roofline of ``strategies``: an op's strategy
+    computes ``F / shards`` FLOPs and moves its operands' and results' local bytes, each at least
+    ``1 / d`` of the whole (``F``: ``ops.flops`` with the op's signature); the replicated fallback
+    runs all of its FLOPs (``ops.flops`` without a signature) and moves whole tensors on each device; a
+    parameter's AdamW update (any storage or ZeRO stage) reads and writes at least ``1 / d`` of
+    ``ADAM_UPDATE_BYTES_FACTOR`` x its bytes; a ``getitem``, an input or a buffer computes nothing.
+    Recomputing a layer only adds compute."""
+    val = node.meta.get("val")
+    if node.op == "placeholder":
+        return mesh.compute_cost(0.0, ADAM_UPDATE_BYTES_FACTOR * nbytes_of(val)) if node.name in cg.param_fqns else 0.0
+    if node.op != "call_function" or node.target is operator.getitem or not _tensor_vals(val):
+        return 0.0
+    ins = [n.meta["val"] for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    kernel = kernel_class(node)
+    least = mesh.num_devices * mesh.compute_cost(flops(node, None), sum(map(nbytes_of, ins)) + nbytes_of(val), kernel)
+    sig = signature(node)
+    if sig is not None:  # enumerate_strategies pairs the tensors with the signature's label lists
+        tensors = (ins + _tensor_vals(val))[:len(sig.inputs) + len(sig.outputs)]
+        least = min(least, mesh.compute_cost(flops(node, sig), sum(map(nbytes_of, tensors)), kernel))
+    return (1 + BACKWARD_FLOPS_FACTOR) * least
 
 
 def _dominates(a: StageOption, b: StageOption) -> bool:
