@@ -361,6 +361,23 @@ def test_range_whose_weights_exceed_memory_gets_no_ilp():
     assert priced(*key) == [] and priced.stats["ilp_solves"] > 0
 
 
+def test_stage_ilp_that_cannot_meet_its_memory_row_is_not_built():
+    """Under a budget some layers cannot meet, ``GraphStageCosts._check_memory`` refuses the stage
+    ILPs whose nodes' least memory alone exceeds the row (no cost graph, no solve), and every
+    (range, submesh) gets the options of the search that builds and solves them all."""
+    keys = [(k, i, q) for k in range(4) for i in range(k + 1, 5) for q in submesh_shapes((2, 2))]
+    full = _tiny_stage_costs()
+    full.memory_bytes = 3 * min(full.least_weight_bytes(*key) for key in keys)
+    full._check_memory = lambda *a, **k: None
+    checked = _tiny_stage_costs()
+    checked.memory_bytes = full.memory_bytes
+    for key in keys:
+        assert checked(*key) == full(*key), key
+    assert checked.stats["memory_skips"] > 0
+    assert checked.stats["ilp_solves"] == full.stats["ilp_solves"]  # a refused ILP counts as tried
+    assert any(full(*key) for key in keys) and not all(full(*key) for key in keys)
+
+
 def test_a_limit_reached_while_pricing_stages_is_in_the_plan_and_its_summary(monkeypatch):
     """Every stage-pricing ILP whose solver stops at a limit is listed in the pipelined plan
     (layer range, submesh, logical mesh, gap), survives JSON, and is printed by the summary; the

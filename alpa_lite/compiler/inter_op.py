@@ -139,25 +139,32 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
         # DP (its recursion is a proxy of its step time) sees every pair it can place, unbounded
         linear = [s for s in schedules if s != "interleaved"]
         bound = best[0].objective if best else math.inf
-        if linear and pipeline.num_stages in (None, 1) and mesh.shape in shapes \
-                and b * costs.lower_bound(0, len(layers), mesh.shape) <= bound:
+        whole = (0, len(layers), mesh.shape)  # the one-stage pipeline bounds this B's search once priced:
+        one_stage = bool(linear) and pipeline.num_stages in (None, 1) and mesh.shape in shapes
+        if one_stage and math.isinf(bound):  # first when no plan is held, else with the other pairs
             say(f"stage costs on submesh {mesh.shape[0]}x{mesh.shape[1]} (the whole model, one stage)")
-            bound = min(bound, _one_stage_seconds(costs(0, len(layers), mesh.shape), b, budget, linear))
+            bound = _one_stage_seconds(costs(*whole), b, budget, linear)
         floors = _pipeline_floors(costs, len(layers), shapes, devices, b, linear, pipeline.num_stages)
-        within = {"linear": _kept(costs, lambda k, i, q: floors[k, i, q] < math.inf
-                                  and floors[k, i, q] <= bound * (1 + 1e-9))}  # margin: float rounding
-        if "interleaved" in schedules:
-            within["interleaved"] = _kept(costs, lambda k, i, q: _interleaved_fits(k, i, q, len(layers), devices, b,
-                                                                                   pipeline.chunks,
-                                                                                   pipeline.num_stages))
-        pruned = {kind: _balanced(w, costs, layers, devices, pipeline.imbalance) for kind, w in within.items()}
+        within, pruned = _within(costs, layers, floors, bound, devices, b, pipeline, "interleaved" in schedules)
         out = sum(not any(w.kept(*c) for w in within.values()) for c in cells)
         say(f"stage costs (B={b}, {len(layers)} layers, {len(shapes)} submesh shapes, {workers} workers, "
             f"{out} of {len(cells)} (range, submesh) pairs bounded out)")
         if out == len(cells) and math.isfinite(bound):  # no pipeline of this B beats the plan held: no ILP, no DP
             tried[b] = f"bounded out: no pipeline can step under the {bound:.6g} s of the plan held"
             continue
-        costs.prefetch([c for c in cells if any(w.kept(*c) for w in pruned.values())], workers, say)
+        # price the pairs kept, ``workers`` submeshes at a time, those holding the least floor first;
+        # each time, the floors again with every priced pair's least option time for its bound
+        while todo := [c for c in cells if any(w.kept(*c) for w in pruned.values()) and costs.priced(*c) is None]:
+            order = sorted({c[2] for c in todo}, key=lambda q: (min(floors[c] for c in todo if c[2] == q), q))
+            costs.prefetch([c for c in todo if c[2] in order[:workers]], workers, say)
+            if one_stage and costs.priced(*whole) is not None:
+                bound = min(bound, _one_stage_seconds(costs.priced(*whole), b, budget, linear))
+            if linear and math.isfinite(bound):
+                floors = _pipeline_floors(_Priced(costs), len(layers), shapes, devices, b, linear, pipeline.num_stages)
+                within, pruned = _within(costs, layers, floors, bound, devices, b, pipeline, "interleaved" in schedules)
+        refined = sum(not any(w.kept(*c) for w in within.values()) for c in cells) - out
+        if refined:
+            say(f"stage costs (B={b}): {refined} more pairs bounded out by the priced pairs' times")
         say(f"stage DP (B={b})")
         res = None
         for schedule in schedules:
@@ -173,8 +180,9 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
                     if res is None or found.objective < res.objective:
                         res = found
                     break
-                except PipelinePlanError as e:
-                    tried[b] = str(e)
+                except PipelinePlanError as e:  # among the pairs kept: none under the plan held may fit
+                    tried[b] = str(e) if math.isinf(bound) else f"bounded out: {e} (of the pipelines that may " \
+                                                                  f"step under the {bound:.6g} s of the plan held)"
         costs.save_cache()
         disk_hits += costs.stats["disk_hits"]
         pricing_limits += costs.limits
@@ -235,6 +243,33 @@ def _one_stage_seconds(options, b: int, budget: float, schedules) -> float:
     whole mesh) that fits ``budget`` under every schedule of ``schedules``, ``B t + o``; inf if none."""
     fit = [o for o in options if all(o.fits(in_flight(1, 1, b, s), budget) for s in schedules)]
     return min((b * o.seconds + o.once_seconds for o in fit), default=math.inf)
+
+
+def _within(costs: GraphStageCosts, layers, floors, bound: float, devices: int, b: int, pipeline: PipelineOptions,
+            interleaved: bool) -> tuple[dict[str, CostFn], dict[str, CostFn]]:
+    """Per DP kind (``"linear"``: GPipe, 1F1B, ZB-H1; ``"interleaved"``), the pairs it sees: a
+    linear DP those whose ``floors`` are at most ``bound`` (the step of a plan the search holds),
+    the interleaved one those it can place (``_interleaved_fits``, unbounded: its recursion is a
+    proxy of its step); and the same without the pairs off their FLOPs share (``_balanced``)."""
+    within = {"linear": _kept(costs, lambda k, i, q: floors[k, i, q] < math.inf
+                              and floors[k, i, q] <= bound * (1 + 1e-9))}  # margin: float rounding
+    if interleaved:
+        within["interleaved"] = _kept(costs, lambda k, i, q: _interleaved_fits(k, i, q, len(layers), devices, b,
+                                                                               pipeline.chunks, pipeline.num_stages))
+    return within, {kind: _balanced(w, costs, layers, devices, pipeline.imbalance) for kind, w in within.items()}
+
+
+class _Priced:
+    """``GraphStageCosts.lower_bound`` raised, for every pair priced so far, to its least option
+    time (inf when it has no option): each is at most the time of every option the DP may pick."""
+
+    def __init__(self, costs: GraphStageCosts):
+        self.costs = costs
+
+    def lower_bound(self, k: int, i: int, q: tuple[int, int]) -> float:
+        options = self.costs.priced(k, i, q)
+        bound = self.costs.lower_bound(k, i, q)
+        return bound if options is None else max(bound, min((o.seconds for o in options), default=math.inf))
 
 
 def _pipeline_floors(costs: GraphStageCosts, num_layers: int, shapes, devices: int, b: int, schedules,

@@ -147,7 +147,8 @@ class GraphStageCosts:
         self._context = None
         self._memo: dict[tuple, list[StageOption]] = {}
         self._least: dict[tuple, float] = {}  # (node, logical shape) -> least_compute_seconds
-        self.stats = {"ilp_solves": 0, "cache_hits": 0, "disk_hits": 0, "ilp_s": 0.0}
+        self._bounds: dict[tuple, float] = {}  # (start, end, submesh) -> lower_bound
+        self.stats = {"ilp_solves": 0, "cache_hits": 0, "disk_hits": 0, "ilp_s": 0.0, "memory_skips": 0}
         self._disk = cache and cache.file("stage", cg.fingerprint(), cluster, self.options.to_dict(), memory_bytes,
                                           self.sync_weight)
 
@@ -188,10 +189,12 @@ class GraphStageCosts:
         ``seconds`` is its compute plus collectives less hidden ZeRO-3 reduce-scatters (at most
         those collectives: ``core.plan.step_parts``), plus sends, so no option is faster; a chain
         prices each layer on its own, counting a weight two layers share twice, one ILP once."""
-        d = submesh[0] * submesh[1]
-        names = self.subset(start, end)
-        least = min(sum(self._least_compute(n, shape) for n in names) for shape in self.shapes(submesh))
-        return least / d + self.transfer_seconds(start, submesh)
+        key = (start, end, submesh)
+        if key not in self._bounds:
+            names = self.subset(start, end)
+            least = min(sum(self._least_compute(n, shape) for n in names) for shape in self.shapes(submesh))
+            self._bounds[key] = least / (submesh[0] * submesh[1]) + self.transfer_seconds(start, submesh)
+        return self._bounds[key]
 
     def _least_compute(self, name: str, shape: tuple[int, int]) -> float:
         key = (name, shape)
@@ -225,6 +228,10 @@ class GraphStageCosts:
             fits = self.least_weight_bytes(start, end, submesh) <= self.memory_bytes
             self._memo[key] = self._options(start, end, submesh) if fits else []
         return self._memo[key]
+
+    def priced(self, start: int, end: int, submesh: tuple[int, int]) -> list[StageOption] | None:
+        """The options of layers ``[start, end)`` on ``submesh`` if already priced, else None."""
+        return self._memo.get((start, end, submesh))
 
     def prefetch(self, keys: Sequence[tuple[int, int, tuple[int, int]]], workers: int = 1,
                  progress: Callable[[str], None] | None = None) -> None:
@@ -369,6 +376,7 @@ class GraphStageCosts:
         key = (self._signature(names), tuple(given.get(n) for n in dict.fromkeys(ext + names)), shape)
 
         def part():
+            self._check_memory(names, shape, layer, layer + 1, scale, budget, given)
             sol = solve_stage(self.cg, names, self.cluster.logical_mesh(shape), budget, scale,
                               self.table(shape, layer, layer + 1), self.options, fixed=given,
                               sync_weight=self.sync_weight, remat=self.remat(layer, layer + 1),
@@ -383,6 +391,7 @@ class GraphStageCosts:
         sends = self.sends(start, end)
 
         def option():
+            self._check_memory(names, shape, start, end, scale, self.memory_bytes)
             mesh = self.cluster.logical_mesh(shape)
             sol = solve_stage(self.cg, names, mesh, self.memory_bytes, scale, self.table(shape, start, end),
                               self.options, sync_weight=self.sync_weight, sends=sends, remat=self.remat(start, end),
@@ -394,6 +403,25 @@ class GraphStageCosts:
 
         return self._solve((sig, tuple(names.index(n) for n in sends), shape), scale, self.memory_bytes, option,
                            (start, end, submesh, shape))
+
+    def _check_memory(self, names, shape, start, end, scale, budget, fixed=()) -> None:
+        """Raise ``_Infeasible`` (no ILP built) when the stage ILP of ``names`` (layers ``[start,
+        end)``) on logical mesh ``shape`` cannot meet its memory row ``w + scale a <= budget``: the
+        least ``memory`` of each node's strategies (as ``cost_graph`` counts it: kept for backward,
+        activations ``scale`` times) summed is at most the row's least (``CostGraph.min_memory``,
+        whose variables sum several nodes' rows), leaving out what an ILP may count otherwise:
+        ``fixed`` placeholders (placed by an earlier layer) and the nodes of layers it may
+        recompute. Forced specs only remove strategies, so they raise the least."""
+        table = self.table(shape, start, end)
+        skip = set(fixed) | {n for layer in self.remat(start, end) for n in layer}
+        total = 0.0
+        for n in names:
+            if n in table and n not in skip:
+                least = min(st.memory for st in table[n].strategies) * kept_for_backward(self.cg.node(n))
+                total += least if n in self.cg.param_fqns or n in self.cg.buffer_fqns else scale * least
+        if total > budget * (1 + 1e-9):  # margin: the ILP's own sum may round otherwise
+            self.stats["memory_skips"] += 1
+            raise _Infeasible(f"no plan fits {budget:.0f} bytes: the least is {total:.0f}")
 
     def _solve(self, key, scale, budget, solve, where=None):
         """``solve()`` for the ILP ``key`` whose memory constraint is ``w + scale a <= budget``, or
