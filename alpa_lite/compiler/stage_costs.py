@@ -65,7 +65,7 @@ from .cost_graph import build_cost_graph
 from .ilp import MemoryBudgetError, SolverError, solve, solver_limits
 from .intra_op import recomputable
 from .stage_dp import StageOption
-from .ops import flops, signature
+from .ops import FOLLOWER_TARGETS, flops, signature
 from .strategies import (ADAM_UPDATE_BYTES_FACTOR, BACKWARD_FLOPS_FACTOR, build_strategies, kept_for_backward,
                          _tensor_vals, kernel_class, training_state_bytes)
 from .training_step import node_plan, training_step
@@ -148,6 +148,7 @@ class GraphStageCosts:
         self._memo: dict[tuple, list[StageOption]] = {}
         self._least: dict[tuple, float] = {}  # (node, logical shape) -> least_compute_seconds
         self._bounds: dict[tuple, float] = {}  # (start, end, submesh) -> lower_bound
+        self._fit: dict[tuple, bool] = {}  # (start, end, submesh) -> _may_fit
         self.stats = {"ilp_solves": 0, "cache_hits": 0, "disk_hits": 0, "ilp_s": 0.0, "memory_skips": 0}
         self._disk = cache and cache.file("stage", cg.fingerprint(), cluster, self.options.to_dict(), memory_bytes,
                                           self.sync_weight)
@@ -188,8 +189,11 @@ class GraphStageCosts:
         that sum is least), plus the input transfer every option pays. An option's per-microbatch
         ``seconds`` is its compute plus collectives less hidden ZeRO-3 reduce-scatters (at most
         those collectives: ``core.plan.step_parts``), plus sends, so no option is faster; a chain
-        prices each layer on its own, counting a weight two layers share twice, one ILP once."""
+        prices each layer on its own, counting a weight two layers share twice, one ILP once.
+        inf where no option can fit the memory (``_may_fit``)."""
         key = (start, end, submesh)
+        if key not in self._bounds and not self._may_fit(*key):  # no option: no time bounds it
+            self._bounds[key] = math.inf
         if key not in self._bounds:
             names = self.subset(start, end)
             least = min(sum(self._least_compute(n, shape) for n in names) for shape in self.shapes(submesh))
@@ -218,15 +222,32 @@ class GraphStageCosts:
                 total += share
         return total
 
+    def least_act_bytes(self, start: int, end: int, submesh: tuple[int, int]) -> float:
+        """A lower bound on the ``act_bytes`` of every option of layers ``[start, end)`` on
+        ``submesh`` (no ILP): ``least_activation_bytes`` of each node the stage keeps for backward,
+        leaving out the layers it may recompute (``remat``: only the largest counts, once)."""
+        d = submesh[0] * submesh[1]
+        again = {n for layer in self.remat(start, end) for n in layer}
+        return sum(least_activation_bytes(self.cg, self.cg.node(n), d) for n in self.subset(start, end)
+                   if n not in again)
+
+    def _may_fit(self, start: int, end: int, submesh: tuple[int, int]) -> bool:
+        """Whether an option of the range can fit one microbatch in flight by the bounds above
+        (every option the ILPs give meets ``weight + act <= memory_bytes``: ``_options``)."""
+        key = (start, end, submesh)
+        if key not in self._fit:
+            least = self.least_weight_bytes(*key) + self.least_act_bytes(*key)
+            self._fit[key] = least <= self.memory_bytes * (1 + 1e-9)
+        return self._fit[key]
+
     def sends(self, start: int, end: int) -> list[str]:
         """Values produced by layers ``[start, end)`` that later stages consume."""
         return [n for n, j in self.crossing[end] if j >= start]
 
     def __call__(self, start: int, end: int, submesh: tuple[int, int]) -> list[StageOption]:
         key = (start, end, submesh)
-        if key not in self._memo:  # no ILP for a range whose weights alone exceed the memory
-            fits = self.least_weight_bytes(start, end, submesh) <= self.memory_bytes
-            self._memo[key] = self._options(start, end, submesh) if fits else []
+        if key not in self._memo:  # no ILP for a range whose weights and activations cannot fit
+            self._memo[key] = self._options(start, end, submesh) if self._may_fit(*key) else []
         return self._memo[key]
 
     def priced(self, start: int, end: int, submesh: tuple[int, int]) -> list[StageOption] | None:
@@ -475,6 +496,30 @@ def _prefetch_task(keys):
     memo = {key: costs(*key) for key in keys}
     return (memo, {k: v - before[k] for k, v in costs.stats.items()}, costs._disk.new if costs._disk else {},
             costs.limits[seen:])
+
+
+def least_activation_bytes(cg, node: torch.fx.Node, devices: int) -> float:
+    """A lower bound, bytes per device, on the ``memory`` a stage counts for ``node``'s result over
+    ``devices`` (``cost_graph``: a strategy's ``memory`` if ``kept_for_backward``): an input's or an
+    op's local result is at least ``1 / devices`` of it (the replicated fallback keeps all of it);
+    a ``FOLLOWER_TARGETS`` op's strategy, a ``getitem``, a parameter and a buffer count nothing here
+    (weights: ``GraphStageCosts.least_weight_bytes``)."""
+    val = node.meta.get("val")
+    if node.name in cg.param_fqns or node.name in cg.buffer_fqns or not kept_for_backward(node):
+        return 0.0
+    if node.op == "placeholder":
+        return nbytes_of(val) / devices
+    if node.op != "call_function" or node.target is operator.getitem or not _tensor_vals(val):
+        return 0.0
+    sig = signature(node)
+    if sig is None:
+        return float(nbytes_of(val))
+    if node.target in FOLLOWER_TARGETS:
+        return 0.0
+    tensors = [n.meta["val"] for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    tensors += _tensor_vals(val)  # enumerate_strategies pairs them with the label lists: results after inputs
+    results = tensors[len(sig.inputs):len(sig.inputs) + len(sig.outputs)]
+    return min(float(nbytes_of(val)), sum(map(nbytes_of, results)) / devices)
 
 
 def least_compute_seconds(cg, node: torch.fx.Node, mesh: LogicalMesh) -> float:
