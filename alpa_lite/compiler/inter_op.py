@@ -144,7 +144,7 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
         if one_stage and math.isinf(bound):  # first when no plan is held, else with the other pairs
             say(f"stage costs on submesh {mesh.shape[0]}x{mesh.shape[1]} (the whole model, one stage)")
             bound = _one_stage_seconds(costs(*whole), b, budget, linear)
-        floors = _pipeline_floors(costs, len(layers), shapes, devices, b, linear, pipeline.num_stages)
+        floors = _pipeline_floors(costs, len(layers), shapes, devices, b, linear, pipeline.num_stages, budget)
         within, pruned = _within(costs, layers, floors, bound, devices, b, pipeline, "interleaved" in schedules)
         out = sum(not any(w.kept(*c) for w in within.values()) for c in cells)
         say(f"stage costs (B={b}, {len(layers)} layers, {len(shapes)} submesh shapes, {workers} workers, "
@@ -153,14 +153,16 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
             tried[b] = f"bounded out: no pipeline can step under the {bound:.6g} s of the plan held"
             continue
         # price the pairs kept, ``workers`` submeshes at a time, those holding the least floor first;
-        # each time, the floors again with every priced pair's least option time for its bound
+        # each time, the floors again with every priced pair's least option time for its bound (inf:
+        # no option)
         while todo := [c for c in cells if any(w.kept(*c) for w in pruned.values()) and costs.priced(*c) is None]:
             order = sorted({c[2] for c in todo}, key=lambda q: (min(floors[c] for c in todo if c[2] == q), q))
             costs.prefetch([c for c in todo if c[2] in order[:workers]], workers, say)
             if one_stage and costs.priced(*whole) is not None:
                 bound = min(bound, _one_stage_seconds(costs.priced(*whole), b, budget, linear))
-            if linear and math.isfinite(bound):
-                floors = _pipeline_floors(_Priced(costs), len(layers), shapes, devices, b, linear, pipeline.num_stages)
+            if linear:  # with no plan held, pairs no pipeline of priced-feasible pairs can hold still go
+                floors = _pipeline_floors(_Priced(costs), len(layers), shapes, devices, b, linear, pipeline.num_stages,
+                                          budget)
                 within, pruned = _within(costs, layers, floors, bound, devices, b, pipeline, "interleaved" in schedules)
         refined = sum(not any(w.kept(*c) for w in within.values()) for c in cells) - out
         if refined:
@@ -266,6 +268,12 @@ class _Priced:
     def __init__(self, costs: GraphStageCosts):
         self.costs = costs
 
+    def least_weight_bytes(self, k: int, i: int, q: tuple[int, int]) -> float:
+        return self.costs.least_weight_bytes(k, i, q)
+
+    def least_act_bytes(self, k: int, i: int, q: tuple[int, int]) -> float:
+        return self.costs.least_act_bytes(k, i, q)
+
     def lower_bound(self, k: int, i: int, q: tuple[int, int]) -> float:
         options = self.costs.priced(k, i, q)
         bound = self.costs.lower_bound(k, i, q)
@@ -273,7 +281,7 @@ class _Priced:
 
 
 def _pipeline_floors(costs: GraphStageCosts, num_layers: int, shapes, devices: int, b: int, schedules,
-                     num_stages: int | None) -> dict[tuple, float]:
+                     num_stages: int | None, memory_bytes: float = math.inf) -> dict[tuple, float]:
     """Per (layer range, submesh) pair ``(k, i, q)``: a lower bound on the step seconds of every
     pipeline of the stage DP (under each of ``schedules``, not ``"interleaved"``) holding it as a
     stage; inf when none can (the other layers cannot make stages on exactly the other devices,
@@ -283,7 +291,10 @@ def _pipeline_floors(costs: GraphStageCosts, num_layers: int, shapes, devices: i
     values: with ``t`` the pair's bound, ``M`` the least largest and ``S`` the least sum of the
     other stages' bounds over the ways to cut the other layers into stages on exactly the other
     devices (each least found on its own, by DPs over the layers before the range and after it,
-    ``num_stages`` stages in all when given), the floor is ``(B - r) max(t, M) + r (t + S)``. A
+    ``num_stages`` stages in all when given), the floor is ``(B - r) max(t, M) + r (t + S)``; with
+    ``memory_bytes``, only over the stage counts before and after at which the pair's least weights
+    and activations (``GraphStageCosts.least_weight_bytes``, ``least_act_bytes``) fit the
+    microbatches it holds in flight there under some schedule (``Schedule.in_flight``). A
     pipeline whose step exceeds a plan the search holds is not chosen, so dropping the pairs whose
     floor is above that plan's step leaves the DP's answer (when below it) as it was (Alpa's
     ``B t_max >= T*`` pruning, section 5.1, applied before the stage ILPs)."""
@@ -313,6 +324,8 @@ def _pipeline_floors(costs: GraphStageCosts, num_layers: int, shapes, devices: i
             for q in shapes:
                 extend(after, i, e, q, lb[i, e, q])
     counts = np.add.outer(np.arange(L + 1), np.arange(L + 1)) + 1  # stages in all: before + this + after
+    held = np.array([[min(get_schedule(s).in_flight(n1, n1 + n2 + 1, b) for s in schedules) for n2 in range(L + 1)]
+                     for n1 in range(L + 1)])  # the least microbatches in flight of a stage after n1, before n2
     floors = {}
     for (k, i, q), t in lb.items():
         rest = devices - sizes[q]
@@ -324,6 +337,9 @@ def _pipeline_floors(costs: GraphStageCosts, num_layers: int, shapes, devices: i
         total = (pre[0] + post[0]).min(axis=2)
         largest = np.maximum(pre[1], post[1]).min(axis=2)
         feasible = np.isfinite(total) if num_stages is None else np.isfinite(total) & (counts == num_stages)
+        if math.isfinite(memory_bytes):
+            feasible &= costs.least_weight_bytes(k, i, q) + held * costs.least_act_bytes(k, i, q) \
+                <= memory_bytes * (1 + 1e-9)
         step = np.where(feasible, (b - r) * np.where(feasible, np.maximum(largest, t), 0.0) + r * (t + total), np.inf)
         floors[k, i, q] = float(step.min())
     return floors

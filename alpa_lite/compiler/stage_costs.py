@@ -36,8 +36,10 @@ Planning time. The memory sweeps above re-ask the same per-layer ILP under other
 ``w + s a <= M``; an answer found under a looser one that satisfies the tighter one is its
 optimum too, and an infeasible one stays infeasible, so those are reused (``_solve``). The
 options of different submeshes share no ILP (their logical shapes differ): ``prefetch`` computes
-them in forked worker processes, one submesh per task. On 2 cores GPT-3 39B on 8x8 A100s plans
-in ~30 s at B = 128 and ~60 s at B = 32 (docs/plan_quality.md).
+them in forked worker processes, one submesh per task. No ILP is built for a range whose least
+weights and activations exceed the memory (``_may_fit``), nor for a stage ILP whose nodes' least
+memory exceeds its row (``_check_memory``); ``lower_bound`` bounds every option's time for the
+pipeline search's floors (``inter_op._pipeline_floors``). Figures: docs/plan_time.md.
 """
 from __future__ import annotations
 
@@ -148,7 +150,7 @@ class GraphStageCosts:
         self._memo: dict[tuple, list[StageOption]] = {}
         self._least: dict[tuple, float] = {}  # (node, logical shape) -> least_compute_seconds
         self._bounds: dict[tuple, float] = {}  # (start, end, submesh) -> lower_bound
-        self._fit: dict[tuple, bool] = {}  # (start, end, submesh) -> _may_fit
+        self._fit: dict[tuple, float] = {}  # (start, end, submesh) -> _may_fit; the least bytes (kind first)
         self.stats = {"ilp_solves": 0, "cache_hits": 0, "disk_hits": 0, "ilp_s": 0.0, "memory_skips": 0}
         self._disk = cache and cache.file("stage", cg.fingerprint(), cluster, self.options.to_dict(), memory_bytes,
                                           self.sync_weight)
@@ -212,6 +214,9 @@ class GraphStageCosts:
         (``strategies.training_state_bytes``) and each buffer split over all the submesh's
         devices. No strategy (a split spec, ZeRO-1/2/3) stores less of any of them per device, so
         a range above the memory budget by this alone has no option that fits."""
+        key = ("weights", start, end, submesh)
+        if key in self._fit:
+            return self._fit[key]
         devices = submesh[0] * submesh[1]
         total = 0.0
         for ph in {p for layer in self.layers[start:end] for p in layer.placeholders}:
@@ -220,16 +225,20 @@ class GraphStageCosts:
                 total += sum(training_state_bytes(share))
             elif ph in self.cg.buffer_fqns:
                 total += share
+        self._fit[key] = total
         return total
 
     def least_act_bytes(self, start: int, end: int, submesh: tuple[int, int]) -> float:
         """A lower bound on the ``act_bytes`` of every option of layers ``[start, end)`` on
         ``submesh`` (no ILP): ``least_activation_bytes`` of each node the stage keeps for backward,
         leaving out the layers it may recompute (``remat``: only the largest counts, once)."""
-        d = submesh[0] * submesh[1]
-        again = {n for layer in self.remat(start, end) for n in layer}
-        return sum(least_activation_bytes(self.cg, self.cg.node(n), d) for n in self.subset(start, end)
-                   if n not in again)
+        key = ("activations", start, end, submesh)
+        if key not in self._fit:
+            d = submesh[0] * submesh[1]
+            again = {n for layer in self.remat(start, end) for n in layer}
+            self._fit[key] = sum(least_activation_bytes(self.cg, self.cg.node(n), d)
+                                 for n in self.subset(start, end) if n not in again)
+        return self._fit[key]
 
     def _may_fit(self, start: int, end: int, submesh: tuple[int, int]) -> bool:
         """Whether an option of the range can fit one microbatch in flight by the bounds above
