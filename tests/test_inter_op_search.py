@@ -69,11 +69,14 @@ def _partitions(num_layers, shapes, devices):
     return list(rec(0, devices))
 
 
+@pytest.mark.parametrize("b", [1, 3])
 @pytest.mark.parametrize("num_stages", [None, 1, 2, 3])
 @pytest.mark.parametrize("schedules", [["1f1b"], ["gpipe", "1f1b", "zb-h1"]])
-def test_pipeline_floors_equal_brute_force(num_stages, schedules):
-    """``_pipeline_floors`` is the least ``B t + r sum t'`` over every pipeline holding the pair (``t``
-    its lower bound, ``t'`` the other stages', ``r`` the least fill ratio), inf where none holds it."""
+def test_pipeline_floors_against_brute_force(num_stages, schedules, b):
+    """``_pipeline_floors`` lies between ``B t + r sum t'`` (the floor of the round before: ``t`` the
+    pair's lower bound, ``t'`` the other stages', ``r`` the least fill ratio) and the least step
+    ``(B - r) max + r sum`` of the bounds, each least over every pipeline holding the pair, is
+    above the first somewhere when ``B > 1``, and is inf exactly where no pipeline holds the pair."""
     import math
     import random
 
@@ -81,24 +84,68 @@ def test_pipeline_floors_equal_brute_force(num_stages, schedules):
     from alpa_lite.compiler.stage_dp import submesh_shapes
 
     rng = random.Random(0)
-    L, cluster, b = 4, (2, 2), 3
+    L, cluster = 4, (2, 2)
     shapes = submesh_shapes(cluster)
     lb = {(k, i, q): rng.uniform(0.1, 1.0) for k in range(L) for i in range(k + 1, L + 1) for q in shapes}
     costs = type("Costs", (), {"lower_bound": lambda self, k, i, q: lb[k, i, q]})()
     floors = inter_op._pipeline_floors(costs, L, shapes, 4, b, schedules, num_stages)
     r = 1 / 3 if "zb-h1" in schedules else 1.0
-    want = dict.fromkeys(lb, math.inf)
+    old, step = dict.fromkeys(lb, math.inf), dict.fromkeys(lb, math.inf)
     for pipe in _partitions(L, shapes, 4):
         if num_stages is not None and len(pipe) != num_stages:
             continue
-        total = sum(lb[st] for st in pipe)
+        total, largest = sum(lb[st] for st in pipe), max(lb[st] for st in pipe)
         for st in pipe:
-            want[st] = min(want[st], b * lb[st] + r * (total - lb[st]))
-    assert floors.keys() == want.keys()
+            old[st] = min(old[st], b * lb[st] + r * (total - lb[st]))
+            step[st] = min(step[st], (b - r) * largest + r * total)
+    assert floors.keys() == lb.keys()
     for key in lb:
-        assert floors[key] == pytest.approx(want[key], rel=1e-12) if math.isfinite(want[key]) else \
-            floors[key] == math.inf, key
+        if math.isinf(step[key]):
+            assert floors[key] == math.inf, key
+        else:
+            assert old[key] * (1 - 1e-12) <= floors[key] <= step[key] * (1 + 1e-12), key
+    tighter = sum(floors[key] > old[key] * (1 + 1e-9) for key in lb if math.isfinite(old[key]))
+    assert (tighter > 0) == (b > r and num_stages != 1)  # one stage: the pair is the largest
     assert floors[0, 2, (2, 2)] == math.inf  # half the layers on every device: no device for the rest
+
+
+@pytest.mark.parametrize("schedules", [["1f1b"], ["gpipe"], ["gpipe", "1f1b", "zb-h1"]])
+def test_pipeline_floors_hold_only_positions_where_the_pair_fits(schedules):
+    """Given the device memory, ``_pipeline_floors`` is inf exactly where no pipeline holds the pair
+    at a position whose microbatches in flight (the least over the schedules) its least weights
+    and activations fit, and at most the least ``(B - r) max + r sum`` of the bounds over those."""
+    import math
+    import random
+
+    from alpa_lite.compiler import inter_op
+    from alpa_lite.compiler.stage_dp import submesh_shapes
+    from alpa_lite.core.schedules import get_schedule
+
+    rng = random.Random(1)
+    L, b, memory = 4, 3, 10.0
+    shapes = submesh_shapes((2, 2))
+    keys = [(k, i, q) for k in range(L) for i in range(k + 1, L + 1) for q in shapes]
+    lb = {key: rng.uniform(0.1, 1.0) for key in keys}
+    weights = {key: rng.uniform(0.0, 6.0) for key in keys}
+    acts = {key: rng.uniform(0.5, 3.0) for key in keys}
+    costs = type("Costs", (), {"lower_bound": lambda self, *key: lb[key],
+                               "least_weight_bytes": lambda self, *key: weights[key],
+                               "least_act_bytes": lambda self, *key: acts[key]})()
+    floors = inter_op._pipeline_floors(costs, L, shapes, 4, b, schedules, None, memory)
+    r = min(get_schedule(s).fill_ratio() for s in schedules)
+    want = dict.fromkeys(keys, math.inf)
+    for pipe in _partitions(L, shapes, 4):
+        total, largest = sum(lb[st] for st in pipe), max(lb[st] for st in pipe)
+        for n, st in enumerate(pipe):
+            held = min(get_schedule(s).in_flight(n, len(pipe), b) for s in schedules)
+            if weights[st] + held * acts[st] <= memory:
+                want[st] = min(want[st], (b - r) * largest + r * total)
+    free = inter_op._pipeline_floors(costs, L, shapes, 4, b, schedules, None)
+    dropped = [key for key in keys if math.isinf(floors[key]) and math.isfinite(free[key])]
+    assert dropped and len(dropped) < sum(map(math.isfinite, free.values()))  # the memory drops some, not all
+    for key in keys:
+        assert math.isinf(floors[key]) == math.isinf(want[key]), key
+        assert floors[key] <= want[key] * (1 + 1e-12), key
 
 
 @pytest.mark.parametrize("b,num_stages", [(2, None), (4, None), (4, 4), (3, None), (4, 8)])

@@ -1,5 +1,6 @@
 """The inter-op pass: stage DP vs exhaustive search on fixed cost tables, layer clustering,
 and a real GPT planned into pipeline stages."""
+import math
 import random
 
 import pytest
@@ -309,7 +310,7 @@ def test_layers_that_differ_only_in_a_keyword_argument_do_not_share_an_ilp_answe
 
 
 def test_lower_bound_is_below_every_option():
-    """``GraphStageCosts.lower_bound`` (FLOPs over every device at the fastest rate, plus the
+    """``GraphStageCosts.lower_bound`` (each node's least compute over every device, plus the
     input transfer) never exceeds an option's time: the pipeline search drops (range, submesh)
     pairs by it without pricing them."""
     keys = [(k, i, q) for k in range(4) for i in range(k + 1, 5) for q in submesh_shapes((2, 2))]
@@ -319,23 +320,75 @@ def test_lower_bound_is_below_every_option():
     assert len(priced) > len(keys) // 2
     assert all(0 < bound <= seconds for bound, seconds in priced)
     assert max(bound / seconds for bound, seconds in priced) > 0.1  # a bound that can prune
+    acts = [(costs.least_act_bytes(*key), min(o.act_bytes for o in costs(*key))) for key in keys if costs(*key)]
+    assert all(0 < least <= a * (1 + 1e-12) for least, a in acts)
     weights = [(costs.least_weight_bytes(*key), min(o.weight_bytes for o in costs(*key))) for key in keys if costs(*key)]
     assert all(0 < least <= w * (1 + 1e-12) for least, w in weights)
     assert max(least / w for least, w in weights) > 0.99  # ZeRO-3 over every device reaches it
 
 
-def test_range_whose_weights_exceed_memory_gets_no_ilp():
-    """A (range, submesh) whose weights split over all its devices already exceed the memory has
-    no option: ``GraphStageCosts`` returns none without an ILP, as pricing it finds after its ILPs."""
+@pytest.mark.parametrize("name,overrides", [("gpt-tiny", {"num_layers": 2}), ("moe", {}), ("wide-resnet", {}),
+                                            ("mlp", {})])
+def test_least_compute_and_activations_are_below_every_strategy(name, overrides):
+    """``stage_costs.least_compute_seconds`` over the mesh's devices is at most the compute of every
+    strategy of its node (ZeRO-1/2 ones included), on meshes of 1 to 8 devices, and equals the
+    least one for many nodes (an op split over every device, a parameter's update under ZeRO-3);
+    so does ``least_activation_bytes`` against the memory the cost graph counts for each result."""
+    from alpa_lite.core.capture import capture
+    from alpa_lite.compiler.stage_costs import least_activation_bytes, least_compute_seconds
+    from alpa_lite.compiler.strategies import build_strategies, kept_for_backward
+    from alpa_lite.compiler.zero import add_zero_strategies
+
+    model, example = build_model(name, 8, 16, device="meta", **overrides)
+    cg = capture(model, example)
+    for shape in [(1, 1), (1, 2), (2, 2), (2, 4)]:
+        mesh = LogicalMesh(shape, cluster="a100")
+        table = build_strategies(cg, mesh)
+        add_zero_strategies(cg, table, mesh, 25 * 2**20, list(cg.param_fqns))
+        pairs = [(least_compute_seconds(cg, cg.node(n), mesh) / mesh.num_devices, min(s.compute for s in ns.strategies))
+                 for n, ns in table.items()]
+        assert all(bound <= least * (1 + 1e-12) for bound, least in pairs), shape
+        assert sum(least > 0 and bound >= least * (1 - 1e-12) for bound, least in pairs) > len(pairs) / 3, shape
+        acts = [(least_activation_bytes(cg, cg.node(n), mesh.num_devices),
+                 min(s.memory for s in ns.strategies) * kept_for_backward(cg.node(n)))
+                for n, ns in table.items() if n not in cg.param_fqns and n not in cg.buffer_fqns]
+        assert all(bound <= least * (1 + 1e-12) for bound, least in acts), shape
+        assert sum(least > 0 and bound >= least * (1 - 1e-12) for bound, least in acts) > len(acts) / 5, shape
+
+
+def test_range_whose_weights_and_activations_exceed_memory_gets_no_ilp():
+    """A (range, submesh) whose weights and activations split over all its devices already exceed
+    the memory has no option: ``GraphStageCosts`` returns none without an ILP, as pricing it finds
+    after its ILPs, and its lower bound is inf (the floors drop every pipeline holding it)."""
     costs = _tiny_stage_costs()
     key = (0, 4, (1, 1))
-    least = costs.least_weight_bytes(*key)
+    least = costs.least_weight_bytes(*key) + costs.least_act_bytes(*key)
+    assert costs.least_act_bytes(*key) > 0
     costs.memory_bytes = least * 0.99
-    assert costs(*key) == [] and costs.stats["ilp_solves"] == 0
+    assert costs(*key) == [] and costs.stats["ilp_solves"] == 0 and costs.lower_bound(*key) == math.inf
     priced = _tiny_stage_costs()
     priced.memory_bytes = least * 0.99
-    priced.least_weight_bytes = lambda *a: 0.0
+    priced.least_weight_bytes = priced.least_act_bytes = lambda *a: 0.0
+    priced._check_memory = lambda *a, **k: None
     assert priced(*key) == [] and priced.stats["ilp_solves"] > 0
+
+
+def test_stage_ilp_that_cannot_meet_its_memory_row_is_not_built():
+    """Under a budget some layers cannot meet, ``GraphStageCosts._check_memory`` refuses the stage
+    ILPs whose nodes' least memory alone exceeds the row (no cost graph, no solve), and every
+    (range, submesh) gets the options of the search that builds and solves them all."""
+    keys = [(k, i, q) for k in range(4) for i in range(k + 1, 5) for q in submesh_shapes((2, 2))]
+    full = _tiny_stage_costs()
+    full.memory_bytes = 3 * min(full.least_weight_bytes(*key) for key in keys)
+    full._check_memory = lambda *a, **k: None
+    checked = _tiny_stage_costs()
+    checked.memory_bytes = full.memory_bytes
+    full._may_fit = checked._may_fit = lambda *a: True  # every pair to its ILPs (else most are refused before)
+    for key in keys:
+        assert checked(*key) == full(*key), key
+    assert checked.stats["memory_skips"] > 0
+    assert checked.stats["ilp_solves"] == full.stats["ilp_solves"]  # a refused ILP counts as tried
+    assert any(full(*key) for key in keys) and not all(full(*key) for key in keys)
 
 
 def test_a_limit_reached_while_pricing_stages_is_in_the_plan_and_its_summary(monkeypatch):

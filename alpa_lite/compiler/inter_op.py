@@ -139,25 +139,34 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
         # DP (its recursion is a proxy of its step time) sees every pair it can place, unbounded
         linear = [s for s in schedules if s != "interleaved"]
         bound = best[0].objective if best else math.inf
-        if linear and pipeline.num_stages in (None, 1) and mesh.shape in shapes \
-                and b * costs.lower_bound(0, len(layers), mesh.shape) <= bound:
+        whole = (0, len(layers), mesh.shape)  # the one-stage pipeline bounds this B's search once priced:
+        one_stage = bool(linear) and pipeline.num_stages in (None, 1) and mesh.shape in shapes
+        if one_stage and math.isinf(bound):  # first when no plan is held, else with the other pairs
             say(f"stage costs on submesh {mesh.shape[0]}x{mesh.shape[1]} (the whole model, one stage)")
-            bound = min(bound, _one_stage_seconds(costs(0, len(layers), mesh.shape), b, budget, linear))
-        floors = _pipeline_floors(costs, len(layers), shapes, devices, b, linear, pipeline.num_stages)
-        within = {"linear": _kept(costs, lambda k, i, q: floors[k, i, q] < math.inf
-                                  and floors[k, i, q] <= bound * (1 + 1e-9))}  # margin: float rounding
-        if "interleaved" in schedules:
-            within["interleaved"] = _kept(costs, lambda k, i, q: _interleaved_fits(k, i, q, len(layers), devices, b,
-                                                                                   pipeline.chunks,
-                                                                                   pipeline.num_stages))
-        pruned = {kind: _balanced(w, costs, layers, devices, pipeline.imbalance) for kind, w in within.items()}
+            bound = _one_stage_seconds(costs(*whole), b, budget, linear)
+        floors = _pipeline_floors(costs, len(layers), shapes, devices, b, linear, pipeline.num_stages, budget)
+        within, pruned = _within(costs, layers, floors, bound, devices, b, pipeline, "interleaved" in schedules)
         out = sum(not any(w.kept(*c) for w in within.values()) for c in cells)
         say(f"stage costs (B={b}, {len(layers)} layers, {len(shapes)} submesh shapes, {workers} workers, "
             f"{out} of {len(cells)} (range, submesh) pairs bounded out)")
         if out == len(cells) and math.isfinite(bound):  # no pipeline of this B beats the plan held: no ILP, no DP
             tried[b] = f"bounded out: no pipeline can step under the {bound:.6g} s of the plan held"
             continue
-        costs.prefetch([c for c in cells if any(w.kept(*c) for w in pruned.values())], workers, say)
+        # price the pairs kept, ``workers`` submeshes at a time, those holding the least floor first;
+        # each time, the floors again with every priced pair's least option time for its bound (inf:
+        # no option)
+        while todo := [c for c in cells if any(w.kept(*c) for w in pruned.values()) and costs.priced(*c) is None]:
+            order = sorted({c[2] for c in todo}, key=lambda q: (min(floors[c] for c in todo if c[2] == q), q))
+            costs.prefetch([c for c in todo if c[2] in order[:workers]], workers, say)
+            if one_stage and costs.priced(*whole) is not None:
+                bound = min(bound, _one_stage_seconds(costs.priced(*whole), b, budget, linear))
+            if linear:  # with no plan held, pairs no pipeline of priced-feasible pairs can hold still go
+                floors = _pipeline_floors(_Priced(costs), len(layers), shapes, devices, b, linear, pipeline.num_stages,
+                                          budget)
+                within, pruned = _within(costs, layers, floors, bound, devices, b, pipeline, "interleaved" in schedules)
+        refined = sum(not any(w.kept(*c) for w in within.values()) for c in cells) - out
+        if refined:
+            say(f"stage costs (B={b}): {refined} more pairs bounded out by the priced pairs' times")
         say(f"stage DP (B={b})")
         res = None
         for schedule in schedules:
@@ -173,8 +182,9 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
                     if res is None or found.objective < res.objective:
                         res = found
                     break
-                except PipelinePlanError as e:
-                    tried[b] = str(e)
+                except PipelinePlanError as e:  # among the pairs kept: none under the plan held may fit
+                    tried[b] = str(e) if math.isinf(bound) else f"bounded out: {e} (of the pipelines that may " \
+                                                                  f"step under the {bound:.6g} s of the plan held)"
         costs.save_cache()
         disk_hits += costs.stats["disk_hits"]
         pricing_limits += costs.limits
@@ -237,50 +247,101 @@ def _one_stage_seconds(options, b: int, budget: float, schedules) -> float:
     return min((b * o.seconds + o.once_seconds for o in fit), default=math.inf)
 
 
+def _within(costs: GraphStageCosts, layers, floors, bound: float, devices: int, b: int, pipeline: PipelineOptions,
+            interleaved: bool) -> tuple[dict[str, CostFn], dict[str, CostFn]]:
+    """Per DP kind (``"linear"``: GPipe, 1F1B, ZB-H1; ``"interleaved"``), the pairs it sees: a
+    linear DP those whose ``floors`` are at most ``bound`` (the step of a plan the search holds),
+    the interleaved one those it can place (``_interleaved_fits``, unbounded: its recursion is a
+    proxy of its step); and the same without the pairs off their FLOPs share (``_balanced``)."""
+    within = {"linear": _kept(costs, lambda k, i, q: floors[k, i, q] < math.inf
+                              and floors[k, i, q] <= bound * (1 + 1e-9))}  # margin: float rounding
+    if interleaved:
+        within["interleaved"] = _kept(costs, lambda k, i, q: _interleaved_fits(k, i, q, len(layers), devices, b,
+                                                                               pipeline.chunks, pipeline.num_stages))
+    return within, {kind: _balanced(w, costs, layers, devices, pipeline.imbalance) for kind, w in within.items()}
+
+
+class _Priced:
+    """``GraphStageCosts.lower_bound`` raised, for every pair priced so far, to its least option
+    time (inf when it has no option): each is at most the time of every option the DP may pick."""
+
+    def __init__(self, costs: GraphStageCosts):
+        self.costs = costs
+
+    def least_weight_bytes(self, k: int, i: int, q: tuple[int, int]) -> float:
+        return self.costs.least_weight_bytes(k, i, q)
+
+    def least_act_bytes(self, k: int, i: int, q: tuple[int, int]) -> float:
+        return self.costs.least_act_bytes(k, i, q)
+
+    def lower_bound(self, k: int, i: int, q: tuple[int, int]) -> float:
+        options = self.costs.priced(k, i, q)
+        bound = self.costs.lower_bound(k, i, q)
+        return bound if options is None else max(bound, min((o.seconds for o in options), default=math.inf))
+
+
 def _pipeline_floors(costs: GraphStageCosts, num_layers: int, shapes, devices: int, b: int, schedules,
-                     num_stages: int | None) -> dict[tuple, float]:
+                     num_stages: int | None, memory_bytes: float = math.inf) -> dict[tuple, float]:
     """Per (layer range, submesh) pair ``(k, i, q)``: a lower bound on the step seconds of every
     pipeline of the stage DP (under each of ``schedules``, not ``"interleaved"``) holding it as a
     stage; inf when none can (the other layers cannot make stages on exactly the other devices,
-    e.g. part of the model on the whole cluster). The step is ``B t_max + r (sum t - t_max)`` plus
-    once-per-step terms (``core/schedules.py``; ``r`` the fill ratio, <= 1), so it is at least
-    ``B t + r sum t'``, ``t`` the pair's seconds and ``t'`` the other stages'; each is at least its
-    ``GraphStageCosts.lower_bound``, and the least sum of those over the ways to cut the other
-    layers into stages on exactly the other devices (``num_stages`` stages in all when given)
-    comes from two DPs, over the layers before the range and after it (``b`` is B). A pipeline
-    whose step exceeds a plan the search holds is not chosen, so dropping the pairs whose floor
-    is above that plan's step leaves the DP's answer (when below it) as it was (Alpa's
+    e.g. part of the model on the whole cluster). The step is ``(B - r) t_max + r sum t`` plus
+    once-per-step terms (``core/schedules.py``; ``r`` the fill ratio, <= 1, ``b`` is B), which
+    grows with every stage time, so it is at least that of the stages' ``GraphStageCosts.lower_bound``
+    values: with ``t`` the pair's bound, ``M`` the least largest and ``S`` the least sum of the
+    other stages' bounds over the ways to cut the other layers into stages on exactly the other
+    devices (each least found on its own, by DPs over the layers before the range and after it,
+    ``num_stages`` stages in all when given), the floor is ``(B - r) max(t, M) + r (t + S)``; with
+    ``memory_bytes``, only over the stage counts before and after at which the pair's least weights
+    and activations (``GraphStageCosts.least_weight_bytes``, ``least_act_bytes``) fit the
+    microbatches it holds in flight there under some schedule (``Schedule.in_flight``). A
+    pipeline whose step exceeds a plan the search holds is not chosen, so dropping the pairs whose
+    floor is above that plan's step leaves the DP's answer (when below it) as it was (Alpa's
     ``B t_max >= T*`` pruning, section 5.1, applied before the stage ILPs)."""
     L, sizes = num_layers, {q: q[0] * q[1] for q in shapes}
     if not schedules:
         return dict.fromkeys(((k, i, q) for k in range(L) for i in range(k + 1, L + 1) for q in shapes), math.inf)
     r = min(get_schedule(s).fill_ratio() for s in schedules)
     lb = {(k, i, q): costs.lower_bound(k, i, q) for k in range(L) for i in range(k + 1, L + 1) for q in shapes}
-    # before[k, n, d]: least sum of bounds of layers [0, k) as n stages on exactly d devices;
-    # after[i, n, d]: the same for layers [i, L)
-    before = np.full((L + 1, L + 1, devices + 1), np.inf)
-    after = np.full((L + 1, L + 1, devices + 1), np.inf)
-    before[0, 0, 0] = after[L, 0, 0] = 0.0
+    # before[c][k, n, d]: over the ways to cut layers [0, k) into n stages on exactly d devices, the
+    # least sum (c = 0) and the least largest (c = 1) of their bounds; after[c][i, n, d]: layers [i, L)
+    before = np.full((2, L + 1, L + 1, devices + 1), np.inf)
+    after = np.full((2, L + 1, L + 1, devices + 1), np.inf)
+    before[:, 0, 0, 0] = after[:, L, 0, 0] = 0.0
+
+    def extend(table, to, frm, q, t):
+        sz = sizes[q]
+        np.minimum(table[0, to, 1:, sz:], table[0, frm, :-1, :devices + 1 - sz] + t, out=table[0, to, 1:, sz:])
+        np.minimum(table[1, to, 1:, sz:], np.maximum(table[1, frm, :-1, :devices + 1 - sz], t),
+                   out=table[1, to, 1:, sz:])
+
     for k in range(1, L + 1):
         for j in range(k):
-            for q, sz in sizes.items():
-                np.minimum(before[k, 1:, sz:], before[j, :-1, :devices + 1 - sz] + lb[j, k, q], out=before[k, 1:, sz:])
+            for q in shapes:
+                extend(before, k, j, q, lb[j, k, q])
     for i in range(L - 1, -1, -1):
         for e in range(i + 1, L + 1):
-            for q, sz in sizes.items():
-                np.minimum(after[i, 1:, sz:], after[e, :-1, :devices + 1 - sz] + lb[i, e, q], out=after[i, 1:, sz:])
+            for q in shapes:
+                extend(after, i, e, q, lb[i, e, q])
     counts = np.add.outer(np.arange(L + 1), np.arange(L + 1)) + 1  # stages in all: before + this + after
+    held = np.array([[min(get_schedule(s).in_flight(n1, n1 + n2 + 1, b) for s in schedules) for n2 in range(L + 1)]
+                     for n1 in range(L + 1)])  # the least microbatches in flight of a stage after n1, before n2
     floors = {}
     for (k, i, q), t in lb.items():
         rest = devices - sizes[q]
         if rest < 0:
             floors[k, i, q] = math.inf
             continue
-        # others[n1, n2]: least bound sum of n1 stages before on d devices and n2 after on rest - d
-        others = (before[k, :, None, :rest + 1] + after[i, None, :, rest::-1]).min(axis=2)
-        if num_stages is not None:
-            others = np.where(counts == num_stages, others, np.inf)
-        floors[k, i, q] = b * t + r * float(others.min())
+        # over n1 stages before on d devices and n2 after on rest - d: the least sum and largest
+        pre, post = before[:, k, :, None, :rest + 1], after[:, i, None, :, rest::-1]
+        total = (pre[0] + post[0]).min(axis=2)
+        largest = np.maximum(pre[1], post[1]).min(axis=2)
+        feasible = np.isfinite(total) if num_stages is None else np.isfinite(total) & (counts == num_stages)
+        if math.isfinite(memory_bytes):
+            feasible &= costs.least_weight_bytes(k, i, q) + held * costs.least_act_bytes(k, i, q) \
+                <= memory_bytes * (1 + 1e-9)
+        step = np.where(feasible, (b - r) * np.where(feasible, np.maximum(largest, t), 0.0) + r * (t + total), np.inf)
+        floors[k, i, q] = float(step.min())
     return floors
 
 

@@ -36,13 +36,16 @@ Planning time. The memory sweeps above re-ask the same per-layer ILP under other
 ``w + s a <= M``; an answer found under a looser one that satisfies the tighter one is its
 optimum too, and an infeasible one stays infeasible, so those are reused (``_solve``). The
 options of different submeshes share no ILP (their logical shapes differ): ``prefetch`` computes
-them in forked worker processes, one submesh per task. On 2 cores GPT-3 39B on 8x8 A100s plans
-in ~30 s at B = 128 and ~60 s at B = 32 (docs/plan_quality.md).
+them in forked worker processes, one submesh per task. No ILP is built for a range whose least
+weights and activations exceed the memory (``_may_fit``), nor for a stage ILP whose nodes' least
+memory exceeds its row (``_check_memory``); ``lower_bound`` bounds every option's time for the
+pipeline search's floors (``inter_op._pipeline_floors``). Figures: docs/plan_time.md.
 """
 from __future__ import annotations
 
 import math
 import multiprocessing
+import operator
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -64,7 +67,9 @@ from .cost_graph import build_cost_graph
 from .ilp import MemoryBudgetError, SolverError, solve, solver_limits
 from .intra_op import recomputable
 from .stage_dp import StageOption
-from .strategies import BACKWARD_FLOPS_FACTOR, build_strategies, kept_for_backward, training_state_bytes
+from .ops import FOLLOWER_TARGETS, flops, signature
+from .strategies import (ADAM_UPDATE_BYTES_FACTOR, BACKWARD_FLOPS_FACTOR, build_strategies, kept_for_backward,
+                         _tensor_vals, kernel_class, training_state_bytes)
 from .training_step import node_plan, training_step
 from .zero import add_zero_strategies
 
@@ -143,7 +148,10 @@ class GraphStageCosts:
         self._tables: dict[tuple, dict] = {}
         self._context = None
         self._memo: dict[tuple, list[StageOption]] = {}
-        self.stats = {"ilp_solves": 0, "cache_hits": 0, "disk_hits": 0, "ilp_s": 0.0}
+        self._least: dict[tuple, float] = {}  # (node, logical shape) -> least_compute_seconds
+        self._bounds: dict[tuple, float] = {}  # (start, end, submesh) -> lower_bound
+        self._fit: dict[tuple, float] = {}  # (start, end, submesh) -> _may_fit; the least bytes (kind first)
+        self.stats = {"ilp_solves": 0, "cache_hits": 0, "disk_hits": 0, "ilp_s": 0.0, "memory_skips": 0}
         self._disk = cache and cache.file("stage", cg.fingerprint(), cluster, self.options.to_dict(), memory_bytes,
                                           self.sync_weight)
 
@@ -178,16 +186,27 @@ class GraphStageCosts:
 
     def lower_bound(self, start: int, end: int, submesh: tuple[int, int]) -> float:
         """A lower bound on the ``seconds`` of every option of layers ``[start, end)`` on ``submesh``
-        (no ILP): their forward + backward FLOPs (``(1 + BACKWARD_FLOPS_FACTOR)`` x the layers'
-        ``flops``, as ``strategies`` prices compute) spread over all the submesh's devices at the
-        fastest kernel rate, plus the input transfer every option pays. A strategy computes its
-        op's FLOPs over at most all devices and every other term of a stage's time is
-        non-negative, so no option is faster."""
-        meshes = [self.cluster.logical_mesh(s) for s in self.shapes(submesh)]
-        rate = max(max([m.peak_flops, *dict(m.kernel_flops).values()]) for m in meshes)
-        devices = max(m.num_devices for m in meshes)
-        fl = sum(layer.flops for layer in self.layers[start:end])
-        return (1 + BACKWARD_FLOPS_FACTOR) * fl / (devices * rate) + self.transfer_seconds(start, submesh)
+        (no ILP): the least compute of each of their nodes and parameters over the submesh's
+        ``d`` devices (``least_compute_seconds`` / ``d``, on the logical mesh of the submesh where
+        that sum is least), plus the input transfer every option pays. An option's per-microbatch
+        ``seconds`` is its compute plus collectives less hidden ZeRO-3 reduce-scatters (at most
+        those collectives: ``core.plan.step_parts``), plus sends, so no option is faster; a chain
+        prices each layer on its own, counting a weight two layers share twice, one ILP once.
+        inf where no option can fit the memory (``_may_fit``)."""
+        key = (start, end, submesh)
+        if key not in self._bounds and not self._may_fit(*key):  # no option: no time bounds it
+            self._bounds[key] = math.inf
+        if key not in self._bounds:
+            names = self.subset(start, end)
+            least = min(sum(self._least_compute(n, shape) for n in names) for shape in self.shapes(submesh))
+            self._bounds[key] = least / (submesh[0] * submesh[1]) + self.transfer_seconds(start, submesh)
+        return self._bounds[key]
+
+    def _least_compute(self, name: str, shape: tuple[int, int]) -> float:
+        key = (name, shape)
+        if key not in self._least:
+            self._least[key] = least_compute_seconds(self.cg, self.cg.node(name), self.cluster.logical_mesh(shape))
+        return self._least[key]
 
     def least_weight_bytes(self, start: int, end: int, submesh: tuple[int, int]) -> float:
         """A lower bound on the ``weight_bytes`` of every option of layers ``[start, end)`` on
@@ -195,6 +214,9 @@ class GraphStageCosts:
         (``strategies.training_state_bytes``) and each buffer split over all the submesh's
         devices. No strategy (a split spec, ZeRO-1/2/3) stores less of any of them per device, so
         a range above the memory budget by this alone has no option that fits."""
+        key = ("weights", start, end, submesh)
+        if key in self._fit:
+            return self._fit[key]
         devices = submesh[0] * submesh[1]
         total = 0.0
         for ph in {p for layer in self.layers[start:end] for p in layer.placeholders}:
@@ -203,7 +225,29 @@ class GraphStageCosts:
                 total += sum(training_state_bytes(share))
             elif ph in self.cg.buffer_fqns:
                 total += share
+        self._fit[key] = total
         return total
+
+    def least_act_bytes(self, start: int, end: int, submesh: tuple[int, int]) -> float:
+        """A lower bound on the ``act_bytes`` of every option of layers ``[start, end)`` on
+        ``submesh`` (no ILP): ``least_activation_bytes`` of each node the stage keeps for backward,
+        leaving out the layers it may recompute (``remat``: only the largest counts, once)."""
+        key = ("activations", start, end, submesh)
+        if key not in self._fit:
+            d = submesh[0] * submesh[1]
+            again = {n for layer in self.remat(start, end) for n in layer}
+            self._fit[key] = sum(least_activation_bytes(self.cg, self.cg.node(n), d)
+                                 for n in self.subset(start, end) if n not in again)
+        return self._fit[key]
+
+    def _may_fit(self, start: int, end: int, submesh: tuple[int, int]) -> bool:
+        """Whether an option of the range can fit one microbatch in flight by the bounds above
+        (every option the ILPs give meets ``weight + act <= memory_bytes``: ``_options``)."""
+        key = (start, end, submesh)
+        if key not in self._fit:
+            least = self.least_weight_bytes(*key) + self.least_act_bytes(*key)
+            self._fit[key] = least <= self.memory_bytes * (1 + 1e-9)
+        return self._fit[key]
 
     def sends(self, start: int, end: int) -> list[str]:
         """Values produced by layers ``[start, end)`` that later stages consume."""
@@ -211,10 +255,13 @@ class GraphStageCosts:
 
     def __call__(self, start: int, end: int, submesh: tuple[int, int]) -> list[StageOption]:
         key = (start, end, submesh)
-        if key not in self._memo:  # no ILP for a range whose weights alone exceed the memory
-            fits = self.least_weight_bytes(start, end, submesh) <= self.memory_bytes
-            self._memo[key] = self._options(start, end, submesh) if fits else []
+        if key not in self._memo:  # no ILP for a range whose weights and activations cannot fit
+            self._memo[key] = self._options(start, end, submesh) if self._may_fit(*key) else []
         return self._memo[key]
+
+    def priced(self, start: int, end: int, submesh: tuple[int, int]) -> list[StageOption] | None:
+        """The options of layers ``[start, end)`` on ``submesh`` if already priced, else None."""
+        return self._memo.get((start, end, submesh))
 
     def prefetch(self, keys: Sequence[tuple[int, int, tuple[int, int]]], workers: int = 1,
                  progress: Callable[[str], None] | None = None) -> None:
@@ -359,6 +406,7 @@ class GraphStageCosts:
         key = (self._signature(names), tuple(given.get(n) for n in dict.fromkeys(ext + names)), shape)
 
         def part():
+            self._check_memory(names, shape, layer, layer + 1, scale, budget, given)
             sol = solve_stage(self.cg, names, self.cluster.logical_mesh(shape), budget, scale,
                               self.table(shape, layer, layer + 1), self.options, fixed=given,
                               sync_weight=self.sync_weight, remat=self.remat(layer, layer + 1),
@@ -373,6 +421,7 @@ class GraphStageCosts:
         sends = self.sends(start, end)
 
         def option():
+            self._check_memory(names, shape, start, end, scale, self.memory_bytes)
             mesh = self.cluster.logical_mesh(shape)
             sol = solve_stage(self.cg, names, mesh, self.memory_bytes, scale, self.table(shape, start, end),
                               self.options, sync_weight=self.sync_weight, sends=sends, remat=self.remat(start, end),
@@ -384,6 +433,25 @@ class GraphStageCosts:
 
         return self._solve((sig, tuple(names.index(n) for n in sends), shape), scale, self.memory_bytes, option,
                            (start, end, submesh, shape))
+
+    def _check_memory(self, names, shape, start, end, scale, budget, fixed=()) -> None:
+        """Raise ``_Infeasible`` (no ILP built) when the stage ILP of ``names`` (layers ``[start,
+        end)``) on logical mesh ``shape`` cannot meet its memory row ``w + scale a <= budget``: the
+        least ``memory`` of each node's strategies (as ``cost_graph`` counts it: kept for backward,
+        activations ``scale`` times) summed is at most the row's least (``CostGraph.min_memory``,
+        whose variables sum several nodes' rows), leaving out what an ILP may count otherwise:
+        ``fixed`` placeholders (placed by an earlier layer) and the nodes of layers it may
+        recompute. Forced specs only remove strategies, so they raise the least."""
+        table = self.table(shape, start, end)
+        skip = set(fixed) | {n for layer in self.remat(start, end) for n in layer}
+        total = 0.0
+        for n in names:
+            if n in table and n not in skip:
+                least = min(st.memory for st in table[n].strategies) * kept_for_backward(self.cg.node(n))
+                total += least if n in self.cg.param_fqns or n in self.cg.buffer_fqns else scale * least
+        if total > budget * (1 + 1e-9):  # margin: the ILP's own sum may round otherwise
+            self.stats["memory_skips"] += 1
+            raise _Infeasible(f"no plan fits {budget:.0f} bytes: the least is {total:.0f}")
 
     def _solve(self, key, scale, budget, solve, where=None):
         """``solve()`` for the ILP ``key`` whose memory constraint is ``w + scale a <= budget``, or
@@ -437,6 +505,54 @@ def _prefetch_task(keys):
     memo = {key: costs(*key) for key in keys}
     return (memo, {k: v - before[k] for k, v in costs.stats.items()}, costs._disk.new if costs._disk else {},
             costs.limits[seen:])
+
+
+def least_activation_bytes(cg, node: torch.fx.Node, devices: int) -> float:
+    """A lower bound, bytes per device, on the ``memory`` a stage counts for ``node``'s result over
+    ``devices`` (``cost_graph``: a strategy's ``memory`` if ``kept_for_backward``): an input's or an
+    op's local result is at least ``1 / devices`` of it (the replicated fallback keeps all of it);
+    a ``FOLLOWER_TARGETS`` op's strategy, a ``getitem``, a parameter and a buffer count nothing here
+    (weights: ``GraphStageCosts.least_weight_bytes``)."""
+    val = node.meta.get("val")
+    if node.name in cg.param_fqns or node.name in cg.buffer_fqns or not kept_for_backward(node):
+        return 0.0
+    if node.op == "placeholder":
+        return nbytes_of(val) / devices
+    if node.op != "call_function" or node.target is operator.getitem or not _tensor_vals(val):
+        return 0.0
+    sig = signature(node)
+    if sig is None:
+        return float(nbytes_of(val))
+    if node.target in FOLLOWER_TARGETS:
+        return 0.0
+    tensors = [n.meta["val"] for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    tensors += _tensor_vals(val)  # enumerate_strategies pairs them with the label lists: results after inputs
+    results = tensors[len(sig.inputs):len(sig.inputs) + len(sig.outputs)]
+    return min(float(nbytes_of(val)), sum(map(nbytes_of, results)) / devices)
+
+
+def least_compute_seconds(cg, node: torch.fx.Node, mesh: LogicalMesh) -> float:
+    """``d`` times a lower bound on the ``compute`` (seconds, forward + backward) of every strategy
+    of ``node`` on ``mesh`` of ``d`` devices, from the roofline of ``strategies``: an op's strategy
+    computes ``F / shards`` FLOPs and moves its operands' and results' local bytes, each at least
+    ``1 / d`` of the whole (``F``: ``ops.flops`` with the op's signature); the replicated fallback
+    runs all of its FLOPs (``ops.flops`` without a signature) and moves whole tensors on each device; a
+    parameter's AdamW update (any storage or ZeRO stage) reads and writes at least ``1 / d`` of
+    ``ADAM_UPDATE_BYTES_FACTOR`` x its bytes; a ``getitem``, an input or a buffer computes nothing.
+    Recomputing a layer only adds compute."""
+    val = node.meta.get("val")
+    if node.op == "placeholder":
+        return mesh.compute_cost(0.0, ADAM_UPDATE_BYTES_FACTOR * nbytes_of(val)) if node.name in cg.param_fqns else 0.0
+    if node.op != "call_function" or node.target is operator.getitem or not _tensor_vals(val):
+        return 0.0
+    ins = [n.meta["val"] for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    kernel = kernel_class(node)
+    least = mesh.num_devices * mesh.compute_cost(flops(node, None), sum(map(nbytes_of, ins)) + nbytes_of(val), kernel)
+    sig = signature(node)
+    if sig is not None:  # enumerate_strategies pairs the tensors with the signature's label lists
+        tensors = (ins + _tensor_vals(val))[:len(sig.inputs) + len(sig.outputs)]
+        least = min(least, mesh.compute_cost(flops(node, sig), sum(map(nbytes_of, tensors)), kernel))
+    return (1 + BACKWARD_FLOPS_FACTOR) * least
 
 
 def _dominates(a: StageOption, b: StageOption) -> bool:
