@@ -69,7 +69,7 @@ from .intra_op import recomputable
 from .stage_dp import StageOption
 from .ops import FOLLOWER_TARGETS, flops, signature
 from .strategies import (ADAM_UPDATE_BYTES_FACTOR, BACKWARD_FLOPS_FACTOR, build_strategies, kept_for_backward,
-                         _tensor_vals, kernel_class, training_state_bytes)
+                         tensor_values, kernel_class, training_state_bytes)
 from .training_step import node_plan, training_step
 from .zero import add_zero_strategies
 
@@ -518,7 +518,7 @@ def least_activation_bytes(cg, node: torch.fx.Node, devices: int) -> float:
         return 0.0
     if node.op == "placeholder":
         return nbytes_of(val) / devices
-    if node.op != "call_function" or node.target is operator.getitem or not _tensor_vals(val):
+    if node.op != "call_function" or node.target is operator.getitem or not tensor_values(val):
         return 0.0
     sig = signature(node)
     if sig is None:
@@ -526,7 +526,7 @@ def least_activation_bytes(cg, node: torch.fx.Node, devices: int) -> float:
     if node.target in FOLLOWER_TARGETS:
         return 0.0
     tensors = [n.meta["val"] for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
-    tensors += _tensor_vals(val)  # enumerate_strategies pairs them with the label lists: results after inputs
+    tensors += tensor_values(val)  # enumerate_strategies pairs them with the label lists: results after inputs
     results = tensors[len(sig.inputs):len(sig.inputs) + len(sig.outputs)]
     return min(float(nbytes_of(val)), sum(map(nbytes_of, results)) / devices)
 
@@ -543,14 +543,14 @@ def least_compute_seconds(cg, node: torch.fx.Node, mesh: LogicalMesh) -> float:
     val = node.meta.get("val")
     if node.op == "placeholder":
         return mesh.compute_cost(0.0, ADAM_UPDATE_BYTES_FACTOR * nbytes_of(val)) if node.name in cg.param_fqns else 0.0
-    if node.op != "call_function" or node.target is operator.getitem or not _tensor_vals(val):
+    if node.op != "call_function" or node.target is operator.getitem or not tensor_values(val):
         return 0.0
     ins = [n.meta["val"] for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
     kernel = kernel_class(node)
     least = mesh.num_devices * mesh.compute_cost(flops(node, None), sum(map(nbytes_of, ins)) + nbytes_of(val), kernel)
     sig = signature(node)
     if sig is not None:  # enumerate_strategies pairs the tensors with the signature's label lists
-        tensors = (ins + _tensor_vals(val))[:len(sig.inputs) + len(sig.outputs)]
+        tensors = (ins + tensor_values(val))[:len(sig.inputs) + len(sig.outputs)]
         least = min(least, mesh.compute_cost(flops(node, sig), sum(map(nbytes_of, tensors)), kernel))
     return (1 + BACKWARD_FLOPS_FACTOR) * least
 

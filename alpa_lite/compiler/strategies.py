@@ -97,7 +97,8 @@ class Strategy:
         return self.compute + self.comm
 
 
-def _tensor_vals(val) -> list[torch.Tensor]:
+def tensor_values(val) -> list[torch.Tensor]:
+    """The tensors of a node's ``meta["val"]``: itself, or those of a tuple or list (others dropped)."""
     if isinstance(val, torch.Tensor):
         return [val]
     return [v for v in val if isinstance(v, torch.Tensor)] if isinstance(val, (tuple, list)) else []
@@ -176,7 +177,7 @@ def kernel_class(node: torch.fx.Node) -> str | None:
 def enumerate_strategies(node: torch.fx.Node, sig: OpSignature, mesh: LogicalMesh) -> list[Strategy]:
     """All strategies of ``node`` under ``sig`` whose split dims divide evenly, with costs."""
     ins = [n.meta["val"] for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
-    tensors = tuple((tuple(v.shape), v.element_size()) for v in ins + _tensor_vals(node.meta["val"]))
+    tensors = tuple((tuple(v.shape), v.element_size()) for v in ins + tensor_values(node.meta["val"]))
     key = (tuple(sig.inputs), tuple(sig.outputs), frozenset(sig.fixed), sig.reduce, frozenset(sig.post_reduce),
            sig.linear_in, can_leave_partial(node, sig), tuple(sig.stats.items()), tuple(sig.units.items()))
     return list(_enumerate(key, tensors, flops(node, sig), kernel_class(node), node.target in FOLLOWER_TARGETS, mesh))
@@ -252,7 +253,7 @@ def _enumerate(sig_key: tuple, tensors: tuple, fl: float, kernel: str | None, fo
 def replicated_strategy(node: torch.fx.Node, mesh: LogicalMesh) -> Strategy:
     """The fallback: every operand and result replicated, the op computed on every device."""
     ins = [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
-    outs = _tensor_vals(node.meta.get("val"))
+    outs = tensor_values(node.meta.get("val"))
     in_specs = tuple(ShardingSpec.replicated(v.meta["val"].dim()) for v in ins)
     out_specs = tuple(ShardingSpec.replicated(v.dim()) for v in outs)
     nbytes = sum(nbytes_of(v.meta["val"]) for v in ins) + nbytes_of(node.meta.get("val"))
@@ -318,7 +319,7 @@ def build_strategies(cg: CapturedGraph, mesh: LogicalMesh, *, warn=None, nodes: 
             table[node.name] = NodeStrategies(node.name, placeholder_strategies(node, mesh, is_param), [], [], False,
                                               requires_grad=node.name in cg.requires_grad, batch_dims=(batch,))
             continue
-        if node.op != "call_function" or not _tensor_vals(node.meta.get("val")):
+        if node.op != "call_function" or not tensor_values(node.meta.get("val")):
             continue
         if node.target is operator.getitem:
             src, idx = node.args
