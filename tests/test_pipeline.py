@@ -245,12 +245,57 @@ def test_interleaved_plan(tmp_path):
 def test_interleaved_refuses_a_weight_shared_within_a_device_group():
     # gpt-tiny ties lm_head to the embedding; cut into 4 layers, its 4 interleaved stages on 2
     # devices put the tied weight on two stages of one device group, which the runtime cannot run:
-    # the planner says so by name instead of returning that plan; 6 layers leave a valid split
+    # the planner says so by name instead of returning that plan; 6 layers leave valid splits, and
+    # the DP returns the best of them (the best split overall shares it)
     model, example = build_model("gpt-tiny", batch=8, device="meta")
     mesh = LogicalMesh((1, 2), cluster="cpu-gloo")
-    with pytest.raises(PipelinePlanError, match="both hold lm_head.weight"):
+    with pytest.raises(PipelinePlanError, match="one device group on layers holding lm_head.weight"):
         plan(model, example, mesh, schedule="interleaved", num_stages=4, num_layers=4, num_microbatches=2)
     p = plan(model, example, mesh, schedule="interleaved", num_stages=4, num_layers=6, num_microbatches=2)
     for d in (0, 1):
         held = [{n for n in p.stages[i].plan.nodes if n in p.captured.param_fqns} for i in (d, d + 2)]
         assert not held[0] & held[1]
+
+
+@pytest.mark.parametrize("holders", [(0, 5), (1, 5), (1, 3), (0, 2, 5)])
+@pytest.mark.parametrize("seed", range(4))
+def test_interleaved_dp_keeps_shared_state_off_one_device_group_and_is_optimal(holders, seed):
+    """``stage_dp(..., shared=)`` under interleaved 1F1B (p = 2 groups, v = 2 chunks, 6 layers,
+    B = 4): a split into 4 stages where no two stages of one group hold the shared layers (brute
+    force over the 10 splits), at most the step (``step_seconds``) of the valid split least in the
+    DP's recursion (``sum(r t + o) + (B - r) t_max``, ``r = 1 / v``: the answer of that split's
+    own placement), or the error naming the state when no split is valid."""
+    import itertools
+    import random
+
+    from alpa_lite.core.schedules import step_seconds
+
+    rng = random.Random(seed)
+    t, o = [rng.uniform(0.5, 2.0) for _ in range(6)], [rng.uniform(0.0, 0.3) for _ in range(6)]
+
+    def cost(k, i, shape):
+        return [StageOption(sum(t[k:i]) * (1 + 0.1 * (i - k)), once_seconds=sum(o[k:i]))]
+
+    valid = {}
+    for cuts in itertools.combinations(range(1, 6), 3):
+        bounds = list(zip((0, *cuts), (*cuts, 6)))
+        stage_of = {h: j for j, (k, i) in enumerate(bounds) for h in range(k, i)}
+        held = {stage_of[h] for h in holders}
+        if len({j % 2 for j in held}) == len(held):
+            options = [cost(k, i, (1, 1))[0] for k, i in bounds]
+            valid[tuple(bounds)] = (sum(0.5 * x.seconds + x.once_seconds for x in options)
+                                    + (4 - 0.5) * max(x.seconds for x in options),
+                                    step_seconds(get_schedule("interleaved", 2), [x.seconds for x in options], 4)
+                                    + sum(x.once_seconds for x in options))
+    free = stage_dp(6, (1, 2), cost, float("inf"), 4, schedule="interleaved", chunks=2, submeshes=[(1, 1)])
+    if not valid:
+        with pytest.raises(PipelinePlanError, match="holding w"):
+            stage_dp(6, (1, 2), cost, float("inf"), 4, schedule="interleaved", chunks=2, submeshes=[(1, 1)],
+                     shared={"w": holders})
+        return
+    res = stage_dp(6, (1, 2), cost, float("inf"), 4, schedule="interleaved", chunks=2, submeshes=[(1, 1)],
+                   shared={"w": holders})
+    got = tuple((s.start, s.end) for s in res.stages)
+    assert got in valid and res.objective == pytest.approx(valid[got][1], rel=1e-12)
+    assert res.objective <= min(valid.values())[1] * (1 + 1e-12)
+    assert len(valid) < 10 or res.objective <= free.objective * (1 + 1e-12)

@@ -174,11 +174,8 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
             for cost in (pruned[kind], within[kind]):  # the FLOPs-balance pruning may leave no way to make num_stages
                 try:
                     found = stage_dp(len(layers), mesh.shape, cost, budget, b, num_stages=pipeline.num_stages,
-                                     schedule=schedule, submeshes=shapes, chunks=pipeline.chunks)
-                    shared = schedule == "interleaved" and _shared_in_group(cg, costs, found.stages, pipeline.chunks)
-                    if shared:
-                        raise PipelinePlanError(f"interleaved: two stages of one device group would both hold "
-                                                f"{shared} (a rank's chunks must hold disjoint state)")
+                                     schedule=schedule, submeshes=shapes, chunks=pipeline.chunks,
+                                     shared=_shared_layers(cg, costs, len(layers)) if kind == "interleaved" else None)
                     if res is None or found.objective < res.objective:
                         res = found
                     break
@@ -216,7 +213,8 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
                 "num_layers": len(layers)}
     return PipelinePlan(mesh=mesh, stages=stage_plans, schedule=res.schedule,
                         num_microbatches=res.num_microbatches, step_seconds=step,
-                        compute_seconds=res.num_microbatches * sum(s.plan.compute_seconds for s in stage_plans),
+                        compute_seconds=sum(res.num_microbatches * (s.plan.compute_seconds - s.plan.update_seconds)
+                                            + s.plan.update_seconds for s in stage_plans),
                         bubble_fraction=bubble_fraction([s.seconds for s in stage_plans], res.num_microbatches,
                                                         res.schedule, pipeline.chunks),
                         memory_bytes=max(sum(s.memory_bytes for s in stage_plans[d::groups]) for d in range(groups)),
@@ -225,19 +223,17 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
                         pricing_limits=pricing_limits)
 
 
-def _shared_in_group(cg, costs: GraphStageCosts, stages, chunks: int) -> str | None:
-    """The FQN of a parameter or buffer that two stages of one device group (stages ``d``,
-    ``d + p``, ... of an interleaved plan) would both hold, or None: the runtime refuses such a
-    plan (``runtime/pipeline.py``), so the search must not return it."""
+def _shared_layers(cg, costs: GraphStageCosts, num_layers: int) -> dict[str, tuple[int, ...]]:
+    """FQN -> the layers holding it, in order, of each parameter or buffer several layers hold (a
+    tied weight): the interleaved DP keeps them off two stages of one device group, which the
+    runtime refuses (``runtime/pipeline.py``: a rank's chunks hold disjoint state)."""
     state = {**cg.param_fqns, **cg.buffer_fqns}
-    groups = len(stages) // chunks
-    for d in range(groups):
-        seen: dict[str, int] = {}
-        for i in range(d, len(stages), groups):
-            for ph in costs.subset(stages[i].start, stages[i].end):  # graph order: the first one is named
-                if ph in state and seen.setdefault(ph, i) != i:
-                    return state[ph]
-    return None
+    holders: dict[str, list[int]] = {}
+    for j in range(num_layers):
+        for ph in costs.subset(j, j + 1):
+            if ph in state:
+                holders.setdefault(state[ph], []).append(j)
+    return {fqn: tuple(h) for fqn, h in holders.items() if len(h) > 1}
 
 
 def _one_stage_seconds(options, b: int, budget: float, schedules) -> float:

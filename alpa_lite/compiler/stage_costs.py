@@ -186,7 +186,8 @@ class GraphStageCosts:
 
     def lower_bound(self, start: int, end: int, submesh: tuple[int, int]) -> float:
         """A lower bound on the ``seconds`` of every option of layers ``[start, end)`` on ``submesh``
-        (no ILP): the least compute of each of their nodes and parameters over the submesh's
+        (no ILP): the least compute of each of their nodes (not the parameters' updates, paid once
+        per step: ``core.plan.step_parts``) over the submesh's
         ``d`` devices (``least_compute_seconds`` / ``d``, on the logical mesh of the submesh where
         that sum is least), plus the input transfer every option pays. An option's per-microbatch
         ``seconds`` is its compute plus collectives less hidden ZeRO-3 reduce-scatters (at most
@@ -198,7 +199,8 @@ class GraphStageCosts:
             self._bounds[key] = math.inf
         if key not in self._bounds:
             names = self.subset(start, end)
-            least = min(sum(self._least_compute(n, shape) for n in names) for shape in self.shapes(submesh))
+            least = min(sum(self._least_compute(n, shape) for n in names if n not in self.cg.param_fqns)
+                        for shape in self.shapes(submesh))  # the optimizer update is once per step
             self._bounds[key] = least / (submesh[0] * submesh[1]) + self.transfer_seconds(start, submesh)
         return self._bounds[key]
 
@@ -649,12 +651,12 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
     time a value from another stage crosses replicated (``boundary_spec``). ``table``:
     ``build_strategies(cg, mesh)`` of the whole graph, reused. A data-parallel gradient
     all-reduce runs once per step, after the last of ``B`` microbatches: the objective, which is
-    per microbatch, weighs it ``sync_weight = 1 / B``, and so the all-gather of a ZeRO-1/2
-    parameter after the update, the latency of its buckets and what the last microbatch's
+    per microbatch, weighs it ``sync_weight = 1 / B``, and so each parameter's optimizer update,
+    the all-gather of a ZeRO-1/2 parameter after the update, the latency of its buckets and what the last microbatch's
     backward hides of the buckets (their ``ilp.Pool`` weight; the ZeRO-3 reduce-scatters hidden
     behind every microbatch's backward weigh 1, as ``step_parts`` splits them). The returned ``seconds`` and
     ``once_seconds`` are not the objective's: they price the stage as its plan lists it
-    (``training_step``; ``core.plan.step_parts``: per microbatch, and the buckets once per step,
+    (``training_step``; ``core.plan.step_parts``: per microbatch, and the update and buckets once per step,
     less what backward hides), so a stage and an SPMD plan are priced alike. ``sends``: values
     later stages consume; the all-gather that sends them on replicated (``send_gather_seconds``)
     is in the objective and in ``seconds``.
@@ -702,7 +704,7 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
             graph.costs[where[n].var][p] += send_gather_seconds(cg, n, table[n].strategies[q].out_specs[0], mesh)
     if sync_weight != 1.0:
         _discount_gradient_sync(cg, table, where, graph, names, reshard, sync_weight)
-        _discount_zero_updates(cg, table, where, graph, names, sync_weight)
+        _discount_updates(cg, table, where, graph, names, sync_weight)
         for key, pool in graph.pools.items():  # buckets run, and hide behind the last microbatch's backward, once per step
             if key[0] == "bucket":
                 pool.weight, pool.latency = sync_weight, pool.latency * sync_weight
@@ -767,16 +769,15 @@ def _discount_gradient_sync(cg, table, where, graph, names, reshard, weight: flo
                 graph.add_edge(sv.var, dv.var, [[-(1 - weight) * c for c in row] for row in sync])
 
 
-def _discount_zero_updates(cg, table, where, graph, names, weight: float) -> None:
-    """Scale the once-per-step parts of the ZeRO-1/2 strategies in the cost graph by ``weight``:
-    each one's all-gather after the update (its ``comm``) and the buckets' latency (the graph's
-    fixed charges)."""
+def _discount_updates(cg, table, where, graph, names, weight: float) -> None:
+    """Scale the once-per-step parts of the parameters' strategies in the cost graph by
+    ``weight``: each one's optimizer update (its ``compute``), a ZeRO-1/2 one's all-gather after
+    the update (its ``comm``) and the buckets' latency (the graph's fixed charges)."""
     for n in names:
         if n in where and n in cg.param_fqns:
             for p, q in enumerate(where[n].index):
                 s = table[n].strategies[q]
-                if s.zero_stage:
-                    graph.costs[where[n].var][p] -= (1 - weight) * s.comm
+                graph.costs[where[n].var][p] -= (1 - weight) * (s.compute + (s.comm if s.zero_stage else 0.0))
     graph.fixed = {key: (f * weight, members) for key, (f, members) in graph.fixed.items()}
 
 

@@ -27,8 +27,9 @@ is tested against ``exhaustive_stage_search`` on fixed tables without torch.
 """
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,7 +49,7 @@ class StageOption:
         seconds: forward + backward of one microbatch, including its input transfer.
         weight_bytes: parameters, gradients and optimizer state.
         act_bytes: activations kept for backward per microbatch in flight.
-        once_seconds: paid once per training step (gradient synchronization).
+        once_seconds: paid once per training step (gradient synchronization, the optimizer update).
         payload: what the cost model needs to rebuild this option (not compared).
         remat_bytes: activations of the largest recomputed layer, live once whatever the number
             of microbatches in flight (``PlanOptions.remat``: one layer is recomputed at a time).
@@ -145,7 +146,8 @@ def _objective(stages: Sequence[StageChoice], b: int, schedule: Schedule) -> flo
 
 def stage_dp(num_layers: int, cluster_shape: tuple[int, int], cost: CostFn, memory_bytes: float,
              num_microbatches: int, *, num_stages: int | None = None, schedule: str = "1f1b",
-             submeshes: Sequence[tuple[int, int]] | None = None, chunks: int = 2) -> DPResult:
+             submeshes: Sequence[tuple[int, int]] | None = None, chunks: int = 2,
+             shared: Mapping[str, Sequence[int]] | None = None) -> DPResult:
     """Alpa's stage/submesh DP (module docstring; OSDI'22 section 5.1, Algorithm 1).
 
     Args:
@@ -159,6 +161,9 @@ def stage_dp(num_layers: int, cluster_shape: tuple[int, int], cost: CostFn, memo
             stage keeps in flight and the fill ratio; ``interleaved_dp`` for the last).
         submeshes: the submesh shapes to use (default ``submesh_shapes(cluster_shape)``).
         chunks: v, stages per device group under ``"interleaved"``.
+        shared: under ``"interleaved"``, name -> the layers holding it, of each piece of state
+            several layers hold (a tied weight), which two stages of one device group must not
+            both hold (``interleaved_dp``).
 
     Returns:
         the optimal ``DPResult``.
@@ -174,7 +179,7 @@ def stage_dp(num_layers: int, cluster_shape: tuple[int, int], cost: CostFn, memo
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
     if sched.chunks > 1:
         return interleaved_dp(num_layers, cluster_shape, cost, memory_bytes, b, sched, num_stages=num_stages,
-                              submeshes=submeshes)
+                              submeshes=submeshes, shared=shared)
     s_max = check_stage_count(num_stages, num_layers, devices)
     if num_stages is None and not _by_position(sched, s_max, b):  # in flight depends on S: one DP per S
         results, errors = [], []
@@ -197,7 +202,8 @@ def stage_dp(num_layers: int, cluster_shape: tuple[int, int], cost: CostFn, memo
 
 def interleaved_dp(num_layers: int, cluster_shape: tuple[int, int], cost: CostFn, memory_bytes: float,
                    num_microbatches: int, schedule: Schedule, *, num_stages: int | None = None,
-                   submeshes: Sequence[tuple[int, int]] | None = None) -> DPResult:
+                   submeshes: Sequence[tuple[int, int]] | None = None,
+                   shared: Mapping[str, Sequence[int]] | None = None) -> DPResult:
     """The stage DP for interleaved 1F1B (Narayanan et al., SC'21, section 2.2.2): ``p`` equal
     device groups of one submesh shape ``q`` (``p |q|`` = all devices, ``p >= 2``, ``p`` dividing
     B) and ``S = v p`` stages, stage ``s`` on group ``s mod p``. For each such ``q`` the DP above
@@ -208,23 +214,43 @@ def interleaved_dp(num_layers: int, cluster_shape: tuple[int, int], cost: CostFn
     times summed per device group). Limits: one submesh shape for all stages, and a conservative
     memory split (each chunk's peak, within an even share).
 
+    ``shared``: name -> the layers holding it, per piece of state held by several layers (a tied
+    embedding and ``lm_head``). The runtime keeps a rank's chunks disjoint, so two stages of one
+    group must not both hold it: for each way to give those layers stage indices that keep them
+    in one stage or on distinct groups (``_placements``), the DP runs with every range holding
+    such a layer allowed only at its index (a constraint per (layer range, stage index), so each
+    DP stays exact), and the least of those answers is returned.
+
     Raises:
         PipelinePlanError: no submesh shape makes a valid interleaved pipeline, or none fits memory.
     """
     n, m = cluster_shape
     devices, v, b = n * m, schedule.chunks, num_microbatches
-    best, why = None, []
+    best, why, shared = None, [], shared or {}
     for q in submeshes or submesh_shapes(cluster_shape):
         size = q[0] * q[1]
         p = devices // size
         if devices % size or p < 2 or b % p or p * v > num_layers or num_stages not in (None, p * v):
             continue
-        try:
-            res = _solve(num_layers, v * devices, cost, memory_bytes / v, b, p * v, p * v, schedule, [q],
-                         f"on {p} groups of {q[0]}x{q[1]} devices with {v} chunks each")
-        except PipelinePlanError as e:
-            why.append(str(e))
+        where = f"on {p} groups of {q[0]}x{q[1]} devices with {v} chunks each"
+        found = []
+        for at in _placements(list(shared.values()), p * v, p) if shared else [None]:
+            allowed = None if at is None else (
+                lambda k, i, j, at=at: all(j == s_h for h, s_h in at.items() if k <= h < i))
+            try:
+                found.append(_solve(num_layers, v * devices, cost, memory_bytes / v, b, p * v, p * v, schedule, [q],
+                                    where, allowed))
+            except PipelinePlanError:
+                continue
+        if not found:
+            try:  # why: memory alone, or the shared state
+                _solve(num_layers, v * devices, cost, memory_bytes / v, b, p * v, p * v, schedule, [q], where)
+                why.append(f"every pipeline {where} that fits puts two stages of one device group on layers "
+                           f"holding {', '.join(shared)} (a rank's chunks must hold disjoint state)")
+            except PipelinePlanError as e:
+                why.append(str(e))
             continue
+        res = min(found, key=lambda r: r.objective)
         if best is None or res.objective < best.objective:
             best = res
     if best is None:
@@ -235,9 +261,25 @@ def interleaved_dp(num_layers: int, cluster_shape: tuple[int, int], cost: CostFn
     return best
 
 
+def _placements(shared: Sequence[Sequence[int]], num_stages: int, p: int) -> list[dict[int, int]]:
+    """Every way to give each layer of ``shared`` a stage index (from the start) such that the
+    stages holding one piece of state are one stage or on distinct device groups (index mod
+    ``p``): ``{layer: stage index}``, non-decreasing along the layers, as pipeline stages are."""
+    out = []
+    layers = sorted({h for held in shared for h in held})
+    for idx in itertools.combinations_with_replacement(range(num_stages), len(layers)):
+        at = dict(zip(layers, idx))
+        if all(len({at[h] % p for h in held}) == len({at[h] for h in held}) for held in shared):
+            out.append(at)
+    return out
+
+
 def _solve(num_layers: int, devices: int, cost: CostFn, memory_bytes: float, b: int, s_max: int,
-           num_stages: int | None, sched: Schedule, shapes: list[tuple[int, int]], where: str) -> DPResult:
-    """The DP for stage counts up to ``s_max`` (exactly ``num_stages`` when given) on ``devices``."""
+           num_stages: int | None, sched: Schedule, shapes: list[tuple[int, int]], where: str,
+           allowed=None) -> DPResult:
+    """The DP for stage counts up to ``s_max`` (exactly ``num_stages`` when given) on ``devices``;
+    ``allowed(k, i, j)``: may layers ``[k, i)`` be stage ``j`` from the start (of exactly
+    ``num_stages``; None: any)."""
     r = sched.fill_ratio()
     sizes = [a * c for a, c in shapes]
     L, Q = num_layers, len(shapes)
@@ -249,6 +291,8 @@ def _solve(num_layers: int, devices: int, cost: CostFn, memory_bytes: float, b: 
     o_arr = np.zeros((L, L + 1, Q, s_max, P))
     for (k, i, q), options in table.items():
         for s in range(1, s_max + 1):
+            if allowed is not None and not allowed(k, i, num_stages - s):
+                continue
             for j, o in enumerate(options):
                 if o.fits(sched.in_flight(s_max - s, s_max, b), memory_bytes):
                     t_arr[k, i, q, s - 1, j], o_arr[k, i, q, s - 1, j] = o.seconds, o.once_seconds
@@ -310,7 +354,8 @@ def _dp_table(t_arr, o_arr, t_max, r, sizes, devices, s_max, record):
 
 def exhaustive_stage_search(num_layers: int, cluster_shape: tuple[int, int], cost: CostFn, memory_bytes: float,
                             num_microbatches: int, *, num_stages: int | None = None, schedule: str = "1f1b",
-                            submeshes: Sequence[tuple[int, int]] | None = None) -> DPResult:
+                            submeshes: Sequence[tuple[int, int]] | None = None,
+                   shared: Mapping[str, Sequence[int]] | None = None) -> DPResult:
     """Every partition of the layers into stages and every submesh sequence using all devices
     (the reference ``stage_dp`` is tested against; exponential, small cases only; one stage per
     device group, so not ``"interleaved"``)."""

@@ -352,8 +352,9 @@ class PipelinePlan:
             ``core/schedules.py``'s model for the others), seconds, of the stages' ``seconds``
             ``t_i`` and ``once_seconds`` ``o_i`` (docs/pipeline.md): one stage with B = 1 is
             priced as the SPMD plan of its mesh (``Plan.step_seconds``).
-        compute_seconds: B times the stages' compute per microbatch, seconds (the rest of the
-            step is communication and bubble).
+        compute_seconds: B times the stages' forward and backward compute per microbatch, plus
+            their optimizer updates (once), seconds (the rest of the step is communication and
+            bubble).
         bubble_fraction: predicted idle share of the devices' time.
         memory_bytes: the largest stage's predicted peak memory per device, bytes.
         fingerprint: hash of the captured graph of ONE microbatch.
@@ -561,13 +562,15 @@ def hidden_seconds(collectives, compute_seconds: float) -> tuple[float, float]:
 def step_parts(collectives, compute_seconds: float, update_seconds: float = 0.0) -> tuple[float, float]:
     """``(per microbatch, once per step)`` seconds of a step (a pipeline stage's: per microbatch)
     that computes ``compute_seconds`` (``update_seconds`` of it the optimizer update, which hides
-    nothing) and issues ``collectives``: compute and the collectives of
-    every microbatch less the ZeRO-3 reduce-scatters hidden behind its backward; the gradient and
-    parameter buckets (``is_once_per_step``) less those hidden behind the last microbatch's
-    backward (``hidden_seconds``). Their sum is ``Plan.step_seconds``."""
-    groups, buckets = hidden_seconds(collectives, compute_seconds - update_seconds)
+    nothing) and issues ``collectives``: per microbatch, the forward and backward compute and the
+    collectives of every microbatch less the ZeRO-3 reduce-scatters hidden behind its backward;
+    once per step, the optimizer update and the gradient and parameter buckets
+    (``is_once_per_step``) less those hidden behind the last microbatch's backward
+    (``hidden_seconds``). Their sum is ``Plan.step_seconds``."""
+    compute = compute_seconds - update_seconds
+    groups, buckets = hidden_seconds(collectives, compute)
     once = sum(c.seconds for c in collectives if is_once_per_step(c))
-    return compute_seconds + sum(c.seconds for c in collectives) - once - groups, once - buckets
+    return compute + sum(c.seconds for c in collectives) - once - groups, update_seconds + once - buckets
 
 
 def gradient_buckets(cg, nodes: dict[str, NodePlan], grad_sync: dict[str, tuple[int, ...]],
