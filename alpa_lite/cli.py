@@ -84,9 +84,10 @@ def cmd_plan(args) -> int:
                       batch_axis=args.batch_axis, zero_stage=args.zero_stage, time_limit=args.time_limit,
                       node_limit=args.node_limit or None, **pipelined,
                       progress=progress, cache=args.cache)
-    for w in caught:
-        if "strateg" in str(w.message) or "plan cache" in str(w.message):
-            console.print(f"[yellow]warning:[/] {w.message}")
+    package = Path(__file__).parent
+    for w in caught:  # alpa-lite's own warnings (not torch's), on stderr so that stdout keeps the tables
+        if Path(w.filename).resolve().is_relative_to(package):
+            Console(stderr=True).print(f"[yellow]warning:[/] {w.message}")
     if args.explain:
         explained = node_table(result, args.explain)  # an unknown name fails before the tables
     console.print(summary_table(result, f"{args.model} on a {shape[0]}x{shape[1]} mesh, batch {args.batch}"))

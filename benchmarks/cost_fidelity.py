@@ -91,15 +91,14 @@ def plans(params: dict[str, tuple[int, ...]]) -> dict[str, dict]:
 
 
 def worker(args) -> int:
-    """One rank: run every plan, timed by ``alpa_lite.runtime.report.StepTimer`` (what
-    ``parallelize(..., report=True)`` uses inside the trainer; here outside it, as the pipelined
-    trainer has no report hook); rank 0 writes ``{name: record}``."""
+    """One rank: run every plan, timed by its trainer (``parallelize(..., report=True)``; a
+    pipelined trainer also times each rank's schedule, for the bubble); rank 0 writes
+    ``{name: record}``."""
     import torch
     import torch.distributed as dist
 
     from alpa_lite.runtime.launch import init_distributed
     from alpa_lite.zoo.models import build_model
-    from alpa_lite.runtime.report import StepTimer
     from alpa_lite import parallelize
 
     init_distributed(300)
@@ -114,16 +113,14 @@ def worker(args) -> int:
         options = dict(options)
         shape = tuple(int(x) for x in options.pop("mesh").split("x"))
         torch.manual_seed(0)
-        trainers[name] = parallelize(copy.deepcopy(model), shape, shapes, cluster=args.cluster, report=False,
-                                     **options)
-    timers = {name: StepTimer(args.warmup) for name in trainers}
+        trainers[name] = parallelize(copy.deepcopy(model), shape, shapes, cluster=args.cluster, report=True,
+                                     report_warmup=args.warmup, report_steps=None, **options)
     # Round-robin: one step of every plan per round, so that a burst of load from other processes
     # on this machine slows all plans alike instead of one plan's whole measurement.
     for _ in range(args.warmup + args.steps):
         for name, trainer in trainers.items():
-            with timers[name].step():
-                trainer.step(*example)
-    records = {name: timers[name].record(t.plan, name=name) for name, t in trainers.items()}
+            trainer.step(*example)
+    records = {name: t.report(name=name, show=False) for name, t in trainers.items()}
     for name, t in trainers.items():
         records[name]["strategies"] = {node: np_.strategy for node, np_ in t.plan.nodes.items()}
     if dist.get_rank() == 0:

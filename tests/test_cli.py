@@ -146,3 +146,13 @@ def test_plan_cache_replans_another_batch_from_the_graph(capsys, tmp_path):
         plans[name] = ((tmp_path / f"{name}.json").read_text(), "captured graph read from the cache" in r.stdout)
     assert [read for _, read in plans.values()] == [False, True, False]
     assert plans["again"][0] == plans["fresh"][0]
+    for f in cache.rglob("*"):  # one byte changed in every cache file: each is rebuilt, said on stderr
+        if f.is_file():
+            blob = bytearray(f.read_bytes())
+            blob[-2] ^= 1
+            f.write_bytes(bytes(blob))
+    r = in_process(capsys, "plan", "gpt-tiny", "--mesh", "2x2", "--batch", "16", "--json",
+                   str(tmp_path / "rebuilt.json"), "--cache", str(cache))
+    assert r.returncode == 0, r.stderr
+    assert "ignored and rebuilt" in r.stderr and "ignored and rebuilt" not in r.stdout
+    assert (tmp_path / "rebuilt.json").read_text() == plans["fresh"][0]

@@ -115,6 +115,21 @@ def test_idle_fractions_against_the_slowest_schedule():
         idle_fractions([[(0.5, 1.0)], []])
     with pytest.raises(ValueError, match="positive time"):
         idle_fractions([[(0.0, 0.0)]])
+    with pytest.raises(ValueError, match="same number of timed steps"):
+        idle_fractions([[], []])
+
+
+def test_pipelined_record_without_timed_schedules_has_no_bubble():
+    """A ``StepTimer`` around a pipelined trainer (not the trainer's own) times its steps but no
+    rank's schedule: the record has no bubble instead of failing on an empty median (the crash of
+    ``benchmarks/cost_fidelity.py`` when it timed pipelines that way)."""
+    model, example = build_model("mlp", 8, hidden=32, num_layers=2)
+    pp = plan(model, example, LogicalMesh((2, 2), cluster="cpu-gloo"), pipeline=2, num_microbatches=2,
+              force_data_parallel=True)
+    rec = make_record(pp, [0.02, 0.03], {}, {}, warmup_steps=1, world_size=4, schedule_seconds=[[], [], [], []])
+    assert rec["bubble"] is None and rec["step"]["measured_s"] == pytest.approx(0.025)
+    rec = make_record(pp, [0.02], {}, {}, warmup_steps=1, world_size=2, schedule_seconds=[[(0.5, 1.0)], [(0.25, 0.5)]])
+    assert rec["bubble"]["measured"] == pytest.approx(0.625)  # idle 0.5 and 0.75 of the slowest schedule
 
 
 def test_print_report_shows_step_and_kinds(mlp_plan):

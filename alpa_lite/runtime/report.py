@@ -155,10 +155,11 @@ def idle_fractions(schedule_seconds: Sequence[Sequence[tuple[float, float]]]) ->
         schedule_seconds: per rank, per timed step, ``(busy, schedule)`` seconds (``b_r``, ``t_r``).
 
     Raises:
-        ValueError: no rank, ranks with different step counts, or a step whose schedule took no time.
+        ValueError: no rank, no timed step, ranks with different step counts, or a step whose
+            schedule took no time.
     """
-    if not schedule_seconds or len({len(r) for r in schedule_seconds}) != 1:
-        raise ValueError(f"need the same number of timed steps on every rank, got "
+    if not schedule_seconds or len({len(r) for r in schedule_seconds}) != 1 or not schedule_seconds[0]:
+        raise ValueError(f"need the same number of timed steps (at least one) on every rank, got "
                          f"{[len(r) for r in schedule_seconds]}")
     spans = [max(r[i][1] for r in schedule_seconds) for i in range(len(schedule_seconds[0]))]
     if not all(t > 0 for t in spans):
@@ -193,7 +194,8 @@ def make_record(plan: Plan, step_seconds: Sequence[float], collective_seconds: d
         ``"bubble"``: ``predicted`` (``bubble_fraction``), ``measured`` (median over timed steps of
         the mean over ranks of :func:`idle_fractions`), ``samples`` (that mean per step),
         ``by_rank`` (per rank, the median over steps), ``busy_s`` (per rank, median busy seconds)
-        and ``schedule_s`` (median ``T``); None without ``schedule_seconds`` or for an SPMD plan.
+        and ``schedule_s`` (median ``T``); None for an SPMD plan or without ``schedule_seconds`` (or with
+        none timed: a ``StepTimer`` wrapped around the trainer instead of the trainer's own).
 
     Raises:
         ValueError: no timed step, or a step time that is not positive.
@@ -225,7 +227,7 @@ def make_record(plan: Plan, step_seconds: Sequence[float], collective_seconds: d
                  "measured_collective_s": sum(collective_seconds.values()),
                  "relative_error": relative_error(predicted, measured)},
         "collectives": rows,
-        "bubble": _bubble(plan, schedule_seconds) if pipelined and schedule_seconds else None,
+        "bubble": _bubble(plan, schedule_seconds) if pipelined and schedule_seconds and any(schedule_seconds) else None,
     }
 
 

@@ -1,6 +1,6 @@
 """``alpa-lite diff a.json b.json``: what changed between two plans, SPMD or pipelined.
 
-Parameters whose storage spec changed (or that only one plan holds), collectives added or
+Parameters whose storage spec or ZeRO stage changed (or that only one plan holds), collectives added or
 removed (per stage for a pipeline; a collective is its stage, kind, phase, mesh axes, bytes,
 node and tensor), and the predicted step time and memory per device of both.
 """
@@ -17,8 +17,9 @@ from ..core.plan import PipelinePlan, Plan
 @dataclass
 class PlanDiff:
     """Attributes:
-        params: FQN -> (spec in a, spec in b), for every parameter whose spec differs (None: the
-            plan does not hold it); a pipelined plan's spec is ``"stage i: SPEC"``.
+        params: FQN -> (spec in a, spec in b), for every parameter whose spec or ZeRO stage
+            differs (None: the plan does not hold it); a spec with a ZeRO stage reads
+            ``"RR ZeRO-2 over 0"`` (stage 2 over mesh axis 0), a pipelined plan's ``"stage i: SPEC"``.
         added / removed: collectives of b not in a / of a not in b, as
             ``(stage, kind, phase, mesh axes, bytes, node, tensor)`` (stage None for an SPMD plan),
             with multiplicity.
@@ -34,13 +35,22 @@ class PlanDiff:
     layout: tuple[str, str]
 
 
+def _storage(plan: Plan) -> dict[str, str]:
+    """FQN -> storage spec, with its ZeRO stage and mesh axes when it has one (``"RR ZeRO-2 over 0"``)."""
+    out = {}
+    for fqn, spec in plan.param_specs.items():
+        stage, axes = plan.zero_stages.get(fqn, (0, ()))
+        out[fqn] = f"{spec} ZeRO-{stage} over {','.join(map(str, axes))}" if stage else str(spec)
+    return out
+
+
 def _specs(plan: Plan | PipelinePlan) -> dict[str, str]:
     if isinstance(plan, PipelinePlan):
         out: dict[str, str] = {}
         for i, s in reversed(list(enumerate(plan.stages))):  # a weight two stages hold: the first's
-            out |= {fqn: f"stage {i}: {spec}" for fqn, spec in s.plan.param_specs.items()}
+            out |= {fqn: f"stage {i}: {spec}" for fqn, spec in _storage(s.plan).items()}
         return out
-    return {fqn: str(spec) for fqn, spec in plan.param_specs.items()}
+    return _storage(plan)
 
 
 def _collectives(plan: Plan | PipelinePlan) -> Counter:
