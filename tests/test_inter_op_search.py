@@ -54,6 +54,27 @@ def test_bounded_search_is_the_unbounded_plan(monkeypatch):
         assert bounded.to_json() == full.to_json(), schedule
 
 
+def test_auto_without_gpipe_is_the_plan_with_it(monkeypatch):
+    """``schedule="auto"`` runs no GPipe DP (``inter_op.dp_schedules``: 1F1B dominates it), so the
+    stage options stop at the other schedules' in-flight needs (the whole model on the whole mesh:
+    1 instead of B): on GPT-3 125M, 2x2, memory-tight (1.5 GiB a device: options up to B = 4 in
+    flight are re-solved), B in 1, 2, 4, fewer stage ILPs and the plan of the search with GPipe."""
+    from alpa_lite.compiler import inter_op
+    from alpa_lite.core.schedules import SCHEDULES
+
+    model, example = build_model("gpt3-125m", 8, device="meta")
+    mesh = LogicalMesh((2, 2), cluster="a100")
+    pipe = PipelineOptions(num_layers=4, microbatch_candidates=(1, 2, 4), workers=1, schedule="auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pruned = plan(model, example, mesh, pipeline=pipe, memory_budget=1.5 * 2**30)
+        with monkeypatch.context() as m:
+            m.setattr(inter_op, "dp_schedules", lambda schedule: list(SCHEDULES))
+            full = plan(model, example, mesh, pipeline=pipe, memory_budget=1.5 * 2**30)
+    assert pruned.stats["ilp_solves"] < full.stats["ilp_solves"]
+    assert pruned.to_json() == full.to_json()
+
+
 def _partitions(num_layers, shapes, devices):
     """Every pipeline of the stage DP: consecutive layer ranges on submeshes using exactly ``devices``."""
     def rec(k, d):

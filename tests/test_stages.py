@@ -17,6 +17,7 @@ from alpa_lite.compiler.stage_dp import (
     submesh_shapes,
 )
 from alpa_lite.core.options import PipelineOptions
+from alpa_lite.core.schedules import get_schedule, step_seconds
 
 
 def synthetic_cost(num_layers, seed, options=2):
@@ -431,3 +432,86 @@ def test_a_limit_reached_while_pricing_stages_is_in_the_plan_and_its_summary(mon
     console.print(summary_table(p))
     text = console.export_text()
     assert f"{one['ilp']}: time limit, gap 25.00%" in text and "stage 0 " in text
+
+
+@pytest.mark.parametrize("layers,cluster,b,memory,stages", [(4, (1, 4), 8, 4.0, None), (4, (2, 2), 4, 7.0, None),
+                                                            (5, (1, 4), 2, 5.0, 3), (4, (2, 4), 6, 4.5, None),
+                                                            (3, (1, 4), 4, 1e9, None)])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_gpipe_is_dominated_by_1f1b(layers, cluster, b, memory, stages, seed):
+    """``inter_op.dp_schedules("auto")`` leaves GPipe out: on the same options every pipeline that
+    fits under GPipe fits under 1F1B with the same step (checked on each of them, by brute
+    force), so 1F1B's optimum is at most GPipe's, and where it is equal the search keeps 1F1B's
+    (it comes first in ``SCHEDULES``); where GPipe fits nothing 1F1B may still."""
+    from alpa_lite.compiler.inter_op import dp_schedules
+    from alpa_lite.core.schedules import SCHEDULES
+
+    assert dp_schedules("auto") == [s for s in SCHEDULES if s != "gpipe"] and dp_schedules("gpipe") == ["gpipe"]
+    assert list(SCHEDULES).index("1f1b") < list(SCHEDULES).index("gpipe")
+    cost = synthetic_cost(layers, seed)
+    one = exhaustive_stage_search(layers, cluster, cost, memory, b, num_stages=stages, schedule="1f1b")
+    assert stage_dp(layers, cluster, cost, memory, b, num_stages=stages, schedule="1f1b").objective == \
+        pytest.approx(one.objective, rel=1e-12)
+    try:
+        gpipe = exhaustive_stage_search(layers, cluster, cost, memory, b, num_stages=stages, schedule="gpipe")
+    except PipelinePlanError:
+        return
+    assert one.objective <= gpipe.objective
+    n = len(gpipe.stages)  # GPipe's pipeline, run under 1F1B: fits, the same step
+    assert all(s.option.fits(in_flight(n - i, n, b, "1f1b"), memory) for i, s in enumerate(gpipe.stages))
+    t = [s.option.seconds for s in gpipe.stages]
+    assert step_seconds(get_schedule("1f1b"), t, b) == step_seconds(get_schedule("gpipe"), t, b)
+
+
+@pytest.mark.parametrize("schedule", [("1f1b",), ("zb-h1",), ("interleaved",), ("gpipe",),
+                                      ("1f1b", "zb-h1", "interleaved")])
+def test_in_flight_need_is_the_most_any_pipeline_holds(schedule):
+    """``GraphStageCosts.in_flight_need`` of every (range, submesh) of 4 layers on 2x2 that a
+    pipeline holds is the most microbatches its stage holds over every such pipeline (brute force
+    over the stage DP's pipelines, B = 4); under interleaved (its pipelines on equal groups of
+    ``p >= 2``) at least that, B on a half of the devices or less."""
+    from alpa_lite.compiler.stage_costs import GraphStageCosts
+
+    L, cluster, b = 4, (2, 2), 4
+    shapes = submesh_shapes(cluster)
+    costs = object.__new__(GraphStageCosts)  # only what in_flight_need reads
+    costs.layers, costs.max_in_flight, costs.schedules = [None] * L, b, schedule
+    costs.cluster = type("Cluster", (), {"num_devices": 4})()
+    most = {}
+    for name in schedule:
+        sched = get_schedule(name)
+        pipes = _pipelines(L, shapes, 4)
+        if name == "interleaved":  # 2 chunks on each of p = 4 / |q| >= 2 groups dividing B: 2 p stages on q
+            pipes = [p for p in _pipelines(L, shapes, 8) if len({q for _, _, q in p}) == 1
+                     and 4 // _size(p[0][2]) >= 2 and len(p) == 2 * (4 // _size(p[0][2]))]
+            assert pipes
+        for p in pipes:
+            for idx, key in enumerate(p):
+                most[key] = max(most.get(key, 1), sched.in_flight(idx, len(p), b))
+    for k in range(L):
+        for i in range(k + 1, L + 1):
+            for q in shapes:
+                need = costs.in_flight_need(k, i, q)
+                if "interleaved" in schedule:  # every pair on a quarter or half of the devices: up to B
+                    assert need >= most.get((k, i, q), 1) and need == (b if 2 * _size(q) <= 4 else 1), (k, i, q)
+                elif (k, i, q) in most:  # elsewhere the pair is in no pipeline: any count is safe
+                    assert need == most[k, i, q], (k, i, q)
+    assert costs.in_flight_need(0, L, cluster) == (b if "gpipe" in schedule else 1)  # the one-stage pair
+
+
+def _size(q):
+    return q[0] * q[1]
+
+
+def _pipelines(num_layers, shapes, devices):
+    def rec(k, d):
+        if k == num_layers:
+            if d == 0:
+                yield ()
+            return
+        for i in range(k + 1, num_layers + 1):
+            for q in shapes:
+                if _size(q) <= d:
+                    for rest in rec(i, d - _size(q)):
+                        yield ((k, i, q),) + rest
+    return list(rec(0, devices))

@@ -123,6 +123,7 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
     graph.remat = [RematGroup(forced=remat_forced) for _ in remat]
     reshard = reshard_costs(mesh, options)
     prefer_rs = options is not None and options.prefer_reduce_scatter
+    pool_memo: dict = {}  # _pool_parameter's matrices
     readers: dict[tuple[str, int], list[tuple[int, tuple]]] = {}  # value -> reader edges (var, wanted per strategy)
     recomputed: dict[tuple[str, int], dict] = {}  # value -> {(var, wanted, group index)} read inside remat layers
     casts = cg.param_casts  # a parameter's low-precision copy: its gradient sync is bucketed too
@@ -197,7 +198,8 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
                      parameter)
         if parameter:  # the parameters used first complete their gradients when backward ends
             _pool_parameter(graph, reshard, src.var, outs, zeros, edges, tuple(val.shape), val.element_size(),
-                            (options or PlanOptions()).bucket_bytes, position[casts.get(src_name, src_name)] != first)
+                            (options or PlanOptions()).bucket_bytes, position[casts.get(src_name, src_name)] != first,
+                            pool_memo)
         # forward only (no gradient); a forbidden pair: not chosen; a ZeRO-3 use: free, the
         # recomputation's gather replaces the backward's (``resharding.regathers``)
         for v, ins, i in recomputed.get((src_name, r), ()):
@@ -240,7 +242,7 @@ def _price_value(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple, z
 
 
 def _pool_parameter(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple, zeros: tuple, edges: list, shape,
-                    itemsize: int, bucket_bytes: float, hides: bool) -> None:
+                    itemsize: int, bucket_bytes: float, hides: bool, memo: dict) -> None:
     """Add what backward may hide of one parameter's uses (``outs``, ``zeros``, ``edges`` as
     ``_price_value``) to the cost graph's pools: each gradient sync's seconds on its edge to the
     pool of its bucket's (kind, mesh axes), and each groupable ZeRO-3 use's reduce-scatter to the
@@ -248,19 +250,24 @@ def _pool_parameter(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple
     (a bucket priced as its members, ``LogicalMesh.bucketed_cost``); an all-reduce pool pays one
     latency when any parameter syncs in it (a reduce-scatter's: ZeRO-2's fixed charge). ``hides``
     False: a parameter used first, in the bucket (group) completed last, whatever its size: a
-    member that pays the pool's latency, not part of what hides."""
+    member that pays the pool's latency, not part of what hides. ``memo``: the matrices per
+    (outs, zeros, ins, shape, itemsize), kept across the calls of one cost graph (never mutated:
+    ``ilp._accumulate`` adds into new lists)."""
     mesh = reshard.mesh
     for v, ins in edges:
-        sync = reshard.sync_matrix(outs, ins, shape, itemsize, zeros)
-        parts: dict[tuple, list[list[float]]] = {}
-        for p, (row, (stage, _)) in enumerate(zip(sync, zeros)):
-            for q, (c, (_, gp)) in enumerate(zip(row, ins)):
-                if c:
-                    key = ("bucket", "reduce-scatter" if stage == 2 else "all-reduce", tuple(sorted(gp)))
-                    parts.setdefault(key, [[0.0] * len(ins) for _ in outs])[p][q] = c
-                steps = grouped_steps(outs[p], *ins[q], shape, itemsize, mesh.shape)
-                if steps is not None:
-                    parts.setdefault(("groups",), [[0.0] * len(ins) for _ in outs])[p][q] = step_cost(steps[1], mesh)
+        parts = memo.get((outs, zeros, ins, shape, itemsize))  # the same for each copy of a layer
+        if parts is None:
+            parts = memo[outs, zeros, ins, shape, itemsize] = {}
+            sync = reshard.sync_matrix(outs, ins, shape, itemsize, zeros)
+            for p, (row, (stage, _)) in enumerate(zip(sync, zeros)):
+                for q, (c, (_, gp)) in enumerate(zip(row, ins)):
+                    if c:
+                        key = ("bucket", "reduce-scatter" if stage == 2 else "all-reduce", tuple(sorted(gp)))
+                        parts.setdefault(key, [[0.0] * len(ins) for _ in outs])[p][q] = c
+                    steps = grouped_steps(outs[p], *ins[q], shape, itemsize, mesh.shape)
+                    if steps is not None:
+                        parts.setdefault(("groups",), [[0.0] * len(ins) for _ in outs])[p][q] = step_cost(steps[1],
+                                                                                                         mesh)
         for key, matrix in parts.items():
             if key not in graph.pools:
                 axes = [(a,) for a in (0, 1) if mesh.shape[a] > 1]

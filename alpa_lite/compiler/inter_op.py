@@ -114,8 +114,7 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
     if workers is None:  # ranks of a job plan at once: they fork no workers (nor copy live process groups)
         import torch.distributed as dist
         workers = 1 if dist.is_available() and dist.is_initialized() else _cpu_count()
-    schedules = list(SCHEDULES) if pipeline.schedule == "auto" else [pipeline.schedule]
-    widest = "gpipe" if "gpipe" in schedules else schedules[0]  # stage options up to its in-flight need
+    schedules = dp_schedules(pipeline.schedule)
     best = None
     tried = {}
     disk_hits = 0
@@ -129,8 +128,7 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
         chunked = pipeline.chunks if "interleaved" in schedules else 1
         check_stage_count(pipeline.num_stages, len(layers), devices * chunked)
         costs = GraphStageCosts(cg, layers, cluster, budget,
-                                max_in_flight=b if widest in ("gpipe", "interleaved") else min(b, len(layers), devices),
-                                options=options, num_microbatches=b, schedule=widest,
+                                max_in_flight=b, options=options, num_microbatches=b, schedule=tuple(schedules),
                                 mode=pipeline.stage_solve, cache=cache)
         shapes = submesh_shapes(mesh.shape, pipeline.power_of_two)
         cells = [(k, i, q) for k in range(len(layers)) for i in range(k + 1, len(layers) + 1) for q in shapes]
@@ -221,6 +219,19 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
                         fingerprint=cg.fingerprint(),
                         loss_reduction=reduction, options=recorded, stats=stats, captured=cg, layers=layers,
                         pricing_limits=pricing_limits)
+
+
+def dp_schedules(schedule: str) -> list[str]:
+    """The schedules whose stage DPs the search runs for ``PipelineOptions.schedule``: the one
+    named, or for ``"auto"`` every one of ``SCHEDULES`` but GPipe, which 1F1B dominates. Both
+    step ``sum o + B t_max + (sum t - t_max)`` (fill ratio 1, ``core/schedules.py``) on the same
+    stage options, and a GPipe stage holds ``B`` microbatches where a 1F1B stage holds
+    ``min(s, B)``, so every pipeline that fits under GPipe fits under 1F1B with the same step:
+    1F1B's DP optimum is at most GPipe's, and on a tie the search keeps the first schedule of
+    ``SCHEDULES``, 1F1B. Without GPipe the stage options stop at the in-flight counts the other
+    schedules need (``GraphStageCosts.in_flight_need``: 1 for the whole model on the whole mesh,
+    where GPipe needed ``B``); docs/plan_time.md says where the plan can differ."""
+    return [s for s in SCHEDULES if s != "gpipe"] if schedule == "auto" else [schedule]
 
 
 def _shared_layers(cg, costs: GraphStageCosts, num_layers: int) -> dict[str, tuple[int, ...]]:

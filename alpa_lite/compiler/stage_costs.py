@@ -111,8 +111,8 @@ class GraphStageCosts:
         time_limit: ILP seconds per solve.
         mode: ``"chain"`` or ``"exact"`` (module docstring).
         num_microbatches: B; data-parallel gradient syncs weigh ``1 / B`` in the ILP.
-        schedule: under 1F1B a stage ending at layer ``i`` on ``d`` devices is at most
-            ``min(L - i, D - d) + 1`` stages from the end: options stop at that many in flight.
+        schedule: the schedule, or a tuple of them, whose DPs use the options: options stop at
+            the most microbatches a stage of the pair holds under any of them (``in_flight_need``).
         cache: a ``plan_cache.PlanCache``: ILP answers of earlier runs are read from it, and
             ``save_cache()`` adds this run's (``stats["disk_hits"]`` counts the answers read).
 
@@ -135,7 +135,7 @@ class GraphStageCosts:
         self.sync_weight = 1.0 / num_microbatches
         self.num_microbatches = num_microbatches
         self.limits: list[dict] = []
-        self.schedule = schedule
+        self.schedules = (schedule,) if isinstance(schedule, str) else tuple(schedule)
         self._chains: dict[tuple, dict] = {}
         self.memory_bytes, self.max_in_flight = memory_bytes, max_in_flight
         self.options = options or PlanOptions()
@@ -326,14 +326,28 @@ class GraphStageCosts:
                         if best is None or opt.seconds + opt.once_seconds < best.seconds + best.once_seconds:
                             best = opt
             options += [o for o in found if o not in options]
-            need = self.max_in_flight
-            if self.schedule == "1f1b":
-                need = min(need, len(self.layers) - end + 1, self.cluster.num_devices - submesh[0] * submesh[1] + 1)
+            need = self.in_flight_need(start, end, submesh)
             if best is not None and best.fits(need, self.memory_bytes) or scale >= need:
                 break
             scale *= 2
         kept = [o for o in options if not any(_dominates(p, o) for p in options if p is not o)]
         return [replace(o, seconds=o.seconds + transfer) for o in kept]
+
+    def in_flight_need(self, start: int, end: int, submesh: tuple[int, int]) -> int:
+        """The most microbatches a stage of layers ``[start, end)`` on ``submesh`` holds in any
+        pipeline of ``L`` layers on ``D`` devices under any of ``schedules``, at most
+        ``max_in_flight`` (``core/schedules.py``): GPipe ``B``; 1F1B ``min(s, B)`` with ``s`` its
+        place from the end, at most ``min(L - end, D - |q| - [start > 0]) + 1`` (a layer and a
+        device per stage after it, a device for those before); ZB-H1 ``min(S, B)`` with the
+        stage count ``S`` at most ``min(start + L - end, D - |q|) + 1`` (a stage per layer and per
+        device); interleaved up to ``B`` where the pair can be a stage of one (``p = D / |q| >= 2``
+        device groups: ``2 |q| <= D``), else 1 (the options start there)."""
+        size, devices, L = submesh[0] * submesh[1], self.cluster.num_devices, len(self.layers)
+        need = {"gpipe": self.max_in_flight,
+                "1f1b": min(L - end, devices - size - (start > 0)) + 1,
+                "zb-h1": min(start + L - end, devices - size) + 1,
+                "interleaved": self.max_in_flight if 2 * size <= devices else 1}
+        return min(self.max_in_flight, max(need[s] for s in self.schedules))
 
     def _signature(self, names: list[str]) -> tuple:
         index = {n: i for i, n in enumerate(names)}

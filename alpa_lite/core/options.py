@@ -155,7 +155,8 @@ class PipelineOptions:
     """``"1f1b"`` (PipeDream-flush, Narayanan et al. 2021), ``"gpipe"`` (Huang et al. 2019),
     ``"zb-h1"`` (zero-bubble, Qi et al. 2024), ``"interleaved"`` (interleaved 1F1B, Narayanan et
     al. 2021, section 2.2.2; ``core/schedules.py``) or ``"auto"``: the one of these with the
-    least predicted step time within the memory budget."""
+    least predicted step time within the memory budget (GPipe's DP is not run: 1F1B's optimum
+    is at most its, ``compiler.inter_op.dp_schedules``)."""
     chunks: int = 2
     """v, stages per device group under ``"interleaved"`` (stage ``s`` on group ``s mod p``);
     the other schedules ignore it."""
