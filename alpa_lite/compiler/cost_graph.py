@@ -242,6 +242,12 @@ def _price_value(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple, z
                        [[once(o, t) for t in shared] for o in outs])
 
 
+def _group_latency(mesh: LogicalMesh, axis: tuple[int]) -> float:
+    """Seconds of a ZeRO-3 group's latencies over mesh ``axis``: its all-gather, again in
+    backward (or in a recomputation), and its gradients' reduce-scatter."""
+    return 2 * mesh.collective_cost("all-gather", 0, axis) + mesh.collective_cost("reduce-scatter", 0, axis)
+
+
 def _pool_parameter(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple, zeros: tuple, edges: list,
                     scopes: list, shape, dtype: torch.dtype, bucket_bytes: float, hides: bool) -> None:
     """Add what backward may hide of one parameter's uses (``outs``, ``zeros``, ``edges`` as
@@ -256,12 +262,12 @@ def _pool_parameter(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple
 
     ZeRO-3 groups (``core.plan.zero3_groups``) gather uses of one mesh axis and dtype, those of a
     recomputed layer apart (``scopes[i]``: the layer of edge ``i`` when the layers are forced,
-    else None): each such (axis, dtype, layer) pays one group's latencies once, of its
-    all-gather, again in backward (or in the recomputation), and its gradients' reduce-scatter
-    (a pool of members that never hide, ``ilp.Pool.latency``), its members their shares of the
-    other groups'. Over uses of ``B`` bytes in ``n`` groups the ILP pays ``1 + sum min(1, b /
-    bucket_bytes) <= 1 + n`` of those latencies where the listing pays ``n``: groups end early
-    where the axis or dtype alternates between consecutive uses, which no linear term sees."""
+    else None): each such (axis, dtype, layer) pays a group's latencies (``_group_latency``) by
+    a grouped pool (``ilp.Pool.grouped``): ``max(1, sum of shares)`` of them, a use's share
+    ``min(1, b / bucket_bytes)`` (``b`` its gathered bytes), where the listing pays one per
+    group: groups of at most ``bucket_bytes`` hold at most one latency's shares, so ``n`` groups
+    pay at most ``n``, exactly ``n`` when they are full or one; fewer where groups end early (the
+    axis or dtype alternates between consecutive uses, which no linear term sees)."""
     mesh = reshard.mesh
     for (v, ins), scope in zip(edges, scopes):
         sync = reshard.sync_matrix(outs, ins, shape, dtype.itemsize, zeros)
@@ -274,22 +280,23 @@ def _pool_parameter(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple
                 steps = grouped_steps(outs[p], *ins[q], shape, dtype.itemsize, mesh.shape)
                 if steps is not None:
                     axis = (steps[1].axis,)
-                    seconds = mesh.bucketed_cost("reduce-scatter", steps[1].nbytes, axis, bucket_bytes)
-                    for key in (("groups",), ("group latency", axis, str(dtype), scope)):
-                        parts.setdefault(key, [[0.0] * len(ins) for _ in outs])[p][q] = seconds
+                    share = min(1.0, steps[0].nbytes / bucket_bytes) * _group_latency(mesh, axis)
+                    parts.setdefault(("groups",), [[0.0] * len(ins) for _ in outs])[p][q] = mesh.bucketed_cost(
+                        "reduce-scatter", steps[1].nbytes, axis, bucket_bytes)
+                    parts.setdefault(("group latency", axis, str(dtype), scope),
+                                     [[0.0] * len(ins) for _ in outs])[p][q] = share
         for key, matrix in parts.items():
             if key not in graph.pools:
                 axes = [(a,) for a in (0, 1) if mesh.shape[a] > 1]
                 if key[0] == "groups":
                     graph.pools[key] = Pool(min(mesh.collective_cost("reduce-scatter", bucket_bytes, a) for a in axes))
                 elif key[0] == "group latency":
-                    graph.pools[key] = Pool(0.0, latency=2 * mesh.collective_cost("all-gather", 0, key[1])
-                                            + mesh.collective_cost("reduce-scatter", 0, key[1]))
+                    graph.pools[key] = Pool(0.0, weight=0.0, latency=_group_latency(mesh, key[1]), grouped=True)
                 else:  # a reduce-scatter's latency is ZeRO-2's fixed charge
                     latency = mesh.collective_cost("all-reduce", 0, key[2]) if key[1] == "all-reduce" else 0.0
                     graph.pools[key] = Pool(mesh.bucketed_cost(key[1], bucket_bytes, key[2], bucket_bytes),
                                             latency=latency)
-            if key[0] == "group latency":
-                graph.pools[key].add_edge(u, v, matrix, hides=False)
+            if key[0] == "group latency":  # every use's share, the one used first's too
+                graph.pools[key].add_edge(u, v, matrix)
             elif hides or graph.pools[key].latency:
                 graph.pools[key].add_edge(u, v, matrix, hides)
