@@ -172,7 +172,6 @@ def worker(args) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from alpa_lite.runtime.launch import init_distributed
     from alpa_lite.zoo.models import build_model
@@ -214,6 +213,32 @@ def worker(args) -> None:
         fully_shard(m, mesh=mesh, **({"mp_policy": mp} if mp else {}))
         return torch_runner(m, True)
 
+    zero3_only = args.only == "zero3"
+    if not zero3_only:
+        _manual_runners(args, model, mesh, runners, torch_runner, alpa_runner)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    runners["FSDP2"] = fsdp2()
+    runners["alpa-lite ZeRO-3"] = alpa_runner(force_data_parallel=True, zero_stage=3)
+    runners["FSDP2 bf16"] = fsdp2(mp=bf16)
+    runners["alpa-lite ZeRO-3 bf16"] = alpa_runner(force_data_parallel=True, zero_stage=3, mixed_precision="bf16")
+    runners["FSDP2 remat"] = fsdp2(remat=True)
+    runners["alpa-lite ZeRO-3 remat"] = alpa_runner(force_data_parallel=True, zero_stage=3, remat="all")
+    if not zero3_only:
+        runners["alpa-lite auto"] = alpa_runner()
+    results = _run_interleaved(runners, batches, args.warmup)
+    gathered = [None] * n
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        Path(args.result).write_text(json.dumps(gathered))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _manual_runners(args, model, mesh, runners, torch_runner, alpa_runner) -> None:
+    """The data-parallel and tensor-parallel runs (the rows before ZeRO-3) into ``runners``."""
+    import torch
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
     runners["DDP"] = torch_runner(torch.nn.parallel.DistributedDataParallel(
         copy.deepcopy(model), bucket_cap_mb=args.bucket_mib), True)
     runners["alpa-lite DP"] = alpa_runner(force_data_parallel=True)
@@ -228,21 +253,6 @@ def worker(args) -> None:
     # no all-gather: with one the ILP gathers the split weights for a data-parallel step (ZeRO-3) instead
     runners["alpa-lite Megatron TP"] = alpa_runner(param_specs=specs, input_specs={"0": "RR", "1": "RR"},
                                                    allow_all_gather=False)
-    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-    runners["FSDP2"] = fsdp2()
-    runners["alpa-lite ZeRO-3"] = alpa_runner(force_data_parallel=True, zero_stage=3)
-    runners["FSDP2 bf16"] = fsdp2(mp=bf16)
-    runners["alpa-lite ZeRO-3 bf16"] = alpa_runner(force_data_parallel=True, zero_stage=3, mixed_precision="bf16")
-    runners["FSDP2 remat"] = fsdp2(remat=True)
-    runners["alpa-lite ZeRO-3 remat"] = alpa_runner(force_data_parallel=True, zero_stage=3, remat="all")
-    runners["alpa-lite auto"] = alpa_runner()
-    results = _run_interleaved(runners, batches, args.warmup)
-    gathered = [None] * n
-    dist.all_gather_object(gathered, results)
-    if rank == 0:
-        Path(args.result).write_text(json.dumps(gathered))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def main() -> int:
@@ -259,6 +269,8 @@ def main() -> int:
     ap.add_argument("--out", default="docs/runtime_cpu.md")
     ap.add_argument("--cluster", default=None, help="cluster JSON the alpa-lite plans are made for (default: profile "
                     "this machine first, into the --out file's *_cluster.json)")
+    ap.add_argument("--only", choices=("all", "zero3"), default="all",
+                    help="zero3: only the ZeRO-3 rows (FSDP2 and alpa-lite ZeRO-3, plain, bf16 and remat)")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--result", default=None)
     args = ap.parse_args()
@@ -285,7 +297,7 @@ def main() -> int:
     result.unlink()
     # rank 0's median step time (every step starts at a barrier); the largest peak over the ranks
     r = {k: (t, s, max(rr[k][2] for rr in per_rank), pred) for k, (t, s, _, pred) in per_rank[0].items()}
-    fastest = min(("DDP", "DTensor TP", "FSDP2"), key=lambda k: r[k][0])
+    fastest = min(("DDP", "DTensor TP", "FSDP2"), key=lambda k: r[k][0]) if "DDP" in r else None
     rows = [  # label, alpa-lite, PyTorch, time target, memory target (issues 12 and 13)
         ("data parallel", "alpa-lite DP", "DDP", 1.00, None),
         ("tensor parallel", "alpa-lite Megatron TP", "DTensor TP", 1.00, None),
@@ -293,6 +305,7 @@ def main() -> int:
         ("bf16 mixed, ZeRO-3", "alpa-lite ZeRO-3 bf16", "FSDP2 bf16", 1.10, 1.00),
         ("remat, ZeRO-3", "alpa-lite ZeRO-3 remat", "FSDP2 remat", 1.10, 1.00),
         ("auto vs fastest manual", "alpa-lite auto", fastest, 1.00, None)]
+    rows = [row for row in rows if row[1] in r]
     table = Table(title=f"runtime on {args.nproc} CPU processes (gloo): GPT hidden {args.hidden}, {args.layers} layers, "
                         f"batch {args.batch}, seq {args.seq}")
     heads = ["", "alpa-lite step ms", "alpa-lite predicted ms", "PyTorch step ms", "time ratio", "alpa-lite peak MiB",

@@ -20,6 +20,8 @@ PLANS = {  # test_overlap's plans, of a one-block GPT (tracing and compiling tak
     "2d": {"param_specs": megatron(1, "S01"), "bucket_bytes": SMALL},
     "zero3": {"force_data_parallel": True, "bucket_bytes": SMALL,
               "param_specs": {k: "S01R" for k, v in megatron(1).items() if v == "S1R"}},
+    # ZeRO-3 groups (core.plan.zero3_groups) over axis 0 of 2 x 2, the batch axis, SGD
+    "zero3-groups-sgd": {"batch_axis": 0, "zero_stage": 3, "bucket_bytes": SMALL, "optimizer": "sgd"},
     # 2 stages of one block each (model_num_layers: the worker's GPT), 2 devices each, Megatron inside a stage
     "pipeline": {"model_num_layers": 2, "num_stages": 2, "num_layers": 2, "num_microbatches": 2, "schedule": "1f1b",
                  "param_specs": megatron(2), "bucket_bytes": SMALL},
@@ -30,6 +32,7 @@ HEADS = {"model_qkv_layout": "megatron"}
 DROPOUT = {"dp-dropout": PLANS["dp"] | {"accumulate": 2},  # 2 microbatches a step
            "megatron-dropout": PLANS["megatron"] | HEADS,
            "megatron-remat": PLANS["megatron"] | {"remat": "all"},
+           "zero3-groups-remat": PLANS["zero3-groups-sgd"] | {"remat": "all", "optimizer": "adamw"},
            "pipeline-dropout": PLANS["pipeline"] | HEADS,
            "pipeline-remat": PLANS["pipeline"] | {"remat": "all"}}
 PLANS |= {name: options | {"model_dropout": 0.1} for name, options in DROPOUT.items()}

@@ -17,7 +17,7 @@ from alpa_lite.compiler.strategies import build_strategies
 from alpa_lite.compiler.zero import add_zero_strategies
 from alpa_lite.core.capture import capture
 from alpa_lite.core.options import PlanOptions
-from alpa_lite.core.plan import first_use_positions, gradient_buckets, local_bytes
+from alpa_lite.core.plan import first_use_positions, gradient_buckets, local_bytes, zero3_groups, zero3_uses
 
 from test_ilp import random_graph
 from test_planner import MLP
@@ -27,15 +27,17 @@ SOLVERS = ["cbc"] + (["highs"] if highs_available() else [])
 
 def graph_with_pools(seed: int):
     """A random graph plus 1-3 pools (some with nothing unhidden, some weighing 1/2 as a
-    pipeline stage's buckets, some with a latency paid once) over random edges (some of members
-    that never hide) and variables, hidden within a random backward."""
+    pipeline stage's buckets, some with a latency paid once, some grouped: ZeRO-3 group
+    latencies) over random edges (some of members that never hide) and variables, hidden within
+    a random backward."""
     rng = random.Random(seed)
     g = random_graph(500 + seed, classes=2)
     n = len(g.costs)
     g.backward = {v: [rng.uniform(0, 4) for _ in c] for v, c in enumerate(g.costs) if rng.random() < 0.7}
     for key in range(rng.randint(1, 3)):
-        pool = Pool(unhidden=rng.choice([0.0, rng.uniform(0, 8)]), weight=rng.choice([1.0, 0.5]),
-                    latency=rng.choice([0.0, rng.uniform(0, 3)]))
+        grouped = rng.random() < 0.3  # ZeRO-3 group latencies: max(latency, S_P) when used, hiding nothing
+        pool = Pool(unhidden=rng.choice([0.0, rng.uniform(0, 8)]), weight=0.0 if grouped else rng.choice([1.0, 0.5]),
+                    latency=rng.uniform(0, 6) if grouped else rng.choice([0.0, rng.uniform(0, 3)]), grouped=grouped)
         for _ in range(rng.randint(1, 3)):
             u, v = rng.randrange(n), rng.randrange(n)
             pool.add_edge(u, v, [[rng.choice([0.0, rng.uniform(0, 10)]) for _ in g.costs[v]] for _ in g.costs[u]],
@@ -224,3 +226,76 @@ def test_stage_ilp_optimum_is_the_least_stage_listing(mlp, monkeypatch, microbat
     assert priced[by_objective][0] == pytest.approx(priced[by_listing][0], rel=1e-12)
     assert by_listing == (0,) * len(TP)
     assert stage()[0] == pytest.approx(priced[by_listing][0], rel=1e-12)
+
+
+DP_MESH = LogicalMesh((1, 4), cluster="a100")
+
+
+@pytest.fixture(scope="module")
+def dp_mlp():
+    """test_zero's DP-shaped MLP (hidden 64, 4 layers, batch 256 on axis 1 of 1 x 4), captured once."""
+    with torch.device("meta"):
+        model = MLP(64, layers=4)
+    x = torch.zeros(256, 64, device="meta")
+    return capture(model, (x, x.clone()))
+
+
+def latency_gap(cg, p, bucket: float) -> float:
+    """The latencies plan ``p``'s ILP objective pays less those its listing pays, seconds
+    (docs/planner.md, "One price"): of the gradient buckets and ZeRO-1/2 update buckets, one per
+    (kind, axes) plus each member's share ``min(1, b / bucket_bytes)`` where the listing pays
+    one per bucket; of the ZeRO-3 uses, three (all-gather, again in backward, reduce-scatter)
+    times ``max(1, sum of the uses' shares)``, ``b`` a use's gathered bytes, where the listing
+    pays three per group of ``core.plan.zero3_groups``."""
+    alpha = DP_MESH.collective_cost("all-reduce", 0, (1,))
+    kinds = buckets_of(p)
+    updates = [c for c in p.collectives if c.node.startswith("parameter bucket")]
+
+    def share(ph):
+        return min(1.0, local_bytes(cg.node(ph).meta["val"], p.nodes[ph].out_specs[0], DP_MESH.shape) / bucket)
+
+    zero2 = any(z == 2 for z, _ in p.zero_stages.values())
+    ilp = alpha * (sum(map(share, p.grad_sync)) + sum(k == "all-reduce" for k, _ in kinds) + zero2
+                   + (sum(share(ph) for ph in cg.param_fqns if p.nodes[ph].zero_stage) + 1) * bool(updates))
+    listed = alpha * (sum(map(len, kinds.values())) + len(updates))
+    uses = zero3_uses(cg, p.nodes, DP_MESH.shape)
+    gathered = [local_bytes(cg.node(src).meta["val"], dst, DP_MESH.shape) for src, _, dst, _ in uses]
+    ilp += 3 * alpha * max(bool(uses), sum(min(1.0, b / bucket) for b in gathered))
+    return ilp - 3 * alpha * len(zero3_groups(cg, p.nodes, DP_MESH.shape, bucket)) - listed
+
+
+@pytest.mark.parametrize("bucket", [25 * 2**20, 17_000])
+def test_zero3_objective_is_its_listing_of_every_zero3_assignment(dp_mlp, bucket):
+    """Each layer's weight and bias ZeRO-3 over axis 1 (stored split on it) or replicated (16
+    plans, the rest chosen by the ILP): every objective is its listing's seconds plus exactly the
+    stated latency gap (``latency_gap``: ZeRO-3 uses pay one group's latencies at least and
+    their shares past that, not three each) less what the ILP hides, which is what the listing
+    hides; the least objective is the least ``step_seconds``, and the free ILP's plan is it.
+    One 25 MiB group: ZeRO-3 on one layer adds 3 latencies and 1 all-reduce bucket stays, on
+    every layer the buckets go; replicated wins (one all-reduce against three collectives). With
+    17 000 B groups (a layer's weight and bias each) every ZeRO-3 layer adds its own group."""
+    cg = dp_mlp
+    plans = {}
+    for split in itertools.product((False, True), repeat=4):
+        specs = {}
+        for i, z in enumerate(split):
+            specs |= {f"layers.{i}.weight": "S1R" if z else "RR", f"layers.{i}.bias": "S1" if z else "R"}
+        p = plans[split] = intra_op.plan_intra_op(cg, DP_MESH, PlanOptions(batch_axis=1, param_specs=specs,
+                                                                            bucket_bytes=bucket))
+        groups = zero3_groups(cg, p.nodes, DP_MESH.shape, bucket)
+        assert len(groups) == (min(1, sum(split)) if bucket > 2**24 else sum(split))
+        assert p.stats["ilp_objective"] == pytest.approx(p.step_seconds + p.overlap_seconds - p.stats["ilp_hidden"]
+                                                         + latency_gap(cg, p, bucket), rel=1e-12)
+        assert p.stats["ilp_hidden"] == pytest.approx(p.overlap_seconds, rel=1e-12, abs=1e-18)
+    by_objective = min(plans, key=lambda k: plans[k].stats["ilp_objective"])
+    by_listing = min(plans, key=lambda k: plans[k].step_seconds)
+    assert by_objective == by_listing == (False,) * 4
+    free = intra_op.plan_intra_op(cg, DP_MESH, PlanOptions(batch_axis=1, bucket_bytes=bucket))
+    assert free.step_seconds == pytest.approx(plans[by_listing].step_seconds, rel=1e-12)
+    # ZeRO-3 everywhere: one latency set per group, not per use (8 uses)
+    every = plans[(True,) * 4]
+    alpha = DP_MESH.collective_cost("all-gather", 0, (1,))
+    assert every.collective_counts()[("all-gather", "forward")] == (1 if bucket > 2**24 else 4)
+    shares = 4 * (64 * 64 * 4 + 64 * 4) / bucket  # one 25 MiB group: exact; four groups 0.98 full: 0.085 under
+    assert latency_gap(cg, every, bucket) == pytest.approx(
+        3 * alpha * (max(1, shares) - (1 if bucket > 2**24 else 4)), rel=1e-9, abs=1e-18)

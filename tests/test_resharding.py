@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from alpa_lite import LogicalMesh, ShardingSpec
-from alpa_lite.core.resharding import ReshardCosts, backward_steps, forward_steps, regathers
+from alpa_lite.core.resharding import ReshardCosts, backward_steps, forward_steps, grouped_steps, regathers
 from alpa_lite.runtime.collectives import MeshGroups, local_slice
 
 MESH = (2, 2)
@@ -145,9 +145,15 @@ def test_zero_pattern_and_costs():
     full = math.prod(SHAPE) * 4
     cost = ReshardCosts(mesh)(s0, rr, (0,), SHAPE, 4)
     assert cost == pytest.approx(2 * (1e-5 + 0.5 * full * 1e-9))
-    # a parameter's (ZeRO-3) use is all-gathered again in backward: a third step of the same price
+    # a parameter's (ZeRO-3) use is all-gathered again in backward: a third step of the same
+    # bandwidth; a ZeRO-3 group takes it (one all-gather, one reduce-scatter over axis 0), so its
+    # edge pays the bandwidth only, whatever the group size (the cost graph charges the group's
+    # latencies, tests/test_ilp_overlap.py)
     assert regathers(s0, rr, (0,), SHAPE, 4, MESH) and not regathers(s0, rr, None, SHAPE, 4, MESH)
-    assert ReshardCosts(mesh)(s0, rr, (0,), SHAPE, 4, parameter=True) == pytest.approx(3 * (1e-5 + 0.5 * full * 1e-9))
+    assert grouped_steps(s0, rr, (0,), SHAPE, 4, MESH) == (fwd[0], bwd[0])
+    for bucket in (25 * 2**20, full / 4):
+        assert ReshardCosts(mesh, bucket_bytes=bucket)(s0, rr, (0,), SHAPE, 4, parameter=True) == pytest.approx(
+            3 * 0.5 * full * 1e-9)
     # data-parallel gradient sync: nothing forward, an all-reduce backward (2 (n-1)/n B beta + alpha)
     assert ReshardCosts(mesh)(rr, rr, (1,), SHAPE, 4) == pytest.approx(2e-5 + 2 * 0.5 * full * 2e-9)
     # ... bucketed for parameters: the latency is paid per bucket of at most bucket_bytes, so a

@@ -35,7 +35,7 @@ from ..core.capture import CapturedGraph
 from ..core.mesh import LogicalMesh
 from ..core.options import PlanOptions
 from ..core.plan import BACKWARD_SHARE, first_use_positions
-from ..core.resharding import ReshardCosts, grouped_steps, is_gradient_sync, regathers, reshard_costs, step_cost
+from ..core.resharding import ReshardCosts, grouped_steps, is_gradient_sync, regathers, reshard_costs
 from ..core.spec import ShardingSpec
 from .ilp import CostGraph, Pool, RematGroup
 from .strategies import BACKWARD_FLOPS_FACTOR, NodeStrategies, kept_for_backward
@@ -125,6 +125,7 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
     prefer_rs = options is not None and options.prefer_reduce_scatter
     pool_memo: dict = {}  # _pool_parameter's matrices
     readers: dict[tuple[str, int], list[tuple[int, tuple]]] = {}  # value -> reader edges (var, wanted per strategy)
+    scopes: dict[tuple[str, int], list[int | None]] = {}  # value -> per reader edge, the recomputed layer grouping it
     recomputed: dict[tuple[str, int], dict] = {}  # value -> {(var, wanted, group index)} read inside remat layers
     casts = cg.param_casts  # a parameter's low-precision copy: its gradient sync is bucketed too
     position = first_use_positions(cg)
@@ -184,6 +185,7 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
             if src_name in where:  # else produced outside ``nodes``
                 ins = tuple((ns.strategies[q].in_specs[i], ns.strategies[q].grad_partial[i]) for q in placed.index)
                 readers.setdefault((src_name, r), []).append((placed.var, ins))
+                scopes.setdefault((src_name, r), []).append(layer_of[node.name] if remat_forced and group is not None else None)
                 if group is not None:
                     recomputed.setdefault((src_name, r), {})[(placed.var, ins, layer_of[node.name])] = None
     for (src_name, r), edges in readers.items():
@@ -197,9 +199,9 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         _price_value(graph, reshard, src.var, outs, zeros, reduced, edges, tuple(val.shape), val.element_size(),
                      parameter)
         if parameter:  # the parameters used first complete their gradients when backward ends
-            _pool_parameter(graph, reshard, src.var, outs, zeros, edges, tuple(val.shape), val.element_size(),
-                            (options or PlanOptions()).bucket_bytes, position[casts.get(src_name, src_name)] != first,
-                            pool_memo)
+            _pool_parameter(graph, reshard, src.var, outs, zeros, edges, scopes[(src_name, r)], tuple(val.shape),
+                            val.dtype, (options or PlanOptions()).bucket_bytes,
+                            position[casts.get(src_name, src_name)] != first, pool_memo)
         # forward only (no gradient); a forbidden pair: not chosen; a ZeRO-3 use: free, the
         # recomputation's gather replaces the backward's (``resharding.regathers``)
         for v, ins, i in recomputed.get((src_name, r), ()):
@@ -241,41 +243,67 @@ def _price_value(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple, z
                        [[once(o, t) for t in shared] for o in outs])
 
 
-def _pool_parameter(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple, zeros: tuple, edges: list, shape,
-                    itemsize: int, bucket_bytes: float, hides: bool, memo: dict) -> None:
+def _group_latency(mesh: LogicalMesh, axis: tuple[int]) -> float:
+    """Seconds of a ZeRO-3 group's latencies over mesh ``axis``: its all-gather, again in
+    backward (or in a recomputation), and its gradients' reduce-scatter."""
+    return 2 * mesh.collective_cost("all-gather", 0, axis) + mesh.collective_cost("reduce-scatter", 0, axis)
+
+
+def _pool_parameter(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple, zeros: tuple, edges: list,
+                    scopes: list, shape, dtype: torch.dtype, bucket_bytes: float, hides: bool, memo: dict) -> None:
     """Add what backward may hide of one parameter's uses (``outs``, ``zeros``, ``edges`` as
     ``_price_value``) to the cost graph's pools: each gradient sync's seconds on its edge to the
-    pool of its bucket's (kind, mesh axes), and each groupable ZeRO-3 use's reduce-scatter to the
-    ZeRO-3 pool. A pool leaves at most its first bucket (group) of ``bucket_bytes`` unhidden
-    (a bucket priced as its members, ``LogicalMesh.bucketed_cost``); an all-reduce pool pays one
-    latency when any parameter syncs in it (a reduce-scatter's: ZeRO-2's fixed charge). ``hides``
-    False: a parameter used first, in the bucket (group) completed last, whatever its size: a
-    member that pays the pool's latency, not part of what hides. ``memo``: the matrices per
-    (outs, zeros, ins, shape, itemsize), kept across the calls of one cost graph (never mutated:
-    ``ilp._accumulate`` adds into new lists)."""
+    pool of its bucket's (kind, mesh axes), and each groupable ZeRO-3 use's reduce-scatter (its
+    bandwidth term and latency share, as ``ReshardCosts`` prices it) to the ZeRO-3 pool. A pool
+    leaves at most its first bucket (group) of ``bucket_bytes`` unhidden (a bucket priced as its
+    members, ``LogicalMesh.bucketed_cost``); an all-reduce pool pays one latency when any
+    parameter syncs in it (a reduce-scatter's: ZeRO-2's fixed charge). ``hides`` False: a
+    parameter used first, in the bucket (group) completed last, whatever its size: a member that
+    pays the pool's latency, not part of what hides.
+
+    ZeRO-3 groups (``core.plan.zero3_groups``) gather uses of one mesh axis and dtype, those of a
+    recomputed layer apart (``scopes[i]``: the layer of edge ``i`` when the layers are forced,
+    else None): each such (axis, dtype, layer) pays a group's latencies (``_group_latency``) by
+    a grouped pool (``ilp.Pool.grouped``): ``max(1, sum of shares)`` of them, a use's share
+    ``min(1, b / bucket_bytes)`` (``b`` its gathered bytes), where the listing pays one per
+    group: groups of at most ``bucket_bytes`` hold at most one latency's shares, so ``n`` groups
+    pay at most ``n``, exactly ``n`` when they are full or one; fewer where groups end early (the
+    axis or dtype alternates between consecutive uses, which no linear term sees).
+
+    ``memo``: the matrices per (outs, zeros, ins, shape, dtype, scope), kept across the calls of
+    one cost graph (the same for each copy of a layer; never mutated: ``ilp._accumulate`` adds
+    into new lists)."""
     mesh = reshard.mesh
-    for v, ins in edges:
-        parts = memo.get((outs, zeros, ins, shape, itemsize))  # the same for each copy of a layer
+    for (v, ins), scope in zip(edges, scopes):
+        parts = memo.get((outs, zeros, ins, shape, dtype, scope))
         if parts is None:
-            parts = memo[outs, zeros, ins, shape, itemsize] = {}
-            sync = reshard.sync_matrix(outs, ins, shape, itemsize, zeros)
+            parts = memo[outs, zeros, ins, shape, dtype, scope] = {}
+            sync = reshard.sync_matrix(outs, ins, shape, dtype.itemsize, zeros)
             for p, (row, (stage, _)) in enumerate(zip(sync, zeros)):
                 for q, (c, (_, gp)) in enumerate(zip(row, ins)):
                     if c:
                         key = ("bucket", "reduce-scatter" if stage == 2 else "all-reduce", tuple(sorted(gp)))
                         parts.setdefault(key, [[0.0] * len(ins) for _ in outs])[p][q] = c
-                    steps = grouped_steps(outs[p], *ins[q], shape, itemsize, mesh.shape)
+                    steps = grouped_steps(outs[p], *ins[q], shape, dtype.itemsize, mesh.shape)
                     if steps is not None:
-                        parts.setdefault(("groups",), [[0.0] * len(ins) for _ in outs])[p][q] = step_cost(steps[1],
-                                                                                                         mesh)
+                        axis = (steps[1].axis,)
+                        share = min(1.0, steps[0].nbytes / bucket_bytes) * _group_latency(mesh, axis)
+                        parts.setdefault(("groups",), [[0.0] * len(ins) for _ in outs])[p][q] = mesh.bucketed_cost(
+                            "reduce-scatter", steps[1].nbytes, axis, bucket_bytes)
+                        parts.setdefault(("group latency", axis, str(dtype), scope),
+                                         [[0.0] * len(ins) for _ in outs])[p][q] = share
         for key, matrix in parts.items():
             if key not in graph.pools:
                 axes = [(a,) for a in (0, 1) if mesh.shape[a] > 1]
                 if key[0] == "groups":
                     graph.pools[key] = Pool(min(mesh.collective_cost("reduce-scatter", bucket_bytes, a) for a in axes))
+                elif key[0] == "group latency":
+                    graph.pools[key] = Pool(0.0, weight=0.0, latency=_group_latency(mesh, key[1]), grouped=True)
                 else:  # a reduce-scatter's latency is ZeRO-2's fixed charge
                     latency = mesh.collective_cost("all-reduce", 0, key[2]) if key[1] == "all-reduce" else 0.0
                     graph.pools[key] = Pool(mesh.bucketed_cost(key[1], bucket_bytes, key[2], bucket_bytes),
                                             latency=latency)
-            if hides or graph.pools[key].latency:
+            if key[0] == "group latency":  # every use's share, the one used first's too
+                graph.pools[key].add_edge(u, v, matrix)
+            elif hides or graph.pools[key].latency:
                 graph.pools[key].add_edge(u, v, matrix, hides)

@@ -52,7 +52,10 @@ buckets, run once per step, weigh ``1 / B``) within ``D``, as ``core.plan.hidden
 fills its budget. Where ``c_P = 0`` there is no ``z_P``. A pool of gradient all-reduces also
 pays its first bucket's latency ``a_P`` once if it has any member (``y_P >= x`` for every
 variable ``x`` of ``S_P``, ``+ a_P y_P``; a fixed charge on edges), its members their share of
-the other buckets' (``LogicalMesh.bucketed_cost``).
+the other buckets' (``LogicalMesh.bucketed_cost``). A pool of ZeRO-3 group latencies
+(``Pool.grouped``, weight 0) pays ``w_P = max(a_P y_P, S_P)``: one group's latencies once any
+use is grouped, its members' shares of them (``S_P``) past that (``w_P >= a_P y_P``,
+``w_P >= S_P``, minimized).
 
 Activation checkpointing (rematerialization; Chen et al. 2016, "Training Deep Nets with
 Sublinear Memory Cost"; Alpa's remat): a ``RematGroup`` ``l`` (a layer) holds the bytes
@@ -167,6 +170,9 @@ class Pool:
         held_extra / held_edges: the same, of members that never hide (the parameters used first:
             their gradients complete when backward ends); they are no part of ``S_P`` but pay
             ``latency``.
+        grouped: the latencies of ZeRO-3 groups (weight 0: they hide nothing): the pool pays
+            ``max(latency, S_P)`` when any member is chosen, one group's latencies at least,
+            else its members' shares of them (``S_P``), instead of ``latency`` once.
     """
 
     unhidden: float
@@ -176,6 +182,7 @@ class Pool:
     edges: dict[tuple[int, int], list[list[float]]] = field(default_factory=dict)
     held_extra: dict[int, list[float]] = field(default_factory=dict)
     held_edges: dict[tuple[int, int], list[list[float]]] = field(default_factory=dict)
+    grouped: bool = False
 
     def add_edge(self, u: int, v: int, matrix: list[list[float]], hides: bool = True) -> None:
         """Add (or accumulate into) the pool's seconds on ``u -> v`` (``CostGraph.add_edge``);
@@ -194,6 +201,13 @@ class Pool:
         """``S_P``: the pool's seconds under ``choice``."""
         return (sum(vec[choice[v]] for v, vec in self.extra.items())
                 + sum(m[choice[u]][choice[v]] for (u, v), m in self.edges.items()))
+
+    def paid(self, choice) -> float:
+        """Seconds the pool adds to the objective under ``choice`` before what it hides: its
+        ``latency`` once when used, a grouped pool's ``max(latency, S_P)``."""
+        if not (self.latency and self.used(choice)):
+            return 0.0
+        return max(self.latency, self.seconds(choice)) if self.grouped else self.latency
 
     def bound(self) -> float:
         """``U_P``: the largest ``S_P`` of any assignment, or more."""
@@ -269,7 +283,7 @@ class CostGraph:
                 + sum(m[choice[u]][t] for (u, readers), m in self.moves.items()
                       for t in {wants[choice[v]] for v, wants in readers} if t >= 0)
                 + sum(g.recompute(choice) for g, r in zip(self.remat, remat) if r)
-                + sum(p.latency for p in self.pools.values() if p.latency and p.used(choice))
+                + sum(p.paid(choice) for p in self.pools.values())
                 - self.hidden(choice))
 
     def hidden(self, choice: list[int]) -> float:
@@ -277,7 +291,7 @@ class CostGraph:
         pool's ``max(0, S_P - c_P)``, larger weights first, within the backward compute."""
         budget = sum(vec[choice[v]] for v, vec in self.backward.items())
         total = 0.0
-        for pool in sorted(self.pools.values(), key=lambda p: -p.weight):
+        for pool in sorted((p for p in self.pools.values() if p.weight), key=lambda p: -p.weight):
             h = max(0.0, min(pool.seconds(choice) - pool.unhidden, budget))
             budget -= h
             total += pool.weight * h
@@ -405,9 +419,12 @@ def _solver(time_limit: float, name: str, node_limit: int | None):
         return _HiGHS(msg=False, timeLimit=time_limit, threads=1, random_seed=0, gapRel=1e-7, gapAbs=1e-12,
                       mip_allow_restart=False, presolve_rule_off=1 << 15, **nodes)
     # CBC's primal heuristics cost more than they save on these small problems (3x on the
-    # per-layer ILPs of GPT-3 39B): branch and bound from the feasible start ``solve`` gives
+    # per-layer ILPs of GPT-3 39B): branch and bound from the feasible start ``solve`` gives.
+    # No objective increment: the one CBC derives from the objective's coefficients pruned the
+    # optimum of tests/test_ilp.py's Megatron MLP once ZeRO-3 groups' latencies came in
+    # (``Pool.grouped``'s continuous ``w``): "optimal" 1.4e-5 above HiGHS's optimum
     return _CBC(msg=False, timeLimit=time_limit, threads=1, warmStart=True, maxNodes=node_limit,
-                options=["randomSeed 1", "randomCbcSeed 1", "heuristicsOnOff off"])
+                options=["randomSeed 1", "randomCbcSeed 1", "heuristicsOnOff off", "increment 1e-12"])
 
 
 def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float = 60.0,
@@ -664,13 +681,19 @@ def _overlap_terms(prob, graph: CostGraph, pools: dict[int, Pool], pool_terms: d
         if pool.latency:
             members = pool_terms[k, True] + pool_terms[k, False]
             if any(x is None and c > 0 for x, c in members):
-                add(None, pool.latency)
+                y = None
             else:
                 y = pulp.LpVariable(f"pool_y_{k}", lowBound=0, upBound=1)
-                add(y, pool.latency)
                 for i, (x, c) in enumerate(members):
                     if c > 0:
                         _at_most(prob, [(x, 1.0), (y, -1.0)], f"pool_y_{k}_{i}")
+            if pool.grouped:  # w >= latency y, w >= S_P: w = max(latency y, S_P), in units of ``seconds``
+                w = pulp.LpVariable(f"pool_w_{k}", lowBound=0)
+                add(w, seconds)
+                _at_most(prob, [(y, pool.latency / seconds), (w, -1.0)], f"pool_w_{k}")
+                _at_most(prob, [(x, c / seconds) for x, c in pool_terms[k, True]] + [(w, -1.0)], f"pool_ws_{k}")
+            else:
+                add(y, pool.latency)
         if not _hides(pool):
             continue
         terms = [(x, -c / seconds) for x, c in pool_terms[k, True]]

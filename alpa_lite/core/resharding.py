@@ -199,7 +199,11 @@ class ReshardCosts:
         over exactly those axes (else ``math.inf``: the ILP forbids the pair); ZeRO-2 syncs by a
         reduce-scatter instead of an all-reduce. ``reduced``: the mesh axes along which the
         producing op all-reduced ``src`` though it could have left it partial. A parameter's
-        ZeRO-3 use (``regathers``) pays its forward steps twice: backward gathers it again."""
+        ZeRO-3 use (``regathers``) pays its forward steps twice: backward gathers it again. One
+        a ZeRO-3 group can take (``grouped_steps``) pays the bandwidth terms of its all-gather
+        (twice) and its gradient's reduce-scatter (``LogicalMesh.marginal_cost``): the runtime
+        moves the group by one flat collective each (``core.plan.zero3_groups``), whose latencies
+        the cost graph charges per group (``compiler.cost_graph``)."""
         key = (src, dst, grad_partial, tuple(shape), itemsize, parameter, zero, reduced)
         cost = self._cache.get(key)
         sync = parameter and is_gradient_sync(src, dst, grad_partial)
@@ -211,6 +215,13 @@ class ReshardCosts:
             if any(s.kind == "reduce-scatter" and s.axis in reduced
                    for s in forward_steps(unreduced, dst, shape, itemsize, self.mesh.shape)):
                 cost = self._cache[key] = math.inf
+        grouped = grouped_steps(src, dst, grad_partial, shape, itemsize, self.mesh.shape) \
+            if cost is None and parameter else None
+        if grouped is not None:  # a ZeRO-3 group's member: bandwidth (its latencies: the cost graph's)
+            axes = (grouped[0].axis,)
+            cost = self._cache[key] = math.inf if "all-gather" in self.forbid else (
+                2 * self.mesh.marginal_cost("all-gather", grouped[0].nbytes, axes)
+                + self.mesh.marginal_cost("reduce-scatter", grouped[1].nbytes, axes))
         if cost is None and sync:
             nbytes = itemsize * math.prod(src.local_shape(shape, self.mesh.shape))
             axes = tuple(sorted(grad_partial))

@@ -352,6 +352,59 @@ class _Copy:
         self.gather()
 
 
+def _copy_out(flat: torch.Tensor, shapes: list, dims: list[int], n: int) -> list[torch.Tensor]:
+    """The gathered copies of a ZeRO-3 group's members from its flat all-gather ``flat``
+    (``n`` rows, one per group rank, each the members' shards of ``shapes`` concatenated, 1-D):
+    member ``j``'s is its shard with dim ``dims[j]`` ``n`` times longer (FSDP's copy-out)."""
+    rows = flat.view(n, -1)
+    fulls, offset = [], 0
+    for local, d in zip(shapes, dims):
+        size = math.prod(local)
+        part = rows[:, offset:offset + size].view(n, *local)
+        fulls.append(part.movedim(0, d).reshape(*local[:d], n * local[d], *local[d + 1:]))
+        offset += size
+    return fulls
+
+
+def _in_rank_order(grads: list, shards: list[torch.Tensor], dims: list[int], n: int) -> torch.Tensor:
+    """The input ``(n, total)`` of a ZeRO-3 group's gradient reduce-scatter: row ``j`` holds
+    every member's chunk ``j`` of its gradient (gathered shape, ``grads[i]``) along its gathered
+    dim ``dims[i]``, flattened and concatenated in member order (a member whose readers' backward
+    never came, None: zeros of its shard ``shards[i]``)."""
+    parts = [torch.zeros(n, s.numel(), dtype=s.dtype, device=s.device) if g is None
+             else g.unflatten(d, (n, g.shape[d] // n)).movedim(d, 0).reshape(n, -1)
+             for g, s, d in zip(grads, shards, dims)]
+    return torch.cat(parts, dim=1)
+
+
+class GroupGather(torch.autograd.Function):
+    """A ZeRO-3 group's flat collectives in a traced step (``functional_collectives``;
+    ``runtime/program.py``): forward, the members' shards (the same dtype, 1-D concatenated)
+    all-gathered by one functional ``all_gather_single`` over mesh ``axis`` and copied out
+    (``_copy_out``); backward, their gradients summed by one functional ``reduce_scatter_single``
+    (``_in_rank_order``), each member's part its shard's gradient. The collectives and layout of
+    ``GatherGroup``, without its re-gather in backward: a traced step keeps the gathered copies."""
+
+    @staticmethod
+    def forward(ctx, dims, axis, mesh, *shards):
+        ctx.args = (dims, axis, mesh)
+        ctx.shards = [s.detach() for s in shards]
+        flat = torch.cat([s.reshape(-1) for s in shards])
+        out = funcol.all_gather_single(flat, 0, mesh.groups[axis])
+        return tuple(_copy_out(out, [s.shape for s in shards], dims, mesh.shape[axis]))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        dims, axis, mesh = ctx.args
+        flat = _in_rank_order(list(grads), ctx.shards, dims, mesh.shape[axis])
+        out = funcol.reduce_scatter_single(flat.reshape(-1), "sum", 0, mesh.groups[axis])
+        parts, offset = [], 0
+        for s in ctx.shards:
+            parts.append(out[offset:offset + s.numel()].view(s.shape))
+            offset += s.numel()
+        return (None, None, None, *parts)
+
+
 class GatherGroup:
     """One run's flat collectives of a ZeRO-3 group (``core.plan.zero3_groups``): the members'
     shards (1-D concatenated, as FSDP's flat parameter: Zhao et al., VLDB 2023, section 3.2)
@@ -410,11 +463,7 @@ class GatherGroup:
         if self._work is not None:
             _done(self._work, f"the all-gather of a ZeRO-3 group ({phase}) over mesh axes ({self.axis},)")
             self._work = None
-            rows = self._out.view(self.n, self.total)
-            for j, (shard, d) in enumerate(zip(self.shards, self.dims)):
-                local = shard.shape
-                part = rows[:, self.offsets[j]:self.offsets[j] + self.sizes[j]].view(self.n, *local)
-                self._fulls.append(part.movedim(0, d).reshape(*local[:d], self.n * local[d], *local[d + 1:]))
+            self._fulls = _copy_out(self._out, [s.shape for s in self.shards], self.dims, self.n)
             self._out = None
         full, self._fulls[i] = self._fulls[i], None
         return full
@@ -438,7 +487,7 @@ class GatherGroup:
         if len(self.shards) == 1 and self.dims[0] == 0 and g is not None and g.is_contiguous():
             flat = g.view(self.n, self.total)  # one member split on dim 0: already laid out by rank
         else:
-            flat = self._in_rank_order()
+            flat = _in_rank_order(self._grads, self.shards, self.dims, self.n)
         self._grads = [None] * len(self.shards)
         out = flat.new_empty(self.total)
         with _issued("reduce-scatter", "backward", (self.axis,), "of a ZeRO-3 group's gradients"):
@@ -446,19 +495,6 @@ class GatherGroup:
             if _timing:
                 work.wait()
         self._reduce = (work, out)
-
-    def _in_rank_order(self) -> torch.Tensor:
-        """The reduce-scatter's input ``(n, total)``: row ``j`` holds every member's chunk ``j``
-        of its gradient along its gathered dim (a member whose readers' backward never came: zeros)."""
-        flat = self.shards[0].new_empty(self.n, self.total)
-        for i, g in enumerate(self._grads):
-            part = flat[:, self.offsets[i]:self.offsets[i] + self.sizes[i]].view(self.n, *self.shards[i].shape)
-            if g is None:
-                part.zero_()
-            else:
-                d = self.dims[i]
-                part.copy_(g.unflatten(d, (self.n, g.shape[d] // self.n)).movedim(d, 0))
-        return flat
 
     def finish(self) -> None:
         """Start the reduce-scatter if some member's gradient never came, wait, and add each

@@ -62,8 +62,8 @@ from ..core.capture import CapturedGraph
 from ..core.losses import MEAN, SUM, is_ratio, ratio_parts
 from ..core.plan import NodePlan, Plan, zero3_groups, zero3_uses
 from ..core.resharding import forward_steps
-from .collectives import (AllReducePartial, AllReduceShared, GatheredParameters, GatherGroup, MeshGroups,
-                          all_reduce_max, functional, recomputing, reshard)
+from .collectives import (AllReducePartial, AllReduceShared, GatheredParameters, GatherGroup, GroupGather,
+                          MeshGroups, all_reduce_max, functional, recomputing, reshard)
 from .lowering import recomputed, seeded_call
 
 aten = torch.ops.aten
@@ -260,7 +260,7 @@ class LocalExecutor:
         ZeRO-3 use of ``zero3``, the scope of the nodes run (default: outside recomputed layers),
         with ``gathered``, by ``gathered.move`` and dropped after its last reader)."""
         zero3 = zero3 or self.outside
-        if gathered is not None and node.name in self.early and node.name in values:
+        if (gathered is not None or functional()) and node.name in self.early and node.name in values:
             return values[node.name]  # run ahead for its ZeRO-3 group
         d = self.dispatch[node.name]
         if d.getitem is not None:
@@ -277,6 +277,8 @@ class LocalExecutor:
                         moved[key] = gathered.move(key, values[src], src_spec, dst_spec, grad_partial, shape,
                                                    self.mesh, member)
                         self._prefetch(gathered, values, moved, member[0] if member is not None else key, zero3)
+                    elif functional() and key in zero3.member:  # traced: the group's flat collectives
+                        self._gather_traced(values, moved, zero3.member[key][0], zero3)
                     else:
                         moved[key] = reshard(values[src], src_spec, dst_spec, grad_partial, shape, self.mesh)
                 except RuntimeError as e:
@@ -311,14 +313,28 @@ class LocalExecutor:
         low-precision cast of a member not run yet runs now (``early``: its node then returns
         this value)."""
         def make():
-            keys = zero3.groups[g]
-            for src in (k[0] for k in keys if k[0] not in values):
-                values[src] = self._call(self.cg.node(src), values, moved, gathered, zero3)
-            steps = [forward_steps(k[1], k[2], zero3.uses[k], values[k[0]].element_size(), self.mesh.shape)[0]
-                     for k in keys]
+            keys, steps = self._members(values, moved, g, zero3, gathered)
             return GatherGroup([values[k[0]] for k in keys], [st.dim for st in steps],
                                [values[self._param_of[k[0]]] for k in keys], steps[0].axis, self.mesh)
         gathered.start_group(g, make)
+
+    def _members(self, values, moved: dict, g: int, zero3: Zero3Scope, gathered: GatheredParameters | None = None
+                 ) -> tuple[list[tuple], list]:
+        """ZeRO-3 group ``g`` of ``zero3``: its keys and their forward all-gather steps; a
+        low-precision cast of a member not run yet runs now (``early``: its node then returns
+        this value)."""
+        keys = zero3.groups[g]
+        for src in (k[0] for k in keys if k[0] not in values):
+            values[src] = self._call(self.cg.node(src), values, moved, gathered, zero3)
+        return keys, [forward_steps(k[1], k[2], zero3.uses[k], values[k[0]].element_size(), self.mesh.shape)[0]
+                      for k in keys]
+
+    def _gather_traced(self, values, moved: dict, g: int, zero3: Zero3Scope) -> None:
+        """ZeRO-3 group ``g`` of ``zero3`` moved in a traced run (``functional()``) by its flat
+        collectives (``collectives.GroupGather``): every member's gathered copy into ``moved``."""
+        keys, steps = self._members(values, moved, g, zero3)
+        fulls = GroupGather.apply([st.dim for st in steps], steps[0].axis, self.mesh, *(values[k[0]] for k in keys))
+        moved.update(zip(keys, fulls))
 
     def _prefetch(self, gathered: GatheredParameters, values, moved: dict, unit, zero3: Zero3Scope) -> None:
         """Start the all-gather of the ZeRO-3 unit after ``unit`` (a group's index or a use's key;

@@ -45,9 +45,9 @@ again, collectives included, with nothing reading it.
 A ZeRO-3 parameter's gathered copy is kept for backward in both programs (the interpreter
 gathers it again, ``collectives.GatheredParameters``, whose saved-tensor hooks key on storage
 addresses that traced tensors do not have): the programs' backward lacks those re-gathers of the
-plan, and they move the members of a ZeRO-3 group (``core.plan.zero3_groups``) one by one, an
-all-gather and a gradient reduce-scatter each, where the plan lists the group's flat collectives
-(in a recomputed layer: in its forward and again in its recomputation).
+plan. A ZeRO-3 group (``core.plan.zero3_groups``) moves by the plan's flat collectives, one
+all-gather and one gradient reduce-scatter (``collectives.GroupGather``; in a recomputed layer:
+the all-gather in its forward and again in its recomputation), as the interpreter moves it.
 
 Not lowered (``ValueError`` when the program is built): in-place writes to stored tensors (an
 ``embedding_renorm_`` of ``max_norm``, which the interpreter writes back into the stored shard
@@ -211,8 +211,7 @@ class RankProgram:
     def collectives(self) -> Counter:
         """Collectives in the graph by kind (``"all-reduce"`` ...): the plan's forward and
         backward ones (``Plan.collectives`` of those phases, gradient buckets excluded), less the
-        backward re-gathers of ZeRO-3 copies, with a ZeRO-3 group's moved per member (module
-        docstring)."""
+        backward re-gathers of ZeRO-3 copies (module docstring)."""
         return _graph_collectives(self.graph_module)
 
 
