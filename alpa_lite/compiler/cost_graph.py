@@ -16,7 +16,8 @@ of its reader edges can want is priced by one shared move (``CostGraph.moves``),
 
 What backward hides (``CostGraph.pools``, ``ilp.Pool``; docs/planner.md, "One price"): a
 parameter edge's gradient sync joins the pool of its bucket's kind and mesh axes (its marginal
-seconds, as the edge pays them), and a ZeRO-3 use a group can take (``resharding.grouped_steps``)
+seconds, as the edge pays them; so does the sync of a lookup's output where its weight's
+gradient is bucketed instead, ``CapturedGraph.param_lookups``, priced at the weight's bytes), and a ZeRO-3 use a group can take (``resharding.grouped_steps``)
 its reduce-scatter's seconds to the ZeRO-3 pool; each node's compute times ``BACKWARD_SHARE``
 is what hides them (``CostGraph.backward``; a parameter's, its optimizer update, hides nothing),
 as ``core.plan.hidden_seconds`` prices a listing.
@@ -34,7 +35,7 @@ import torch
 from ..core.capture import CapturedGraph
 from ..core.mesh import LogicalMesh
 from ..core.options import PlanOptions
-from ..core.plan import BACKWARD_SHARE, first_use_positions
+from ..core.plan import BACKWARD_SHARE, first_use_positions, local_bytes
 from ..core.resharding import ReshardCosts, grouped_steps, is_gradient_sync, regathers, reshard_costs, step_cost
 from ..core.spec import ShardingSpec
 from .ilp import CostGraph, Pool, RematGroup
@@ -126,6 +127,7 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
     readers: dict[tuple[str, int], list[tuple[int, tuple]]] = {}  # value -> reader edges (var, wanted per strategy)
     recomputed: dict[tuple[str, int], dict] = {}  # value -> {(var, wanted, group index)} read inside remat layers
     casts = cg.param_casts  # a parameter's low-precision copy: its gradient sync is bucketed too
+    lookups = cg.param_lookups  # a lookup of a weight read by nothing else: its output's sync is the weight's
     position = first_use_positions(cg)
     first = min((position[ph] for ph in cg.param_fqns if ph in table), default=None)
 
@@ -193,11 +195,15 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         zeros = tuple((src_ns.strategies[p].zero_stage, src_ns.strategies[p].zero_axes) for p in src.index)
         reduced = tuple(_reduced_in_op(src_ns, p, r) for p in src.index) if prefer_rs else None
         parameter = src_name in cg.param_fqns or src_name in casts
+        weight = lookups.get(src_name)  # a lookup's output: its gradient sync is its weight's, bucketed
+        sync_bytes = None if weight is None else tuple(
+            local_bytes(cg.node(weight).meta["val"], src_ns.strategies[p].in_specs[0], mesh.shape) for p in src.index)
         _price_value(graph, reshard, src.var, outs, zeros, reduced, edges, tuple(val.shape), val.element_size(),
-                     parameter)
-        if parameter:  # the parameters used first complete their gradients when backward ends
+                     parameter, sync_bytes)
+        if parameter or weight is not None:  # the parameters used first complete their gradients when backward ends
             _pool_parameter(graph, reshard, src.var, outs, zeros, edges, tuple(val.shape), val.element_size(),
-                            (options or PlanOptions()).bucket_bytes, position[casts.get(src_name, src_name)] != first)
+                            (options or PlanOptions()).bucket_bytes,
+                            position[weight or casts.get(src_name, src_name)] != first, sync_bytes)
         # forward only (no gradient); a forbidden pair: not chosen; a ZeRO-3 use: free, the
         # recomputation's gather replaces the backward's (``resharding.regathers``)
         for v, ins, i in recomputed.get((src_name, r), ()):
@@ -211,18 +217,20 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
 
 
 def _price_value(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple, zeros: tuple, reduced: tuple | None,
-                 edges: list, shape, itemsize: int, parameter: bool) -> None:
+                 edges: list, shape, itemsize: int, parameter: bool, sync_bytes: tuple | None = None) -> None:
     """Price the moves of one value (variable ``u``, ``outs[p]`` its spec under u's strategy p,
     ``zeros[p]`` its ZeRO ``(stage, axes)`` when it is a parameter, ``reduced[p]`` the axes its op
     all-reduced, ``ReshardCosts.matrix``) to its reader ``edges`` (``(v, ins)``,
     ``ins[q] = (spec, grad_partial)`` wanted under v's strategy q): a target two or more edges
     can want, where moving to it costs something, by one shared move; every other entry on its
     edge. A parameter's gradient sync stays on its edge (bucketed per use; ``ReshardCosts``), and
-    so does a move a switch forbids (``inf``)."""
+    so does a move a switch forbids (``inf``). ``sync_bytes[p]``: the value is a weight's lookup
+    (``CapturedGraph.param_lookups``) whose gradient sync is its weight's, of these local bytes
+    under u's strategy p, bucketed (``_lookup_sync``)."""
     wanted = Counter(t for _, ins in edges for t in dict.fromkeys(ins))  # first-use order, not hash order
 
     def once(o, t):  # the seconds of moving to t once, or 0 where it stays on the edge
-        if parameter and is_gradient_sync(o, *t):
+        if (parameter or sync_bytes is not None) and is_gradient_sync(o, *t):
             return 0.0
         cost = reshard(o, *t, shape, itemsize, parameter)
         return cost if math.isfinite(cost) else 0.0
@@ -231,6 +239,10 @@ def _price_value(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple, z
     index = {t: k for k, t in enumerate(shared)}
     for v, ins in edges:
         matrix = reshard.matrix(outs, ins, shape, itemsize, parameter, zeros, reduced)
+        if sync_bytes is not None:
+            sync = _lookup_sync(reshard, outs, ins, sync_bytes)
+            matrix = [[s if is_gradient_sync(o, *t) else c for t, c, s in zip(ins, row, srow)]
+                      for o, row, srow in zip(outs, matrix, sync)]
         if any(t in index for t in ins):
             matrix = [[c - once(o, t) if t in index else c for t, c in zip(ins, row)] for o, row in zip(outs, matrix)]
         graph.add_edge(u, v, matrix)
@@ -239,8 +251,16 @@ def _price_value(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple, z
                        [[once(o, t) for t in shared] for o in outs])
 
 
+def _lookup_sync(reshard: ReshardCosts, outs: tuple, ins: tuple, sync_bytes: tuple) -> list[list[float]]:
+    """``[p][q]``: seconds of a lookup's output edge (``_price_value``) that syncs its gradient
+    (``is_gradient_sync``), as its weight's bucketed all-reduce of ``sync_bytes[p]`` over the
+    edge's gradient axes (``LogicalMesh.bucketed_cost``); 0 elsewhere."""
+    return [[reshard.mesh.bucketed_cost("all-reduce", b, tuple(sorted(gp)), reshard.bucket_bytes)
+             if is_gradient_sync(o, spec, gp) else 0.0 for spec, gp in ins] for o, b in zip(outs, sync_bytes)]
+
+
 def _pool_parameter(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple, zeros: tuple, edges: list, shape,
-                    itemsize: int, bucket_bytes: float, hides: bool) -> None:
+                    itemsize: int, bucket_bytes: float, hides: bool, sync_bytes: tuple | None = None) -> None:
     """Add what backward may hide of one parameter's uses (``outs``, ``zeros``, ``edges`` as
     ``_price_value``) to the cost graph's pools: each gradient sync's seconds on its edge to the
     pool of its bucket's (kind, mesh axes), and each groupable ZeRO-3 use's reduce-scatter to the
@@ -248,17 +268,19 @@ def _pool_parameter(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple
     (a bucket priced as its members, ``LogicalMesh.bucketed_cost``); an all-reduce pool pays one
     latency when any parameter syncs in it (a reduce-scatter's: ZeRO-2's fixed charge). ``hides``
     False: a parameter used first, in the bucket (group) completed last, whatever its size: a
-    member that pays the pool's latency, not part of what hides."""
+    member that pays the pool's latency, not part of what hides. ``sync_bytes``: of a weight's
+    lookup, as ``_price_value``'s."""
     mesh = reshard.mesh
     for v, ins in edges:
-        sync = reshard.sync_matrix(outs, ins, shape, itemsize, zeros)
+        sync = (reshard.sync_matrix(outs, ins, shape, itemsize, zeros) if sync_bytes is None
+                else _lookup_sync(reshard, outs, ins, sync_bytes))
         parts: dict[tuple, list[list[float]]] = {}
         for p, (row, (stage, _)) in enumerate(zip(sync, zeros)):
             for q, (c, (_, gp)) in enumerate(zip(row, ins)):
                 if c:
                     key = ("bucket", "reduce-scatter" if stage == 2 else "all-reduce", tuple(sorted(gp)))
                     parts.setdefault(key, [[0.0] * len(ins) for _ in outs])[p][q] = c
-                steps = grouped_steps(outs[p], *ins[q], shape, itemsize, mesh.shape)
+                steps = None if sync_bytes is not None else grouped_steps(outs[p], *ins[q], shape, itemsize, mesh.shape)
                 if steps is not None:
                     parts.setdefault(("groups",), [[0.0] * len(ins) for _ in outs])[p][q] = step_cost(steps[1], mesh)
         for key, matrix in parts.items():
