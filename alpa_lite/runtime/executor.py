@@ -153,8 +153,9 @@ class LocalExecutor:
             loss's all-reduce over one mesh axis is started asynchronously and not waited on
             (``DeferredLoss``): the loss node then returns the local partial sum (of a ratio: of
             its numerator), whose backward is the all-reduce's (identity), and its value is
-            ``pending_loss``'s. A multi-axis reduction, a vocab-parallel cross-entropy and a loss
-            read by another node are reduced as usual.
+            ``pending_loss``'s. A multi-axis reduction, a vocab-parallel cross-entropy, a loss
+            read by another node and one in a recomputed layer (its recomputation would save
+            other tensors) are reduced as usual.
         pending_loss: the ``DeferredLoss`` of each such run, in run order (the trainer pops them).
     """
 
@@ -396,8 +397,8 @@ class LocalExecutor:
         """Whether the all-reduce of the loss ``node`` over ``axes`` is deferred (``defer_loss``):
         then it is started on ``parts`` (detached, stacked) as a ``DeferredLoss`` whose local
         partial sum for backward is ``local``."""
-        if not (self.defer_loss and len(axes) == 1 and node.name == self.cg.loss_name and not functional()
-                and torch.is_grad_enabled() and all(u.op == "output" for u in node.users)):
+        if not (self.defer_loss and len(axes) == 1 and node.name == self.cg.loss_name and node.name not in self.remat
+                and not functional() and torch.is_grad_enabled() and all(u.op == "output" for u in node.users)):
             return False
         flat = torch.stack([t.detach() for t in parts]).contiguous().clone()
         self.pending_loss.append(DeferredLoss(local, all_reduce_async(flat, axes, self.mesh, "forward"), flat,
