@@ -196,8 +196,9 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         reduced = tuple(_reduced_in_op(src_ns, p, r) for p in src.index) if prefer_rs else None
         parameter = src_name in cg.param_fqns or src_name in casts
         weight = lookups.get(src_name)  # a lookup's output: its gradient sync is its weight's, bucketed
-        sync_bytes = None if weight is None else tuple(
-            local_bytes(cg.node(weight).meta["val"], src_ns.strategies[p].in_specs[0], mesh.shape) for p in src.index)
+        sync_bytes = None if weight is None else tuple(  # the weight as the lookup reads it (a cast: its dtype)
+            local_bytes(cg.node(src_name).args[0].meta["val"], src_ns.strategies[p].in_specs[0], mesh.shape)
+            for p in src.index)
         _price_value(graph, reshard, src.var, outs, zeros, reduced, edges, tuple(val.shape), val.element_size(),
                      parameter, sync_bytes)
         if parameter or weight is not None:  # the parameters used first complete their gradients when backward ends

@@ -47,14 +47,17 @@ def defer_gradient_sync(cg: CapturedGraph, nodes: dict[str, NodePlan]
     spec = {ph: nodes[ph].out_specs[0] for ph in uses if ph in nodes}
     # a lookup that reads its weight as stored: its readers' edges are the weight's uses, in the lookup's output spec
     for e, ph in cg.param_lookups.items():
-        if (e in nodes and ph in nodes and nodes[e].in_specs[0] == spec[ph] and not nodes[e].grad_partial[0]
-                and not nodes[e].partial_axes):
+        read = nodes[e].inputs[0] if e in nodes else None  # the parameter, or its cast
+        if (ph in nodes and (read == ph or read in through) and nodes[e].in_specs[0] == spec[ph]
+                and not nodes[e].grad_partial[0] and not nodes[e].partial_axes):
             through[e], spec[ph] = ph, nodes[e].out_specs[0]
     for name, np_ in nodes.items():
         for i, src in enumerate(np_.inputs):
+            if name in through and through.get(src, src) == through[name]:
+                continue  # a cast's or a lookup's read of its parameter (or of the parameter's cast)
             if src in through:
                 uses[through[src]].append((name, i))
-            elif src in uses and name not in through:
+            elif src in uses:
                 uses[src].append((name, i))
     out, deferred = dict(nodes), {}
     for ph, edges in uses.items():

@@ -126,15 +126,19 @@ class CapturedGraph:
     @property
     def param_lookups(self) -> dict[str, str]:
         """Node name -> parameter placeholder, for every row lookup (``aten.embedding`` of the
-        weight, ``aten.index.Tensor`` of it) that is the only reader of a trainable parameter.
+        weight, ``aten.index.Tensor`` of it) that is the only reader of a trainable parameter (or
+        of its one low-precision cast, ``param_casts``, the parameter's only reader).
         Its backward is linear in its output's gradient (``embedding_dense_backward`` /
         ``index_put`` with accumulation), so a partial sum of that gradient gives a partial sum of
         the weight's: the gradient can be synchronized on the weight, in a bucket
         (``compiler.training_step.defer_gradient_sync``), instead of on the lookup's output."""
         out = {}
         for ph in self.param_fqns:
-            users = list(self.node(ph).users)
-            if len(users) == 1 and users[0].target in _LOOKUPS and users[0].args[0] is self.node(ph):
+            weight = self.node(ph)
+            users = list(weight.users)
+            if len(users) == 1 and users[0].target in _CASTS:
+                weight, users = users[0], list(users[0].users)
+            if len(users) == 1 and users[0].target in _LOOKUPS and users[0].args[0] is weight:
                 out[users[0].name] = ph
         return out
 
