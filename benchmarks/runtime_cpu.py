@@ -213,17 +213,37 @@ def worker(args) -> None:
         fully_shard(m, mesh=mesh, **({"mp_policy": mp} if mp else {}))
         return torch_runner(m, True)
 
-    zero3_only = args.only == "zero3"
-    if not zero3_only:
-        _manual_runners(args, model, mesh, runners, torch_runner, alpa_runner)
+    rows = set(args.rows.split(","))
+    if rows & {"dp", "auto"}:
+        runners["DDP"] = torch_runner(torch.nn.parallel.DistributedDataParallel(
+            copy.deepcopy(model), bucket_cap_mb=args.bucket_mib), True)
+    if "dp" in rows:
+        runners["alpa-lite DP"] = alpa_runner(force_data_parallel=True)
+    if rows & {"tp", "auto"}:
+        tp_model = copy.deepcopy(model)
+        parallelize_module(tp_model, mesh, {f"blocks.{i}.ffn.{name}": style for i in range(args.layers)
+                                            for name, style in (("fc", ColwiseParallel()), ("proj", RowwiseParallel()))})
+        runners["DTensor TP"] = torch_runner(tp_model, False)
+    if "tp" in rows:
+        specs = {fqn: "R" * p.dim() for fqn, p in model.named_parameters()}
+        for i in range(args.layers):
+            specs |= {f"blocks.{i}.ffn.fc.weight": "S1R", f"blocks.{i}.ffn.fc.bias": "S1",
+                      f"blocks.{i}.ffn.proj.weight": "RS1"}
+        # no all-gather: with one the ILP gathers the split weights for a data-parallel step (ZeRO-3) instead
+        runners["alpa-lite Megatron TP"] = alpa_runner(param_specs=specs, input_specs={"0": "RR", "1": "RR"},
+                                                       allow_all_gather=False)
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-    runners["FSDP2"] = fsdp2()
-    runners["alpa-lite ZeRO-3"] = alpa_runner(force_data_parallel=True, zero_stage=3)
-    runners["FSDP2 bf16"] = fsdp2(mp=bf16)
-    runners["alpa-lite ZeRO-3 bf16"] = alpa_runner(force_data_parallel=True, zero_stage=3, mixed_precision="bf16")
-    runners["FSDP2 remat"] = fsdp2(remat=True)
-    runners["alpa-lite ZeRO-3 remat"] = alpa_runner(force_data_parallel=True, zero_stage=3, remat="all")
-    if not zero3_only:
+    if rows & {"zero3", "auto"}:
+        runners["FSDP2"] = fsdp2()
+    if "zero3" in rows:
+        runners["alpa-lite ZeRO-3"] = alpa_runner(force_data_parallel=True, zero_stage=3)
+    if "bf16" in rows:
+        runners["FSDP2 bf16"] = fsdp2(mp=bf16)
+        runners["alpa-lite ZeRO-3 bf16"] = alpa_runner(force_data_parallel=True, zero_stage=3, mixed_precision="bf16")
+    if "remat" in rows:
+        runners["FSDP2 remat"] = fsdp2(remat=True)
+        runners["alpa-lite ZeRO-3 remat"] = alpa_runner(force_data_parallel=True, zero_stage=3, remat="all")
+    if "auto" in rows:
         runners["alpa-lite auto"] = alpa_runner()
     results = _run_interleaved(runners, batches, args.warmup)
     gathered = [None] * n
@@ -232,27 +252,6 @@ def worker(args) -> None:
         Path(args.result).write_text(json.dumps(gathered))
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _manual_runners(args, model, mesh, runners, torch_runner, alpa_runner) -> None:
-    """The data-parallel and tensor-parallel runs (the rows before ZeRO-3) into ``runners``."""
-    import torch
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    runners["DDP"] = torch_runner(torch.nn.parallel.DistributedDataParallel(
-        copy.deepcopy(model), bucket_cap_mb=args.bucket_mib), True)
-    runners["alpa-lite DP"] = alpa_runner(force_data_parallel=True)
-    tp_model = copy.deepcopy(model)
-    parallelize_module(tp_model, mesh, {f"blocks.{i}.ffn.{name}": style for i in range(args.layers)
-                                        for name, style in (("fc", ColwiseParallel()), ("proj", RowwiseParallel()))})
-    runners["DTensor TP"] = torch_runner(tp_model, False)
-    specs = {fqn: "R" * p.dim() for fqn, p in model.named_parameters()}
-    for i in range(args.layers):
-        specs |= {f"blocks.{i}.ffn.fc.weight": "S1R", f"blocks.{i}.ffn.fc.bias": "S1",
-                  f"blocks.{i}.ffn.proj.weight": "RS1"}
-    # no all-gather: with one the ILP gathers the split weights for a data-parallel step (ZeRO-3) instead
-    runners["alpa-lite Megatron TP"] = alpa_runner(param_specs=specs, input_specs={"0": "RR", "1": "RR"},
-                                                   allow_all_gather=False)
 
 
 def main() -> int:
@@ -269,8 +268,9 @@ def main() -> int:
     ap.add_argument("--out", default="docs/runtime_cpu.md")
     ap.add_argument("--cluster", default=None, help="cluster JSON the alpa-lite plans are made for (default: profile "
                     "this machine first, into the --out file's *_cluster.json)")
-    ap.add_argument("--only", choices=("all", "zero3"), default="all",
-                    help="zero3: only the ZeRO-3 rows (FSDP2 and alpa-lite ZeRO-3, plain, bf16 and remat)")
+    ap.add_argument("--rows", default="dp,tp,zero3,bf16,remat,auto",
+                    help="comparisons to run (comma-separated of dp, tp, zero3, bf16, remat, auto); auto builds "
+                    "DDP, DTensor TP and FSDP2 for its fastest manual setup")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--result", default=None)
     args = ap.parse_args()
@@ -297,15 +297,14 @@ def main() -> int:
     result.unlink()
     # rank 0's median step time (every step starts at a barrier); the largest peak over the ranks
     r = {k: (t, s, max(rr[k][2] for rr in per_rank), pred) for k, (t, s, _, pred) in per_rank[0].items()}
-    fastest = min(("DDP", "DTensor TP", "FSDP2"), key=lambda k: r[k][0]) if "DDP" in r else None
-    rows = [  # label, alpa-lite, PyTorch, time target, memory target (issues 12 and 13)
+    fastest = min((k for k in ("DDP", "DTensor TP", "FSDP2") if k in r), key=lambda k: r[k][0], default=None)
+    rows = [row for row in [  # label, alpa-lite, PyTorch, time target, memory target (issues 12 and 13)
         ("data parallel", "alpa-lite DP", "DDP", 1.00, None),
         ("tensor parallel", "alpa-lite Megatron TP", "DTensor TP", 1.00, None),
         ("ZeRO-3", "alpa-lite ZeRO-3", "FSDP2", 1.05, None),
         ("bf16 mixed, ZeRO-3", "alpa-lite ZeRO-3 bf16", "FSDP2 bf16", 1.10, 1.00),
         ("remat, ZeRO-3", "alpa-lite ZeRO-3 remat", "FSDP2 remat", 1.10, 1.00),
-        ("auto vs fastest manual", "alpa-lite auto", fastest, 1.00, None)]
-    rows = [row for row in rows if row[1] in r]
+        ("auto vs fastest manual", "alpa-lite auto", fastest, 1.00, None)] if row[1] in r]
     table = Table(title=f"runtime on {args.nproc} CPU processes (gloo): GPT hidden {args.hidden}, {args.layers} layers, "
                         f"batch {args.batch}, seq {args.seq}")
     heads = ["", "alpa-lite step ms", "alpa-lite predicted ms", "PyTorch step ms", "time ratio", "alpa-lite peak MiB",

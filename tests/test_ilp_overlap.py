@@ -18,6 +18,7 @@ from alpa_lite.compiler.zero import add_zero_strategies
 from alpa_lite.core.capture import capture
 from alpa_lite.core.options import PlanOptions
 from alpa_lite.core.plan import first_use_positions, gradient_buckets, local_bytes, zero3_groups, zero3_uses
+from alpa_lite.zoo.models import build_model
 
 from test_ilp import random_graph
 from test_planner import MLP
@@ -299,3 +300,46 @@ def test_zero3_objective_is_its_listing_of_every_zero3_assignment(dp_mlp, bucket
     shares = 4 * (64 * 64 * 4 + 64 * 4) / bucket  # one 25 MiB group: exact; four groups 0.98 full: 0.085 under
     assert latency_gap(cg, every, bucket) == pytest.approx(
         3 * alpha * (max(1, shares) - (1 if bucket > 2**24 else 4)), rel=1e-9, abs=1e-18)
+
+
+def gap_to_listing(p, bucket: float) -> float:
+    """The ILP objective of data-parallel plan ``p`` less its listing's step (compute +
+    collectives - what backward hides, the ILP's hidden seconds), latencies counted as the
+    objective counts them: per gradient its share ``min(1, b / bucket_bytes)`` and one for the
+    pool, where the listing pays one per bucket (as in the test above), seconds."""
+    cg, mesh = p.captured, p.mesh
+    shares = sum(min(1.0, local_bytes(cg.node(ph).meta["val"], p.nodes[ph].out_specs[0], mesh.shape) / bucket)
+                 for ph in p.grad_sync)
+    buckets = [c for c in p.collectives if c.node.startswith("gradient bucket")]
+    alpha = mesh.collective_cost("all-reduce", 0, (1,))
+    return p.stats["ilp_objective"] - (p.step_seconds + p.overlap_seconds - p.stats["ilp_hidden"]
+                                       + alpha * (shares + 1 - len(buckets)))
+
+
+@pytest.mark.parametrize("bucket", [25 * 2**20, 2**16])
+def test_position_embedding_gradient_is_bucketed_as_the_ilp_prices_it(bucket, monkeypatch):
+    """GPT's position embedding (``wpe``, read only by its lookup, whose replicated output is
+    added to the batch-split token embedding): in the data-parallel plan its output's gradient is
+    a partial sum over the batch axis, back-propagated unsynchronized, and ``wpe``'s gradient
+    joins the buckets (``CapturedGraph.param_lookups``; as DDP buckets it) instead of a blocking
+    all-reduce on the lookup's edge (4 KiB here, listed without the lookups). The ILP prices
+    it as listed: its objective's gap to the listing (``gap_to_listing``) is the one it has with
+    the blocking all-reduce, to 1e-9 of the step (a price of the edge's all-reduce where the
+    listing has a bucket member moves it by about one latency, 1e-4 s, 4% of the step)."""
+    model, example = build_model("gpt-tiny", 8, 16, device="cpu")
+    mesh = LogicalMesh((1, 4), cluster="cpu-gloo")
+    p = plan(model, example, mesh, force_data_parallel=True, bucket_bytes=bucket)
+    cg = p.captured
+    (lookup, wpe), = ((n, ph) for n, ph in cg.param_lookups.items() if cg.param_fqns[ph] == "wpe.weight")
+    assert p.grad_sync[wpe] == (1,)
+    assert [c for c in p.collectives if c.phase == "backward" and not c.node.startswith("gradient bucket")] == []
+    assert all(not gp for np_ in p.nodes.values() for src, gp in zip(np_.inputs, np_.grad_partial) if src == lookup)
+    members = [ph for _, _, ms in gradient_buckets(cg, p.nodes, p.grad_sync, mesh.shape, bucket) for ph in ms]
+    assert sorted(members) == sorted(cg.param_fqns)
+    assert (sum(c.node.startswith("gradient bucket") for c in p.collectives) > 1) == (bucket < 2**20)
+    monkeypatch.setattr(type(cg), "param_lookups", property(lambda self: {}))
+    blocking = plan(model, example, mesh, force_data_parallel=True, bucket_bytes=bucket)
+    assert wpe not in blocking.grad_sync
+    assert [(c.kind, c.nbytes) for c in blocking.collectives if c.phase == "backward"
+            and not c.node.startswith("gradient bucket")] == [("all-reduce", 16 * 64 * 4)]
+    assert gap_to_listing(p, bucket) == pytest.approx(gap_to_listing(blocking, bucket), abs=1e-9 * p.step_seconds)

@@ -161,13 +161,20 @@ MEGATRON = {"emb.weight": "RS1", "fc1.weight": "S1R", "fc1.bias": "S1", "fc2.wei
 
 def test_spmd_losses_equal_single_process(tmp_path):
     """Data parallel, 2D (data x tensor) and ZeRO-3 on 2x2: every shard holds a different number
-    of valid targets (one none in the last step)."""
+    of valid targets (one none in the last step). On 1 x 4 the data-parallel loss is reduced over
+    one axis, so its all-reduce is deferred to the step's end and backward runs from the local
+    sum (a token mean's gradients divided by the count after their sync, runtime/executor.py):
+    data parallel, ZeRO-2 and ZeRO-3 there, each loss kind (ratio, sum, static mean)."""
     plans = {"dp": {"force_data_parallel": True}, "2d": {"batch_axis": 0, "param_specs": MEGATRON},
              "zero3": {"force_data_parallel": True, "param_specs": ZERO3}}
     cases = {f"{p}_{loss}_sgd": {"loss": loss, "optimizer": "sgd", "options": o}
              for p, o in plans.items() for loss in LOSSES}
     cases |= {f"{p}_{loss}_adamw": {"loss": loss, "optimizer": "adamw", "options": o}
               for p, o in plans.items() for loss in ("ce_ignore", "masked_mean")}
+    line = {"dp_1x4": {"force_data_parallel": True}, "zero2_1x4": {"force_data_parallel": True, "zero_stage": 2},
+            "zero3_1x4": {"force_data_parallel": True, "param_specs": ZERO3}}
+    cases |= {f"{p}_{loss}_{opt}": {"loss": loss, "optimizer": opt, "options": o, "mesh": [1, 4]}
+              for p, o in line.items() for loss in ("ce_ignore", "ce_sum", "plain_mean") for opt in ("sgd", "adamw")}
     _check(_run(tmp_path, cases))
 
 

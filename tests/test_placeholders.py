@@ -27,6 +27,8 @@ from placeholders import MODELS, Pooled, Structured  # noqa: E402  (the worker's
 PIPE = {"num_stages": 2, "num_microbatches": 1}
 CASES = [
     ["frozen", "dp", {"force_data_parallel": True}],
+    # 1 x 4: the loss's all-reduce over one axis is deferred to the step's end (runtime/executor.py)
+    ["frozen", "dp-1x4", {"force_data_parallel": True, "mesh": "1x4"}],
     ["frozen", "megatron", {"batch_axis": 0, "param_specs": {"fc1.weight": "S1R", "fc2.weight": "RS1"}}],
     ["frozen", "2d", {"param_specs": {"fc1.weight": "S01R", "emb.weight": "RS01"}}],
     ["frozen", "zero", {"force_data_parallel": True, "param_specs": {"fc1.weight": "S01R", "fc2.weight": "S01R"}}],

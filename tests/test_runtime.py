@@ -45,6 +45,10 @@ CASES = {
     }),
     "gpt-tiny": dict(batch=8, seq=16, plans={
         "dp": {"force_data_parallel": True},
+        # 1 x 4: the token-mean loss's all-reduce (one axis) deferred to the step's end, the
+        # gradients divided by the count after their sync; wpe's gradient bucketed
+        "dp-1x4": {"mesh": "1x4", "force_data_parallel": True},
+        "dp-1x4-sgd": {"mesh": "1x4", "force_data_parallel": True, "optimizer": "sgd"},
         "megatron": {"batch_axis": 0, "param_specs": megatron("blocks.", 2)},
         "2d": {"param_specs": megatron("blocks.", 2, "S01")},
         # Megatron-SP (partial sums reduce-scattered to sequence shards): what the ILP picks for
@@ -117,6 +121,11 @@ def test_runtime_collectives_equal_the_plan(results):
         assert r["runtime_counts"] == r["plan_counts"], (model, plan)
     if "dp" in res:
         assert res["dp"]["plan_counts"].get("all-reduce|backward", 0) > 0  # gradient sync happened
+    for name in ("dp", "dp-1x4") if model == "gpt-tiny" else ():
+        # nothing blocking in backward: the position embedding's gradient is bucketed (as DDP's)
+        assert [c for c in res[name]["collectives"] if c["phase"] == "backward"
+                and not c["node"].startswith("gradient bucket")] == [], name
+        assert res[name]["plan_counts"]["all-reduce|forward"] == (2 if name == "dp" else 1)  # the loss, per axis
     if "zero" in res:
         assert "all-gather|forward" in res["zero"]["plan_counts"] and "reduce-scatter|backward" in res["zero"]["plan_counts"]
     if model == "bert_layer:build":  # Megatron's count: 2 + 2 all-reduces per layer, q/k/v's input once

@@ -16,7 +16,8 @@ of its reader edges can want is priced by one shared move (``CostGraph.moves``),
 
 What backward hides (``CostGraph.pools``, ``ilp.Pool``; docs/planner.md, "One price"): a
 parameter edge's gradient sync joins the pool of its bucket's kind and mesh axes (its marginal
-seconds, as the edge pays them), and a ZeRO-3 use a group can take (``resharding.grouped_steps``)
+seconds, as the edge pays them; so does the sync of a lookup's output where its weight's
+gradient is bucketed instead, ``CapturedGraph.param_lookups``, priced at the weight's bytes), and a ZeRO-3 use a group can take (``resharding.grouped_steps``)
 its reduce-scatter's seconds to the ZeRO-3 pool; each node's compute times ``BACKWARD_SHARE``
 is what hides them (``CostGraph.backward``; a parameter's, its optimizer update, hides nothing),
 as ``core.plan.hidden_seconds`` prices a listing.
@@ -34,7 +35,7 @@ import torch
 from ..core.capture import CapturedGraph
 from ..core.mesh import LogicalMesh
 from ..core.options import PlanOptions
-from ..core.plan import BACKWARD_SHARE, first_use_positions
+from ..core.plan import BACKWARD_SHARE, first_use_positions, local_bytes
 from ..core.resharding import ReshardCosts, grouped_steps, is_gradient_sync, regathers, reshard_costs
 from ..core.spec import ShardingSpec
 from .ilp import CostGraph, Pool, RematGroup
@@ -128,6 +129,7 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
     scopes: dict[tuple[str, int], list[int | None]] = {}  # value -> per reader edge, the recomputed layer grouping it
     recomputed: dict[tuple[str, int], dict] = {}  # value -> {(var, wanted, group index)} read inside remat layers
     casts = cg.param_casts  # a parameter's low-precision copy: its gradient sync is bucketed too
+    lookups = cg.param_lookups  # a lookup of a weight read by nothing else: its output's sync is the weight's
     position = first_use_positions(cg)
     first = min((position[ph] for ph in cg.param_fqns if ph in table), default=None)
 
@@ -196,12 +198,16 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         zeros = tuple((src_ns.strategies[p].zero_stage, src_ns.strategies[p].zero_axes) for p in src.index)
         reduced = tuple(_reduced_in_op(src_ns, p, r) for p in src.index) if prefer_rs else None
         parameter = src_name in cg.param_fqns or src_name in casts
+        weight = lookups.get(src_name)  # a lookup's output: its gradient sync is its weight's, bucketed
+        sync_bytes = None if weight is None else tuple(  # the weight as the lookup reads it (a cast: its dtype)
+            local_bytes(cg.node(src_name).args[0].meta["val"], src_ns.strategies[p].in_specs[0], mesh.shape)
+            for p in src.index)
         _price_value(graph, reshard, src.var, outs, zeros, reduced, edges, tuple(val.shape), val.element_size(),
-                     parameter)
-        if parameter:  # the parameters used first complete their gradients when backward ends
+                     parameter, sync_bytes)
+        if parameter or weight is not None:  # the parameters used first complete their gradients when backward ends
             _pool_parameter(graph, reshard, src.var, outs, zeros, edges, scopes[(src_name, r)], tuple(val.shape),
                             val.dtype, (options or PlanOptions()).bucket_bytes,
-                            position[casts.get(src_name, src_name)] != first, pool_memo)
+                            position[weight or casts.get(src_name, src_name)] != first, pool_memo, sync_bytes)
         # forward only (no gradient); a forbidden pair: not chosen; a ZeRO-3 use: free, the
         # recomputation's gather replaces the backward's (``resharding.regathers``)
         for v, ins, i in recomputed.get((src_name, r), ()):
@@ -215,18 +221,20 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
 
 
 def _price_value(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple, zeros: tuple, reduced: tuple | None,
-                 edges: list, shape, itemsize: int, parameter: bool) -> None:
+                 edges: list, shape, itemsize: int, parameter: bool, sync_bytes: tuple | None = None) -> None:
     """Price the moves of one value (variable ``u``, ``outs[p]`` its spec under u's strategy p,
     ``zeros[p]`` its ZeRO ``(stage, axes)`` when it is a parameter, ``reduced[p]`` the axes its op
     all-reduced, ``ReshardCosts.matrix``) to its reader ``edges`` (``(v, ins)``,
     ``ins[q] = (spec, grad_partial)`` wanted under v's strategy q): a target two or more edges
     can want, where moving to it costs something, by one shared move; every other entry on its
     edge. A parameter's gradient sync stays on its edge (bucketed per use; ``ReshardCosts``), and
-    so does a move a switch forbids (``inf``)."""
+    so does a move a switch forbids (``inf``). ``sync_bytes[p]``: the value is a weight's lookup
+    (``CapturedGraph.param_lookups``) whose gradient sync is its weight's, of these local bytes
+    under u's strategy p, bucketed (``_lookup_sync``)."""
     wanted = Counter(t for _, ins in edges for t in dict.fromkeys(ins))  # first-use order, not hash order
 
     def once(o, t):  # the seconds of moving to t once, or 0 where it stays on the edge
-        if parameter and is_gradient_sync(o, *t):
+        if (parameter or sync_bytes is not None) and is_gradient_sync(o, *t):
             return 0.0
         cost = reshard(o, *t, shape, itemsize, parameter)
         return cost if math.isfinite(cost) else 0.0
@@ -235,6 +243,10 @@ def _price_value(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple, z
     index = {t: k for k, t in enumerate(shared)}
     for v, ins in edges:
         matrix = reshard.matrix(outs, ins, shape, itemsize, parameter, zeros, reduced)
+        if sync_bytes is not None:
+            sync = _lookup_sync(reshard, outs, ins, sync_bytes)
+            matrix = [[s if is_gradient_sync(o, *t) else c for t, c, s in zip(ins, row, srow)]
+                      for o, row, srow in zip(outs, matrix, sync)]
         if any(t in index for t in ins):
             matrix = [[c - once(o, t) if t in index else c for t, c in zip(ins, row)] for o, row in zip(outs, matrix)]
         graph.add_edge(u, v, matrix)
@@ -249,8 +261,17 @@ def _group_latency(mesh: LogicalMesh, axis: tuple[int]) -> float:
     return 2 * mesh.collective_cost("all-gather", 0, axis) + mesh.collective_cost("reduce-scatter", 0, axis)
 
 
+def _lookup_sync(reshard: ReshardCosts, outs: tuple, ins: tuple, sync_bytes: tuple) -> list[list[float]]:
+    """``[p][q]``: seconds of a lookup's output edge (``_price_value``) that syncs its gradient
+    (``is_gradient_sync``), as its weight's bucketed all-reduce of ``sync_bytes[p]`` over the
+    edge's gradient axes (``LogicalMesh.bucketed_cost``); 0 elsewhere."""
+    return [[reshard.mesh.bucketed_cost("all-reduce", b, tuple(sorted(gp)), reshard.bucket_bytes)
+             if is_gradient_sync(o, spec, gp) else 0.0 for spec, gp in ins] for o, b in zip(outs, sync_bytes)]
+
+
 def _pool_parameter(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple, zeros: tuple, edges: list,
-                    scopes: list, shape, dtype: torch.dtype, bucket_bytes: float, hides: bool, memo: dict) -> None:
+                    scopes: list, shape, dtype: torch.dtype, bucket_bytes: float, hides: bool, memo: dict,
+                    sync_bytes: tuple | None = None) -> None:
     """Add what backward may hide of one parameter's uses (``outs``, ``zeros``, ``edges`` as
     ``_price_value``) to the cost graph's pools: each gradient sync's seconds on its edge to the
     pool of its bucket's (kind, mesh axes), and each groupable ZeRO-3 use's reduce-scatter (its
@@ -259,7 +280,8 @@ def _pool_parameter(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple
     members, ``LogicalMesh.bucketed_cost``); an all-reduce pool pays one latency when any
     parameter syncs in it (a reduce-scatter's: ZeRO-2's fixed charge). ``hides`` False: a
     parameter used first, in the bucket (group) completed last, whatever its size: a member that
-    pays the pool's latency, not part of what hides.
+    pays the pool's latency, not part of what hides. ``sync_bytes``: of a weight's lookup, as
+    ``_price_value``'s (its output is no ZeRO-3 use).
 
     ZeRO-3 groups (``core.plan.zero3_groups``) gather uses of one mesh axis and dtype, those of a
     recomputed layer apart (``scopes[i]``: the layer of edge ``i`` when the layers are forced,
@@ -270,21 +292,24 @@ def _pool_parameter(graph: CostGraph, reshard: ReshardCosts, u: int, outs: tuple
     pay at most ``n``, exactly ``n`` when they are full or one; fewer where groups end early (the
     axis or dtype alternates between consecutive uses, which no linear term sees).
 
-    ``memo``: the matrices per (outs, zeros, ins, shape, dtype, scope), kept across the calls of
-    one cost graph (the same for each copy of a layer; never mutated: ``ilp._accumulate`` adds
-    into new lists)."""
+    ``memo``: the matrices per (outs, zeros, ins, shape, dtype, scope, sync_bytes), kept across
+    the calls of one cost graph (the same for each copy of a layer; never mutated:
+    ``ilp._accumulate`` adds into new lists)."""
     mesh = reshard.mesh
     for (v, ins), scope in zip(edges, scopes):
-        parts = memo.get((outs, zeros, ins, shape, dtype, scope))
+        key_of = (outs, zeros, ins, shape, dtype, scope, sync_bytes)
+        parts = memo.get(key_of)
         if parts is None:
-            parts = memo[outs, zeros, ins, shape, dtype, scope] = {}
-            sync = reshard.sync_matrix(outs, ins, shape, dtype.itemsize, zeros)
+            parts = memo[key_of] = {}
+            sync = (reshard.sync_matrix(outs, ins, shape, dtype.itemsize, zeros) if sync_bytes is None
+                    else _lookup_sync(reshard, outs, ins, sync_bytes))
             for p, (row, (stage, _)) in enumerate(zip(sync, zeros)):
                 for q, (c, (_, gp)) in enumerate(zip(row, ins)):
                     if c:
                         key = ("bucket", "reduce-scatter" if stage == 2 else "all-reduce", tuple(sorted(gp)))
                         parts.setdefault(key, [[0.0] * len(ins) for _ in outs])[p][q] = c
-                    steps = grouped_steps(outs[p], *ins[q], shape, dtype.itemsize, mesh.shape)
+                    steps = None if sync_bytes is not None else grouped_steps(outs[p], *ins[q], shape,
+                                                                              dtype.itemsize, mesh.shape)
                     if steps is not None:
                         axis = (steps[1].axis,)
                         share = min(1.0, steps[0].nbytes / bucket_bytes) * _group_latency(mesh, axis)

@@ -30,6 +30,13 @@ def defer_gradient_sync(cg: CapturedGraph, nodes: dict[str, NodePlan]
     Under mixed precision a parameter's uses are those of its low-precision casts
     (``CapturedGraph.param_casts``): the fp32 gradient is what the bucket reduces.
 
+    A parameter read only by a row lookup (``CapturedGraph.param_lookups``: GPT's position
+    embedding) that reads it as stored, without a gradient sync of its own, has as uses the
+    lookup's readers: when each of them syncs the lookup's output gradient over the same axes
+    (the output replicated under a split batch), the lookup back-propagates that partial sum
+    unsynchronized, its backward being linear, and the weight's local gradient, a partial sum
+    over those axes, is reduced in a bucket instead (as DDP buckets the weight's gradient).
+
     Returns:
         ``(nodes with those uses' grad_partial emptied, parameter placeholder -> axes)``.
     """
@@ -37,19 +44,27 @@ def defer_gradient_sync(cg: CapturedGraph, nodes: dict[str, NodePlan]
     casts = cg.param_casts  # a cast that keeps the spec passes the gradient through: its uses are the parameter's
     through = {c: ph for c, ph in casts.items() if c in nodes and nodes[c].in_specs[0] == nodes[c].out_specs[0]
                and not nodes[c].grad_partial[0]}
+    spec = {ph: nodes[ph].out_specs[0] for ph in uses if ph in nodes}
+    # a lookup that reads its weight as stored: its readers' edges are the weight's uses, in the lookup's output spec
+    for e, ph in cg.param_lookups.items():
+        read = nodes[e].inputs[0] if e in nodes else None  # the parameter, or its cast
+        if (ph in nodes and (read == ph or read in through) and nodes[e].in_specs[0] == spec[ph]
+                and not nodes[e].grad_partial[0] and not nodes[e].partial_axes):
+            through[e], spec[ph] = ph, nodes[e].out_specs[0]
     for name, np_ in nodes.items():
         for i, src in enumerate(np_.inputs):
+            if name in through and through.get(src, src) == through[name]:
+                continue  # a cast's or a lookup's read of its parameter (or of the parameter's cast)
             if src in through:
                 uses[through[src]].append((name, i))
-            elif src in uses and name not in through:
+            elif src in uses:
                 uses[src].append((name, i))
     out, deferred = dict(nodes), {}
     for ph, edges in uses.items():
-        spec = nodes[ph].out_specs[0]
         parts = {nodes[n].grad_partial[i] for n, i in edges}
         if len(parts) != 1 or not all(
-                is_gradient_sync(spec, nodes[n].in_specs[i], nodes[n].grad_partial[i])
-                for n, i in edges):
+                is_gradient_sync(spec[ph], nodes[n].in_specs[i], nodes[n].grad_partial[i])
+                for n, i in edges) or not is_gradient_sync(nodes[ph].out_specs[0], nodes[ph].out_specs[0], *parts):
             continue
         deferred[ph] = tuple(sorted(parts.pop()))
         for n, i in edges:

@@ -123,8 +123,28 @@ class CapturedGraph:
             h.update(f"{n.name}|{n.op}|{n.target}|{tuple(shape_of(n) or ())}\n".encode())
         return h.hexdigest()[:16]
 
+    @property
+    def param_lookups(self) -> dict[str, str]:
+        """Node name -> parameter placeholder, for every row lookup (``aten.embedding`` of the
+        weight, ``aten.index.Tensor`` of it) that is the only reader of a trainable parameter (or
+        of its one low-precision cast, ``param_casts``, the parameter's only reader).
+        Its backward is linear in its output's gradient (``embedding_dense_backward`` /
+        ``index_put`` with accumulation), so a partial sum of that gradient gives a partial sum of
+        the weight's: the gradient can be synchronized on the weight, in a bucket
+        (``compiler.training_step.defer_gradient_sync``), instead of on the lookup's output."""
+        out = {}
+        for ph in self.param_fqns:
+            weight = self.node(ph)
+            users = list(weight.users)
+            if len(users) == 1 and users[0].target in _CASTS:
+                weight, users = users[0], list(users[0].users)
+            if len(users) == 1 and users[0].target in _LOOKUPS and users[0].args[0] is weight:
+                out[users[0].name] = ph
+        return out
+
 
 _CASTS = (torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default)
+_LOOKUPS = (torch.ops.aten.embedding.default, torch.ops.aten.index.Tensor)
 
 
 def shape_of(node: torch.fx.Node) -> tuple[int, ...] | None:

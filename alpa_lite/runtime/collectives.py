@@ -199,12 +199,12 @@ def gather_full(x: torch.Tensor, spec: ShardingSpec, shape: tuple[int, ...], mes
     return x
 
 
-def all_reduce_async(flat: torch.Tensor, axes: tuple[int, ...], mesh: MeshGroups):
+def all_reduce_async(flat: torch.Tensor, axes: tuple[int, ...], mesh: MeshGroups, phase: str = "backward"):
     """Start summing ``flat`` in place over the devices of ``axes`` (a gradient bucket's
-    concatenation, as DDP does); returns the work handle to ``wait()`` on. While timing is on it
-    is waited on here, so ``SECONDS`` holds the all-reduce's own time (and backward does not
-    overlap it)."""
-    with _issued("all-reduce", "backward"):
+    concatenation, as DDP does; in ``phase`` "forward": a loss's, ``executor.LocalExecutor``);
+    returns the work handle to ``wait()`` on. While timing is on it is waited on here, so
+    ``SECONDS`` holds the all-reduce's own time (and backward does not overlap it)."""
+    with _issued("all-reduce", phase):
         work = dist.all_reduce(flat, group=mesh.group(axes), async_op=True)
         if _timing:
             work.wait()

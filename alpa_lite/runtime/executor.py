@@ -63,7 +63,7 @@ from ..core.losses import MEAN, SUM, is_ratio, ratio_parts
 from ..core.plan import NodePlan, Plan, zero3_groups, zero3_uses
 from ..core.resharding import forward_steps
 from .collectives import (AllReducePartial, AllReduceShared, GatheredParameters, GatherGroup, GroupGather,
-                          MeshGroups, all_reduce_max, functional, recomputing, reshard)
+                          MeshGroups, all_reduce_async, all_reduce_max, failed, functional, recomputing, reshard)
 from .lowering import recomputed, seeded_call
 
 aten = torch.ops.aten
@@ -149,7 +149,17 @@ class LocalExecutor:
     Attributes:
         denominators: mean cross-entropy / nll node -> the denominator of its last run (count or
             class-weight sum of its valid targets over the whole batch; 0-dim, no gradient).
+        defer_loss: while True (``ParallelTrainer`` sets it for a run it back-propagates), the
+            loss's all-reduce over one mesh axis is started asynchronously and not waited on
+            (``DeferredLoss``): the loss node then returns the local partial sum (of a ratio: of
+            its numerator), whose backward is the all-reduce's (identity), and its value is
+            ``pending_loss``'s. A multi-axis reduction, a vocab-parallel cross-entropy, a loss
+            read by another node and one in a recomputed layer (its recomputation would save
+            other tensors) are reduced as usual.
+        pending_loss: the ``DeferredLoss`` of each such run, in run order (the trainer pops them).
     """
+
+    defer_loss = False
 
     def __init__(self, captured: CapturedGraph, plan: Plan, mesh: MeshGroups, device: torch.device, seed: int = 0):
         self.cg, self.plan, self.mesh, self.device, self.seed = captured, plan, mesh, device, seed
@@ -165,6 +175,7 @@ class LocalExecutor:
         self.specs = specs = {name: np_.out_specs for name, np_ in plan.nodes.items()}
         # per node, per operand: (producer, producer's spec, wanted spec, gradient partial axes, global shape)
         self.denominators: dict[str, torch.Tensor] = {}
+        self.pending_loss: list[DeferredLoss] = []
         self.operands: dict[str, list[tuple]] = {}
         for name, np_ in plan.nodes.items():
             ops = []
@@ -398,9 +409,24 @@ class LocalExecutor:
         with torch.no_grad():
             values[placeholder].copy_(reshard(out.detach(), spec, self.specs[placeholder][0], None, shape, self.mesh))
 
+    def _deferred(self, node, axes: tuple[int, ...], local: torch.Tensor, *parts: torch.Tensor) -> bool:
+        """Whether the all-reduce of the loss ``node`` over ``axes`` is deferred (``defer_loss``):
+        then it is started on ``parts`` (detached, stacked) as a ``DeferredLoss`` whose local
+        partial sum for backward is ``local``."""
+        if not (self.defer_loss and len(axes) == 1 and node.name == self.cg.loss_name and node.name not in self.remat
+                and not functional() and torch.is_grad_enabled() and all(u.op == "output" for u in node.users)):
+            return False
+        flat = torch.stack([t.detach() for t in parts]).contiguous().clone()
+        self.pending_loss.append(DeferredLoss(local, all_reduce_async(flat, axes, self.mesh, "forward"), flat,
+                                              len(parts) == 2))
+        return True
+
     def _ratio(self, node, np_: NodePlan, num, den):
         """A mean cross-entropy / nll from its local loss sum ``num`` and valid-target count
-        ``den``, all-reduced together (one collective) along the split axes, then divided."""
+        ``den``, all-reduced together (one collective) along the split axes, then divided
+        (deferred: ``num`` returned, ``_deferred``)."""
+        if np_.partial_axes and self._deferred(node, np_.partial_axes, num, num, den):
+            return num
         if np_.partial_axes:
             both = AllReducePartial.apply(torch.stack([num, den]), np_.partial_axes, self.mesh)
             num, den = both[0], both[1]
@@ -428,6 +454,8 @@ class LocalExecutor:
             out = node.target(*args, **kwargs)
         if np_.reduce == "mean":  # a local mean over a split dim: 1/shards of the sum, reduced here or left partial
             out = out / math.prod(self.mesh.shape[a] for a in np_.partial_axes)
+        if axes and bias is None and out.dim() == 0 and self._deferred(node, axes, out, out):
+            return out
         if axes:
             out = AllReducePartial.apply(out, axes, self.mesh)
         if bias is not None and any(self.mesh.coord[a] for a in left):
@@ -495,3 +523,29 @@ class LocalExecutor:
         local_pad = padding_idx - start if start <= padding_idx < start + rows else -1
         out = aten.embedding(weight, (indices - start) * mask, local_pad, scale_grad_by_freq, sparse)
         return out * mask.unsqueeze(-1).to(out.dtype)
+
+
+class DeferredLoss:
+    """A loss whose all-reduce is in flight (``LocalExecutor.defer_loss``).
+
+    Attributes:
+        local: the loss node's local partial sum (a ratio's numerator), in autograd's graph: its
+            backward is the all-reduce's (identity), so back-propagating it gives each rank's
+            share of the gradient of the summed loss (of a ratio: of its numerator, to be divided
+            by the denominator after, ``ParallelTrainer._train_step``).
+        ratio: whether it is a ratio (numerator and denominator reduced together).
+    """
+
+    def __init__(self, local: torch.Tensor, work, flat: torch.Tensor, ratio: bool):
+        self.local, self.ratio, self._work, self._flat = local, ratio, work, flat
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(numerator, denominator)`` summed over the ranks (denominator None unless a ratio),
+        0-dim, detached; waits for the all-reduce."""
+        if self._work is not None:
+            try:
+                self._work.wait()
+            except RuntimeError as e:
+                raise failed("the all-reduce of the loss", e) from e
+            self._work = None
+        return self._flat[0], (self._flat[1] if self.ratio else None)

@@ -92,9 +92,12 @@ class BucketSync:
             self._works.append((k, all_reduce_async(flat, axes, self.mesh), flat))
         self._next += 1
 
-    def finish(self) -> None:
+    def finish(self, divisor: torch.Tensor | None = None) -> set[int]:
         """Launch the buckets not launched yet, wait for every collective and write the sums into
-        the gradients (ZeRO-2: into the slices' gradients, the full ones dropped).
+        the gradients (ZeRO-2: into the slices' gradients, the full ones dropped); an all-reduce
+        bucket's divided by ``divisor`` (0-dim) when given, in the same pass (a token-mean loss's
+        denominator, ``ParallelTrainer._train_step``). Returns the ``id`` s of the parameters
+        whose gradients were divided.
 
         Raises:
             RuntimeError: a collective failed or timed out (a peer died or stopped); the message
@@ -106,6 +109,7 @@ class BucketSync:
         while self._next < len(self.buckets):
             self._launch()
         works, self._works = self._works, []
+        divided = set()
         for k, work, flat in works:
             kind, axes, members, fqns = self.buckets[k]
             try:
@@ -118,5 +122,11 @@ class BucketSync:
                 continue
             offset = 0
             for p in members:  # a copy, not a view: a gradient read after the step outlives the buffer's reuse
-                p.grad.copy_(flat[offset: offset + p.numel()].view_as(p))
+                part = flat[offset: offset + p.numel()].view_as(p)
+                if divisor is None:
+                    p.grad.copy_(part)
+                else:
+                    torch.div(part, divisor, out=p.grad)
+                    divided.add(id(p))
                 offset += p.numel()
+        return divided

@@ -190,14 +190,17 @@ class Trainer:
         name = reduction.denominator
         return self.executor.denominators.get(name, values.get(name)).detach()
 
-    def _sync_buckets(self) -> None:
+    def _sync_buckets(self, divisor: torch.Tensor | None = None) -> set[int]:
         """Finish the gradients' synchronization: the ZeRO-3 groups' reduce-scatters started
         during backward (``collectives.finish_gradients``), then the deferred data-parallel
         buckets (``Plan.grad_sync``): the all-reduces / ZeRO-2 reduce-scatters the hooks started
-        during backward, then the rest (``grad_sync.BucketSync``)."""
+        during backward, then the rest (``grad_sync.BucketSync``); the all-reduce buckets' sums
+        written into the gradients divided by ``divisor`` (0-dim) when given. Returns the
+        ``id`` s of the parameters whose gradients were so divided."""
         finish_gradients()
-        self.bucket_sync.finish()
+        divided = self.bucket_sync.finish(divisor)
         self.zero.slice_gradients()
+        return divided
 
     def _zero_partitions(self) -> list[ZeroPartition]:
         """This rank's ``ZeroPartition`` of each of its SPMD plans (a pipeline rank's: one per chunk)."""
@@ -449,40 +452,65 @@ class ParallelTrainer(Trainer):
     def loss(self, *batch, **kwargs) -> torch.Tensor:
         """The (replicated) loss of a global batch, with the autograd graph for backward (no
         update; buffers such as batch-norm statistics are updated as in a forward)."""
-        return self._accumulate(self._flat_batch(batch, kwargs), backward=False)[0]
+        return self._accumulate(self._flat_batch(batch, kwargs), backward=False)()[0]
 
     def _run(self, flat: list[torch.Tensor]) -> dict[str, object]:
         values = self.executor.run(self.placeholder_values(flat))
         store_buffer_mutations(self.cg, self.plan, values, self.buffers, self.groups)
         return values
 
-    def _accumulate(self, flat: list[torch.Tensor], backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(loss, Z)``: the loss of the whole batch over its ``K`` microbatches,
-        ``sum_m w_m L_m / Z``, as a pipeline combines its microbatches (``pipeline.py``'s module
-        docstring): a mean averages them, a sum adds them, a token mean over valid targets weighs
-        each by its count. With ``backward``, each ``w_m L_m`` is back-propagated as soon as it is
-        computed (one microbatch's activations live at a time; the gradient buckets are armed for
-        the last one, ``overlap``), the gradients are left to be divided by ``Z`` after their
-        synchronization, and the loss is detached. ``K = 1`` is the plain loss."""
-        losses, weights = [], []
+    def _accumulate(self, flat: list[torch.Tensor], backward: bool) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """A function giving ``(loss, Z)``: the loss of the whole batch over its ``K``
+        microbatches, ``sum_m w_m L_m / Z``, as a pipeline combines its microbatches
+        (``pipeline.py``'s module docstring): a mean averages them, a sum adds them, a token mean
+        over valid targets weighs each by its count. With ``backward``, each ``w_m L_m`` is
+        back-propagated as soon as it is computed (one microbatch's activations live at a time;
+        the gradient buckets are armed for the last one, ``overlap``), the gradients are left to
+        be divided by ``Z`` after their synchronization, and the loss is detached. ``K = 1`` is
+        the plain loss.
+
+        With ``backward`` and ``K = 1`` the interpreter defers the loss's all-reduce
+        (``LocalExecutor.defer_loss``): backward runs from the local partial sum (of a token
+        mean: of its numerator, ``w L`` with ``w`` its denominator, as a microbatch's for
+        ``K > 1``), and the function waits for the all-reduce (started in forward, before any
+        bucket), so call it after backward. ``K > 1`` does not defer: a microbatch without a
+        valid target (``w_m = 0``, known only once the count is all-reduced) runs no backward."""
+        losses, weights, pending = [], [], []
         for mb in range(self.num_microbatches):
             if backward and self.program is not None:
                 term, weight = self._run_program(self._microbatch(flat, mb))
                 losses.append(term)
                 weights.append(weight)
                 continue
-            values = self._run(self._microbatch(flat, mb))
+            self.executor.defer_loss = backward and self.num_microbatches == 1  # K > 1 skips w_m = 0 (no backward)
+            try:
+                values = self._run(self._microbatch(flat, mb))
+            finally:
+                self.executor.defer_loss = False
             loss = values[self.cg.loss_name]
-            weight = self._weight(values, loss)
-            term = loss * weight if weight else torch.zeros_like(loss)  # w_m = 0: no valid target, L_m is 0/0
-            if backward and weight:
+            deferred = self.executor.pending_loss.pop() if self.executor.pending_loss else None
+            weight = None if deferred is not None else self._weight(values, loss)
+            del values  # the forward values backward does not read are freed before it runs (autograd keeps the rest)
+            if deferred is not None:
+                term = deferred.local
+            else:
+                term = loss * weight if weight else torch.zeros_like(loss)  # w_m = 0: no valid target, L_m is 0/0
+            if backward and (deferred is not None or weight):
                 if self.overlap and mb == self.num_microbatches - 1:
                     self.bucket_sync.arm()
                 (term if self.scaler is None else term * self.scaler.scale).backward()
+            pending.append(deferred)
             losses.append(term.detach() if backward else term)
             weights.append(weight)
-        z = torch.ones_like(weights[0]) if self.plan.loss_reduction.kind == "sum" else torch.stack(weights).sum()
-        return torch.stack(losses).sum() / z, z
+
+        def total() -> tuple[torch.Tensor, torch.Tensor]:
+            for m, deferred in enumerate(pending):
+                if deferred is not None:  # w_m L_m and w_m: the summed numerator and denominator (1 if none)
+                    losses[m], den = deferred.wait()
+                    weights[m] = torch.ones_like(losses[m]) if den is None else den
+            z = torch.ones_like(weights[0]) if self.plan.loss_reduction.kind == "sum" else torch.stack(weights).sum()
+            return torch.stack(losses).sum() / z, z
+        return total
 
     def _weight(self, values: dict, loss: torch.Tensor) -> torch.Tensor:
         """``w_m`` of a microbatch of ``K`` (1 when ``K = 1``), in the loss's dtype."""
@@ -503,11 +531,13 @@ class ParallelTrainer(Trainer):
         return term, weight
 
     def _train_step(self, flat: list[torch.Tensor]) -> float:
-        loss, z = self._accumulate(flat, backward=True)
-        self._sync_buckets()
-        if float(z) not in (0.0, 1.0):  # after the sync: both are linear, and no all-reduce is in flight
+        total = self._accumulate(flat, backward=True)
+        loss, z = total()  # the loss's all-reduces were started in forward, before every bucket
+        divide = float(z) not in (0.0, 1.0)  # after the sync: both are linear, and no all-reduce is in flight
+        divided = self._sync_buckets(z if divide else None)
+        if divide:
             for _, holder, _ in self._gradient_holders():
-                if holder.grad is not None:
+                if holder.grad is not None and id(holder) not in divided:
                     holder.grad.div_(z)
         return float(loss)
 

@@ -99,9 +99,10 @@ def main():
     for name, case in json.loads(args.cases).items():
         loss_fn, optimizer = LOSSES[case["loss"]], OPTIMIZERS[case["optimizer"]]
         ref_losses, ref_grads, ref_params = reference(model, loss_fn, optimizer, data)
-        key = json.dumps([case["loss"], case["options"]], sort_keys=True)  # SGD and AdamW share a plan
+        key = json.dumps([case["loss"], case["options"], case.get("mesh")], sort_keys=True)  # SGD and AdamW share a plan
         options = {"plan": plans[key]} if key in plans else case["options"]
-        trainer = parallelize(copy.deepcopy(model), (2, 2), (data[0][0],), loss_fn, targets=(data[0][1],),
+        trainer = parallelize(copy.deepcopy(model), tuple(case.get("mesh", (2, 2))), (data[0][0],), loss_fn,
+                              targets=(data[0][1],),
                               optimizer=optimizer, **options)
         plans[key] = trainer.plan
         losses = [trainer.step(*data[0])]

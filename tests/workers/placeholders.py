@@ -206,9 +206,11 @@ def main():
         g = torch.Generator().manual_seed(1)
         batches = [cls.batch(g) for _ in range(STEPS)]
         example, example_kwargs = batches[0]
+        options = dict(options)  # "mesh": this case's mesh shape ("1x4") instead of --mesh
+        case_shape = tuple(int(x) for x in options.pop("mesh").split("x")) if "mesh" in options else shape
         for opt_name, make_opt in OPTIMIZERS.items():
             ref_losses, ref_grads, ref_state = reference(model, batches, make_opt)
-            trainer = parallelize(copy.deepcopy(model), shape, example, example_kwargs=example_kwargs,
+            trainer = parallelize(copy.deepcopy(model), case_shape, example, example_kwargs=example_kwargs,
                                   optimizer=make_opt, timeout_s=120, **options)
             a, k = batches[0]
             losses = [trainer.step(*a, **k)]
