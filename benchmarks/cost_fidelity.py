@@ -90,6 +90,15 @@ def plans(params: dict[str, tuple[int, ...]]) -> dict[str, dict]:
 # ------------------------------------------------------------------------------ worker
 
 
+def plan_strategies(p) -> dict[str, str]:
+    """Node -> chosen strategy name of a plan; of a pipelined plan, ``"<stage>/<node>"`` over its
+    stages' plans (a ``PipelinePlan`` has no ``nodes`` of its own), so that two plans of the same
+    options compare equal exactly when every stage chose the same strategies."""
+    if p.kind == "pipeline":
+        return {f"{i}/{node}": np_.strategy for i, s in enumerate(p.stages) for node, np_ in s.plan.nodes.items()}
+    return {node: np_.strategy for node, np_ in p.nodes.items()}
+
+
 def worker(args) -> int:
     """One rank: run every plan, timed by its trainer (``parallelize(..., report=True)``; a
     pipelined trainer also times each rank's schedule, for the bubble); rank 0 writes
@@ -122,7 +131,7 @@ def worker(args) -> int:
             trainer.step(*example)
     records = {name: t.report(name=name, show=False) for name, t in trainers.items()}
     for name, t in trainers.items():
-        records[name]["strategies"] = {node: np_.strategy for node, np_ in t.plan.nodes.items()}
+        records[name]["strategies"] = plan_strategies(t.plan)
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(records, indent=1))
     dist.barrier()
@@ -213,7 +222,7 @@ def ablation(records: dict, cluster_path: Path, model, example, plan_options: di
                 warnings.simplefilter("ignore")
                 p = plan(model, example, spec.logical_mesh(shape), **options)
             err = relative_error(timed_prediction(p), measured)
-            same = {node: np_.strategy for node, np_ in p.nodes.items()} == records[name]["strategies"]
+            same = plan_strategies(p) == records[name]["strategies"]
             worst[v] = max(worst[v], abs(err))
             predicted[v].append(timed_prediction(p))
             cells.append(f"{err:+.1%}{'' if same else ' *'}")

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from alpa_lite import Plan
 from alpa_lite.cli import main
@@ -156,3 +157,23 @@ def test_plan_cache_replans_another_batch_from_the_graph(capsys, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "ignored and rebuilt" in r.stderr and "ignored and rebuilt" not in r.stdout
     assert (tmp_path / "rebuilt.json").read_text() == plans["fresh"][0]
+
+
+def _no_batch():
+    return torch.nn.Linear(2, 1), (torch.zeros(2, 2),)
+
+
+def _not_a_pair(batch, seq):
+    return torch.nn.Linear(2, 1)
+
+
+def test_plan_module_callable_bad_signature_is_one_clear_line(capsys):
+    # a callable without batch / seq died with a raw "got an unexpected keyword argument 'batch'"
+    # traceback, one returning a bare model with a raw TypeError traceback
+    r = in_process(capsys, "plan", f"{__name__}:_no_batch", "--mesh", "1x2")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    err = " ".join(r.stderr.split())  # rich wraps long lines
+    assert "_no_batch(batch=, seq=, ...)" in err and "does not accept batch, seq" in err, err
+    r = in_process(capsys, "plan", f"{__name__}:_not_a_pair", "--mesh", "1x2")
+    err = " ".join(r.stderr.split())
+    assert r.returncode == 2 and "must return (model, example_inputs), got Linear" in err, err

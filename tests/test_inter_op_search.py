@@ -31,6 +31,24 @@ def test_pipeline_search_is_never_worse_than_no_pipeline_gpt3_2_6b():
     assert piped.step_seconds <= spmd.step_seconds * (1 + 1e-9)
 
 
+def test_pipeline_search_holds_the_spmd_plan_with_a_tied_weight_in_zero():
+    """gpt-tiny (wte tied to lm_head) on 2x2 cpu-gloo, batch 8: the SPMD plan keeps the tied
+    embedding in ZeRO-2. The stage ILPs offered ZeRO only to weights one layer consumes, so the
+    one-stage B = 1 pipeline could not pick it and predicted 7.884 ms against the SPMD plan's
+    7.766 ms (``pipeline="auto"`` slower than no pipeline); one ILP over layers holding every use
+    of a tied weight now offers it."""
+    model, example = build_model("gpt-tiny", 8, device="meta")
+    mesh = LogicalMesh((2, 2), cluster="cpu-gloo")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        spmd = plan(model, example, mesh)
+        piped = plan(model, example, mesh, pipeline=PipelineOptions(microbatch_candidates=(1,)))
+    assert spmd.zero_stages["wte.weight"] == (2, (0, 1))  # what the case is about
+    assert (len(piped.stages), piped.num_microbatches) == (1, 1)
+    assert piped.stages[0].plan.zero_stages == spmd.zero_stages
+    assert piped.step_seconds == pytest.approx(spmd.step_seconds, rel=1e-9)
+
+
 def test_bounded_search_is_the_unbounded_plan(monkeypatch):
     """The search drops the (range, submesh) pairs no pipeline below the step time of a plan it
     already has can hold (``inter_op._pipeline_floors``: ``B t`` plus the other stages' least

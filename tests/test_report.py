@@ -192,3 +192,23 @@ def test_pipelined_plan_reports_its_step(four_rank_records):
     assert 0 < bubble["predicted"] < 1 and 0 <= bubble["measured"] < 1 and len(bubble["samples"]) == 2
     assert len(bubble["by_rank"]) == len(bubble["busy_s"]) == 4 and all(b > 0 for b in bubble["busy_s"])
     assert max(bubble["busy_s"]) <= bubble["schedule_s"]
+
+
+def test_cost_fidelity_strategies_of_a_pipelined_plan():
+    """``benchmarks/cost_fidelity.py`` records each plan's strategies to mark ablation rows whose
+    re-planned strategies differ; it read ``plan.nodes``, which a ``PipelinePlan`` lacks, so its
+    worker died with AttributeError after timing the "pipeline 1F1B 2x(1x2)" plan. Per stage now."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cost_fidelity.py"
+    spec = importlib.util.spec_from_file_location("cost_fidelity_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model, example = build_model("mlp", 8, hidden=32, num_layers=2)
+    pp = plan(model, example, LogicalMesh((2, 2), cluster="cpu-gloo"), pipeline=2, num_microbatches=2,
+              force_data_parallel=True)
+    got = bench.plan_strategies(pp)
+    want = {f"{i}/{n}": np_.strategy for i, s in enumerate(pp.stages) for n, np_ in s.plan.nodes.items()}
+    assert got == want and {k.split("/")[0] for k in got} == {"0", "1"}
+    assert json.loads(json.dumps(got)) == got  # the worker writes it to JSON
+    spmd = plan(model, example, LogicalMesh((2, 2), cluster="cpu-gloo"), force_data_parallel=True)
+    assert bench.plan_strategies(spmd) == {n: np_.strategy for n, np_ in spmd.nodes.items()}

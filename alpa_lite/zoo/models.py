@@ -922,6 +922,11 @@ def build_model(name: str, batch: int, seq: int | None = None, device: str | tor
 
     ``model(*example_inputs)`` returns the scalar training loss. The model is in training
     mode.
+
+    Raises:
+        ValueError: ``batch < 1`` or ``seq < 1``; an unknown name; a ``module:callable`` that
+            does not take ``batch`` and ``seq`` (or ``**kwargs``), or the given overrides, or
+            does not return ``(model, example_inputs)`` (the CLI prints these in one line).
     """
     dev = torch.device(device)
     if batch < 1:
@@ -932,18 +937,23 @@ def build_model(name: str, batch: int, seq: int | None = None, device: str | tor
         fn = _import_callable(name)
         params = inspect.signature(fn).parameters
         var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        missing = [] if var_kw else [k for k in ("batch", "seq") if k not in params]
+        if missing:
+            raise ValueError(f"{name} is called as {name.rsplit(':', 1)[1]}(batch=, seq=, ...) (the CLI's --batch "
+                             f"and --seq; seq may be None) and does not accept {', '.join(missing)}: its signature "
+                             f"is {inspect.signature(fn)}")
         kwargs = dict(batch=batch, seq=seq)
         if var_kw or "device" in params:
             kwargs["device"] = device
         if overrides:
             if not var_kw and not set(overrides) <= set(params):
                 bad = sorted(set(overrides) - set(params))
-                raise TypeError(f"{name} does not accept the overrides {bad}")
+                raise ValueError(f"{name} does not accept the overrides {bad}")
             kwargs.update(overrides)
         with torch.device(dev):
             out = fn(**kwargs)
         if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nn.Module)):
-            raise TypeError(f"{name} must return (model, example_inputs), got {type(out).__name__}")
+            raise ValueError(f"{name} must return (model, example_inputs), got {type(out).__name__}")
         model, inputs = out
         return model, tuple(inputs)
     if name not in _BUILDERS:
