@@ -254,25 +254,30 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
+def model_arguments(ap: argparse.ArgumentParser, steps: int, warmup: int) -> None:
+    """The run's options shared with ``step_phases.py``: ranks, steps, the GPT and the bucket size."""
     ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=25)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--warmup", type=int, default=warmup)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--bucket-mib", type=float, default=4.0, help="gradient bucket size of both DP runs, MiB")
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--result", default=None)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    model_arguments(ap, steps=25, warmup=5)
     ap.add_argument("--out", default="docs/runtime_cpu.md")
     ap.add_argument("--cluster", default=None, help="cluster JSON the alpa-lite plans are made for (default: profile "
                     "this machine first, into the --out file's *_cluster.json)")
     ap.add_argument("--rows", default="dp,tp,zero3,bf16,remat,auto",
                     help="comparisons to run (comma-separated of dp, tp, zero3, bf16, remat, auto); auto builds "
                     "DDP, DTensor TP and FSDP2 for its fastest manual setup")
-    ap.add_argument("--worker", action="store_true")
-    ap.add_argument("--result", default=None)
     args = ap.parse_args()
     if args.worker:
         worker(args)

@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from runtime_cpu import model_arguments  # this directory is on sys.path when run as a script
+
 PHASES = ("forward", "backward", "wait", "optimizer", "step")
 
 
@@ -111,18 +113,8 @@ def worker(args) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--bucket-mib", type=float, default=4.0, help="gradient bucket size of both runs, MiB")
+    model_arguments(ap, steps=20, warmup=4)
     ap.add_argument("--cluster", default="docs/runtime_cpu_cluster.json", help="cluster JSON the DP plan is made for")
-    ap.add_argument("--worker", action="store_true")
-    ap.add_argument("--result", default=None)
     args = ap.parse_args()
     if args.worker:
         worker(args)
