@@ -38,7 +38,8 @@ edge terms, so the least memory any solution needs is ``sum_v min_p m_v[p]``; a 
 it is reported with that figure instead of trusting a solver's "infeasible".
 
 Overlap (docs/planner.md, "One price"): backward hides gradient synchronization. A *pool*
-``P`` (ZeRO-3 gradient reduce-scatters; gradient buckets of one kind and mesh axes) has seconds
+``P`` (ZeRO-3 gradient reduce-scatters; gradient buckets of one kind and mesh axes; the loss's
+all-reduce the runtime defers, ``c_P = 0``) has seconds
 ``S_P(s) = sum_v x_Pv^T s_v + sum_uv <e_uv, H_Puv>``, of which the listing leaves its first
 collective (group 0, the (kind, axes)'s first bucket) unhidden, at most ``c_P`` seconds; all of
 them hide within ``D(s) = sum_v d_v^T s_v``, backward's share of the compute. With a binary
@@ -156,7 +157,8 @@ def _add_linear_edge(extra: dict, edges: dict, u: int, v: int, matrix: list[list
 @dataclass
 class Pool:
     """Collectives backward may hide (module docstring, "Overlap"): ZeRO-3 gradient
-    reduce-scatters, or the gradient buckets of one kind and mesh axes.
+    reduce-scatters, the gradient buckets of one kind and mesh axes, or the loss's all-reduce
+    the runtime defers (``Collective.deferred``).
 
     Attributes:
         unhidden: ``c_P``, seconds: the most the listing leaves unhidden of them (its first group

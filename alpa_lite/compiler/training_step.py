@@ -7,7 +7,9 @@ from dataclasses import replace
 
 import torch
 
+from ..core.aten import bind_args
 from ..core.capture import CapturedGraph
+from ..core.losses import SUM
 from ..core.mesh import LogicalMesh
 from ..core.plan import (Collective, NodePlan, gradient_buckets, local_bytes, update_buckets, zero3_groups,
                          zero3_uses)
@@ -74,22 +76,49 @@ def defer_gradient_sync(cg: CapturedGraph, nodes: dict[str, NodePlan]
     return out, deferred
 
 
+def deferred_loss_axes(cg: CapturedGraph, name: str, in_specs, out_spec, partial_axes: tuple[int, ...],
+                       recomputed: bool) -> tuple[int, ...]:
+    """The mesh axis (a 1-tuple) of the all-reduce of node ``name``'s result (its strategy's
+    ``in_specs``, ``out_spec`` and ``partial_axes``) that the SPMD runtime defers: starts in
+    forward and waits for after backward (docs/runtime.md, "the loss's all-reduce";
+    ``executor.LocalExecutor.defer_loss``); ``()`` where it reduces as usual. Deferred: the
+    graph's loss, a scalar read only by the graph's output, outside a recomputed layer
+    (``recomputed`` False), reduced over exactly one mesh axis, but a vocab-parallel
+    cross-entropy's sum (reduced where computed). The one decision both the listing
+    (``plan_collectives``, ``Collective.deferred``) and the ILP (``cost_graph``'s loss pool)
+    read, and the runtime reads from the plan. The runtime still reduces it as usual in the
+    compiled program, the pipeline runtime (its stage plans defer nothing) and under gradient
+    accumulation (``K > 1``), which the plan does not know."""
+    node = cg.node(name)
+    if name != cg.loss_name or recomputed or node.meta["val"].dim() or any(u.op != "output" for u in node.users):
+        return ()
+    axes = tuple(a for a in partial_axes if a not in out_spec.partial)
+    if len(axes) != 1:
+        return ()
+    if (node.target is torch.ops.aten.cross_entropy_loss.default and in_specs[0].dims[1]
+            and bind_args(node.target, node.args, node.kwargs)["reduction"] == SUM):
+        return ()
+    return axes
+
+
 def training_step(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: LogicalMesh, bucket_bytes: float = 25 * 2**20,
-                  reduce_dtype: torch.dtype | None = None, remat: list[list[str]] = ()
+                  reduce_dtype: torch.dtype | None = None, remat: list[list[str]] = (), defer_loss: bool = False
                   ) -> tuple[dict[str, NodePlan], dict[str, tuple[int, ...]], list[Collective]]:
     """What a ``Plan`` (an SPMD plan or one pipeline stage's) stores for the chosen strategies
     ``nodes`` (gradient syncs on their edges): ``(nodes, grad_sync, collectives)`` with the
     data-parallel gradient syncs deferred to buckets (``defer_gradient_sync``) and every
-    collective of one training step (``plan_collectives``; ``remat``: the recomputed layers). The
+    collective of one training step (``plan_collectives``; ``remat``: the recomputed layers;
+    ``defer_loss``: an SPMD plan, whose runtime defers the loss's all-reduce). The
     one place both plan kinds derive their gradient synchronization."""
     nodes, grad_sync = defer_gradient_sync(cg, nodes)
-    return nodes, grad_sync, plan_collectives(cg, nodes, mesh, grad_sync, bucket_bytes, reduce_dtype, remat)
+    return nodes, grad_sync, plan_collectives(cg, nodes, mesh, grad_sync, bucket_bytes, reduce_dtype, remat,
+                                              defer_loss)
 
 
 def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: LogicalMesh,
                      grad_sync: dict[str, tuple[int, ...]] | None = None,
                      bucket_bytes: float = 25 * 2**20, reduce_dtype: torch.dtype | None = None,
-                     remat: list[list[str]] = ()) -> list[Collective]:
+                     remat: list[list[str]] = (), defer_loss: bool = False) -> list[Collective]:
     """Every collective of one training step for the chosen strategies: partial-sum all-reduces
     inside ops (not of a result left partial: its edges reduce it), the all-reduces of shared
     statistics (``ops.stat_reductions``), the resharding of every value to each (spec, gradient
@@ -102,7 +131,10 @@ def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Logica
     A layer of ``remat`` (node names; the runtime checkpoints it, ``executor.LocalExecutor``)
     moves its operands itself, once per value and wanted spec inside the layer, and runs its
     forward collectives again in backward: those are listed once more in phase ``"recompute"``
-    (layers in reverse order, as backward reaches them)."""
+    (layers in reverse order, as backward reaches them).
+
+    With ``defer_loss`` the loss's all-reduce the SPMD runtime defers (``deferred_loss_axes``)
+    is listed ``deferred``."""
     forward, backward = [], []
     layer_of = {n: i for i, layer in enumerate(remat) for n in layer}
     recompute: list[list[Collective]] = [[] for _ in remat]
@@ -143,11 +175,13 @@ def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Logica
                     "all-reduce", (axis,), nbytes, phase, name, name, mesh.all_reduce_cost(nbytes, (axis,))))
         if np_.partial_axes:
             vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else [node.meta["val"]]
+            deferred = defer_loss and bool(deferred_loss_axes(cg, name, np_.in_specs, np_.out_specs[0],
+                                                              np_.partial_axes, layer is not None))
             for spec, val in zip(np_.out_specs, vals):
                 local = local_bytes(val, spec, mesh.shape)
                 for axis in (a for a in np_.partial_axes if a not in spec.partial):
                     forward.append(Collective("all-reduce", (axis,), float(local), "forward", name, name,
-                                              mesh.all_reduce_cost(local, (axis,))))
+                                              mesh.all_reduce_cost(local, (axis,)), deferred))
         if layer is not None:
             recompute[layer] += [replace(c, phase="recompute") for c in forward[first:]]
     buckets = []

@@ -94,6 +94,9 @@ class Collective:
         node: the consuming node (resharding) or the node reducing its partial result.
         tensor: the tensor moved (producer node name).
         seconds: predicted time.
+        deferred: the loss's all-reduce that the SPMD runtime starts in forward and waits for
+            only after backward (``training_step.deferred_loss_axes``; phase ``"forward"``):
+            hidden behind backward (``hidden_seconds``).
     """
 
     kind: str
@@ -103,10 +106,11 @@ class Collective:
     node: str
     tensor: str
     seconds: float
+    deferred: bool = False
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "mesh_axes": list(self.mesh_axes), "nbytes": self.nbytes, "phase": self.phase,
-                "node": self.node, "tensor": self.tensor, "seconds": self.seconds}
+                "node": self.node, "tensor": self.tensor, "seconds": self.seconds, "deferred": self.deferred}
 
 
 def _specs_to_json(specs: dict[str, ShardingSpec]) -> dict[str, str]:
@@ -190,8 +194,10 @@ class Plan:
         one but the last to become ready (group 0, and the first bucket of each kind and mesh
         axes: their parameters used first, often the first layer's, complete only when backward
         ends) can run under the remaining backward compute, which is 2/3 of the step's compute
-        but the optimizer update's (backward is 2x forward FLOPs): hidden = min(their time -
-        group 0's and those buckets', 2/3 (compute - update)) (``hidden_seconds``).
+        but the optimizer update's (backward is 2x forward FLOPs). The loss's deferred all-reduce
+        (``Collective.deferred``), started in forward and waited for after backward, runs under
+        the whole backward too: hidden = min(their time - group 0's and those buckets', 2/3
+        (compute - update)) (``hidden_seconds``).
         """
         return sum(hidden_seconds(self.collectives, self.compute_seconds - self.update_seconds))
 
@@ -395,7 +401,7 @@ class PipelinePlan:
         hidden = [hidden_seconds(s.plan.collectives, s.plan.compute_seconds - s.plan.update_seconds)
                   for s in self.stages]
         waited = (sum(s.once_seconds + h[1] for s, h in zip(self.stages, hidden))
-                  + schedule_step_seconds(sched, [s.seconds + h[0] for s, h in zip(self.stages, hidden)],
+                  + schedule_step_seconds(sched, [s.seconds + h[0] + h[2] for s, h in zip(self.stages, hidden)],
                                           self.num_microbatches))
         return waited - self.step_seconds
 
@@ -536,17 +542,20 @@ BACKWARD_SHARE = 2 / 3
 hide the gradient synchronization (``hidden_seconds``)."""
 
 
-def hidden_seconds(collectives, compute_seconds: float) -> tuple[float, float]:
-    """``(ZeRO-3 reduce-scatters, gradient buckets)`` hidden behind backward, seconds, of a step
+def hidden_seconds(collectives, compute_seconds: float) -> tuple[float, float, float]:
+    """``(ZeRO-3 reduce-scatters, gradient buckets, deferred loss all-reduce)`` hidden behind
+    backward, seconds, of a step
     (or a pipeline stage's last microbatch) that computes ``compute_seconds`` forward and
     backward (the optimizer update not included) and issues
     ``collectives`` (``Plan.overlap_seconds``): every ZeRO-3 group's reduce-scatter but group 0's
-    first, then every gradient bucket but the first listed of each (kind, mesh axes), within the
-    backward's share of the compute (``BACKWARD_SHARE``). The first bucket of a (kind, axes)
+    first, then every gradient bucket but the first listed of each (kind, mesh axes), then the
+    loss all-reduce the runtime defers (``Collective.deferred``: started in forward, waited for
+    after backward), within the backward's share of the compute (``BACKWARD_SHARE``). The first
+    bucket of a (kind, axes)
     holds its parameters used first (``gradient_buckets``), often the first layer's, whose
     gradients are complete only when backward ends. A pipeline stage hides its groups'
     reduce-scatters behind each microbatch's backward and its buckets behind the last one's, in
-    what the groups leave of it."""
+    what the groups leave of it (its plans defer no loss)."""
     budget = BACKWARD_SHARE * compute_seconds
     groups = min(budget, sum(c.seconds for c in collectives if c.kind == "reduce-scatter"
                              and c.tensor.startswith("ZeRO-3 group ") and not c.tensor.startswith("ZeRO-3 group 0 ")))
@@ -556,21 +565,24 @@ def hidden_seconds(collectives, compute_seconds: float) -> tuple[float, float]:
             if (c.kind, c.mesh_axes) in first:
                 buckets += c.seconds
             first.add((c.kind, c.mesh_axes))
-    return groups, min(budget - groups, buckets)
+    buckets = min(budget - groups, buckets)
+    loss = min(budget - groups - buckets, sum(c.seconds for c in collectives if c.deferred))
+    return groups, buckets, loss
 
 
 def step_parts(collectives, compute_seconds: float, update_seconds: float = 0.0) -> tuple[float, float]:
     """``(per microbatch, once per step)`` seconds of a step (a pipeline stage's: per microbatch)
     that computes ``compute_seconds`` (``update_seconds`` of it the optimizer update, which hides
     nothing) and issues ``collectives``: per microbatch, the forward and backward compute and the
-    collectives of every microbatch less the ZeRO-3 reduce-scatters hidden behind its backward;
+    collectives of every microbatch less the ZeRO-3 reduce-scatters and the deferred loss
+    all-reduce hidden behind its backward;
     once per step, the optimizer update and the gradient and parameter buckets
     (``is_once_per_step``) less those hidden behind the last microbatch's backward
     (``hidden_seconds``). Their sum is ``Plan.step_seconds``."""
     compute = compute_seconds - update_seconds
-    groups, buckets = hidden_seconds(collectives, compute)
+    groups, buckets, loss = hidden_seconds(collectives, compute)
     once = sum(c.seconds for c in collectives if is_once_per_step(c))
-    return compute + sum(c.seconds for c in collectives) - once - groups, update_seconds + once - buckets
+    return compute + sum(c.seconds for c in collectives) - once - groups - loss, update_seconds + once - buckets
 
 
 def gradient_buckets(cg, nodes: dict[str, NodePlan], grad_sync: dict[str, tuple[int, ...]],

@@ -150,12 +150,12 @@ class LocalExecutor:
         denominators: mean cross-entropy / nll node -> the denominator of its last run (count or
             class-weight sum of its valid targets over the whole batch; 0-dim, no gradient).
         defer_loss: while True (``ParallelTrainer`` sets it for a run it back-propagates), the
-            loss's all-reduce over one mesh axis is started asynchronously and not waited on
-            (``DeferredLoss``): the loss node then returns the local partial sum (of a ratio: of
-            its numerator), whose backward is the all-reduce's (identity), and its value is
-            ``pending_loss``'s. A multi-axis reduction, a vocab-parallel cross-entropy, a loss
-            read by another node and one in a recomputed layer (its recomputation would save
-            other tensors) are reduced as usual.
+            loss's all-reduce the plan lists ``deferred`` (``Collective.deferred``, decided by
+            the compiler: ``training_step.deferred_loss_axes``) is started asynchronously and
+            not waited on (``DeferredLoss``): the loss node then returns the local partial sum
+            (of a ratio: of its numerator), whose backward is the all-reduce's (identity), and
+            its value is ``pending_loss``'s. Any other reduction, and every one inside the
+            compiled program (functional collectives) or without autograd, is reduced as usual.
         pending_loss: the ``DeferredLoss`` of each such run, in run order (the trainer pops them).
     """
 
@@ -176,6 +176,7 @@ class LocalExecutor:
         # per node, per operand: (producer, producer's spec, wanted spec, gradient partial axes, global shape)
         self.denominators: dict[str, torch.Tensor] = {}
         self.pending_loss: list[DeferredLoss] = []
+        self._deferred_axes = {(c.node, c.mesh_axes) for c in plan.collectives if c.deferred}
         self.operands: dict[str, list[tuple]] = {}
         for name, np_ in plan.nodes.items():
             ops = []
@@ -413,8 +414,8 @@ class LocalExecutor:
         """Whether the all-reduce of the loss ``node`` over ``axes`` is deferred (``defer_loss``):
         then it is started on ``parts`` (detached, stacked) as a ``DeferredLoss`` whose local
         partial sum for backward is ``local``."""
-        if not (self.defer_loss and len(axes) == 1 and node.name == self.cg.loss_name and node.name not in self.remat
-                and not functional() and torch.is_grad_enabled() and all(u.op == "output" for u in node.users)):
+        if not (self.defer_loss and (node.name, tuple(axes)) in self._deferred_axes and not functional()
+                and torch.is_grad_enabled()):
             return False
         flat = torch.stack([t.detach() for t in parts]).contiguous().clone()
         self.pending_loss.append(DeferredLoss(local, all_reduce_async(flat, axes, self.mesh, "forward"), flat,

@@ -8,7 +8,8 @@ table beside the plan's predictions:
 - the step: predicted ``compute_seconds + comm_seconds`` vs the measured wall time of one
   training step (forward, backward, optimizer), and ``relative_error = predicted / measured - 1``.
   While timing, every collective is waited on where it is issued (so each is timed alone), the
-  gradient buckets included: backward hides none of them, so the overlap an untimed step gains
+  gradient buckets and the deferred loss all-reduce included: backward hides none of them, so
+  the overlap an untimed step gains
   (``Plan.overlap_seconds``, recorded as ``predicted_overlap_s``) is not subtracted here;
 - per collective kind and phase: the plan's count and predicted seconds (its ``collectives``
   list) vs the count issued and the seconds spent inside those calls per step (the timing
@@ -140,7 +141,8 @@ def _order(key: tuple[str, str]) -> tuple:
 
 def timed_prediction(plan: Plan | PipelinePlan) -> float:
     """The predicted time of a step timed by ``report=True``, seconds: ``step_seconds``, with the
-    gradient buckets and ZeRO-3 reduce-scatters backward would hide (``overlap_seconds``) added
+    gradient buckets, ZeRO-3 reduce-scatters and deferred loss all-reduce backward would hide
+    (``overlap_seconds``) added
     back, as the timed step waits on every collective where it is issued."""
     if isinstance(plan, PipelinePlan):
         return plan.step_seconds + plan.overlap_seconds
