@@ -145,5 +145,8 @@ def test_megatron_sequence_parallelism_emerges():
     shared = sum(prm.numel() for f, prm in model.named_parameters() if str(p.param_specs[f]) == "R")
     assert shared == (2 * 2 + 2) * h * layers + 2 * h  # 2 LayerNorms + 2 biases per layer, ln_f
     embedding_and_head = 2 * 2 * (n - 1) / n * activation / n + 2 * (n - 1) / n * b * s * vocab * 4
-    assert wire(p.collectives) == pytest.approx(megatron_sp + embedding_and_head + 2 * (n - 1) / n * shared * 4,
-                                                rel=1e-12)
+    # the loss, over the sequence shards: its 4-byte all-reduce, deferred behind backward (hidden)
+    loss, = [c for c in p.collectives if c.nbytes < activation / n and c.phase == "forward"]
+    assert (loss.kind, loss.nbytes, loss.deferred) == ("all-reduce", 4, True)
+    assert wire(p.collectives) == pytest.approx(megatron_sp + embedding_and_head + 2 * (n - 1) / n * shared * 4
+                                                + wire([loss]), rel=1e-12)
