@@ -6,6 +6,7 @@ subprocess, and :func:`init_distributed` is what each launched rank calls first.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import signal
@@ -67,6 +68,20 @@ def init_distributed(timeout_s: float = 120.0) -> None:
                                "CUDA device(s) visible; launch at most one rank per GPU")
         torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    atexit.register(_shut_down)
+
+
+def _shut_down() -> None:
+    """At exit, the group ``init_distributed`` made: a barrier, then destroy it, so that no rank
+    leaves while a peer still receives the last collective (gloo's receiving thread then aborts
+    the peer: "terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 def torchrun(target: Sequence[str], nproc: int, env: Mapping[str, str] | None = None,
