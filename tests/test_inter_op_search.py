@@ -93,7 +93,7 @@ def test_auto_without_gpipe_is_the_plan_with_it(monkeypatch):
     assert pruned.to_json() == full.to_json()
 
 
-def _partitions(num_layers, shapes, devices):
+def partitions(num_layers, shapes, devices):
     """Every pipeline of the stage DP: consecutive layer ranges on submeshes using exactly ``devices``."""
     def rec(k, d):
         if k == num_layers:
@@ -130,7 +130,7 @@ def test_pipeline_floors_against_brute_force(num_stages, schedules, b):
     floors = inter_op._pipeline_floors(costs, L, shapes, 4, b, schedules, num_stages)
     r = 1 / 3 if "zb-h1" in schedules else 1.0
     old, step = dict.fromkeys(lb, math.inf), dict.fromkeys(lb, math.inf)
-    for pipe in _partitions(L, shapes, 4):
+    for pipe in partitions(L, shapes, 4):
         if num_stages is not None and len(pipe) != num_stages:
             continue
         total, largest = sum(lb[st] for st in pipe), max(lb[st] for st in pipe)
@@ -173,7 +173,7 @@ def test_pipeline_floors_hold_only_positions_where_the_pair_fits(schedules):
     floors = inter_op._pipeline_floors(costs, L, shapes, 4, b, schedules, None, memory)
     r = min(get_schedule(s).fill_ratio() for s in schedules)
     want = dict.fromkeys(keys, math.inf)
-    for pipe in _partitions(L, shapes, 4):
+    for pipe in partitions(L, shapes, 4):
         total, largest = sum(lb[st] for st in pipe), max(lb[st] for st in pipe)
         for n, st in enumerate(pipe):
             held = min(get_schedule(s).in_flight(n, len(pipe), b) for s in schedules)
@@ -201,7 +201,7 @@ def test_interleaved_fits_equal_brute_force(b, num_stages):
         p = devices // (q[0] * q[1])
         if devices % (q[0] * q[1]) or p < 2 or b % p or (num_stages or p * v) != p * v:
             continue
-        for pipe in _partitions(L, [q], p * v * q[0] * q[1]):
+        for pipe in partitions(L, [q], p * v * q[0] * q[1]):
             if len(pipe) == p * v:
                 fits |= set(pipe)
     got = {(k, i, q) for k in range(L) for i in range(k + 1, L + 1) for q in shapes

@@ -18,6 +18,7 @@ from alpa_lite.compiler.stage_dp import (
 )
 from alpa_lite.core.options import PipelineOptions
 from alpa_lite.core.schedules import get_schedule, step_seconds
+from test_inter_op_search import partitions
 
 
 def synthetic_cost(num_layers, seed, options=2):
@@ -481,9 +482,9 @@ def test_in_flight_need_is_the_most_any_pipeline_holds(schedule):
     most = {}
     for name in schedule:
         sched = get_schedule(name)
-        pipes = _pipelines(L, shapes, 4)
+        pipes = partitions(L, shapes, 4)
         if name == "interleaved":  # 2 chunks on each of p = 4 / |q| >= 2 groups dividing B: 2 p stages on q
-            pipes = [p for p in _pipelines(L, shapes, 8) if len({q for _, _, q in p}) == 1
+            pipes = [p for p in partitions(L, shapes, 8) if len({q for _, _, q in p}) == 1
                      and 4 // _size(p[0][2]) >= 2 and len(p) == 2 * (4 // _size(p[0][2]))]
             assert pipes
         for p in pipes:
@@ -502,17 +503,3 @@ def test_in_flight_need_is_the_most_any_pipeline_holds(schedule):
 
 def _size(q):
     return q[0] * q[1]
-
-
-def _pipelines(num_layers, shapes, devices):
-    def rec(k, d):
-        if k == num_layers:
-            if d == 0:
-                yield ()
-            return
-        for i in range(k + 1, num_layers + 1):
-            for q in shapes:
-                if _size(q) <= d:
-                    for rest in rec(i, d - _size(q)):
-                        yield ((k, i, q),) + rest
-    return list(rec(0, devices))
