@@ -87,8 +87,8 @@ def deferred_loss_axes(cg: CapturedGraph, name: str, in_specs, out_spec, partial
     cross-entropy's sum (reduced where computed). The one decision both the listing
     (``plan_collectives``, ``Collective.deferred``) and the ILP (``cost_graph``'s loss pool)
     read, and the runtime reads from the plan. The runtime still reduces it as usual in the
-    compiled program, the pipeline runtime (its stage plans defer nothing) and under gradient
-    accumulation (``K > 1``), which the plan does not know."""
+    compiled program (``compile=True``, which the plan does not know) and the pipeline runtime
+    (its stage plans defer nothing); under gradient accumulation it defers each microbatch's."""
     node = cg.node(name)
     if name != cg.loss_name or recomputed or node.meta["val"].dim() or any(u.op != "output" for u in node.users):
         return ()

@@ -469,12 +469,14 @@ class ParallelTrainer(Trainer):
         be divided by ``Z`` after their synchronization, and the loss is detached. ``K = 1`` is
         the plain loss.
 
-        With ``backward`` and ``K = 1`` the interpreter defers the loss's all-reduce
+        With ``backward`` the interpreter defers the loss's all-reduce of every microbatch
         (``LocalExecutor.defer_loss``): backward runs from the local partial sum (of a token
-        mean: of its numerator, ``w L`` with ``w`` its denominator, as a microbatch's for
-        ``K > 1``), and the function waits for the all-reduce (started in forward, before any
-        bucket), so call it after backward. ``K > 1`` does not defer: a microbatch without a
-        valid target (``w_m = 0``, known only once the count is all-reduced) runs no backward."""
+        mean: of its numerator, ``w_m L_m`` with ``w_m`` its denominator), and the function
+        waits for the all-reduces (each started in its microbatch's forward, before any bucket),
+        so call it after backward. A deferred microbatch without a valid target (``w_m = 0``,
+        known only once the count is all-reduced) back-propagates its local numerator, a sum of
+        nothing: zero gradients. Where the plan does not defer the loss (``Collective.deferred``),
+        such a microbatch runs no backward (its ``L_m`` is 0/0)."""
         losses, weights, pending = [], [], []
         for mb in range(self.num_microbatches):
             if backward and self.program is not None:
@@ -482,7 +484,7 @@ class ParallelTrainer(Trainer):
                 losses.append(term)
                 weights.append(weight)
                 continue
-            self.executor.defer_loss = backward and self.num_microbatches == 1  # K > 1 skips w_m = 0 (no backward)
+            self.executor.defer_loss = backward
             try:
                 values = self._run(self._microbatch(flat, mb))
             finally:

@@ -133,6 +133,7 @@ def accumulation_and_clipping(model, batches) -> dict:
                                "grad_rel": max(float((grads[n] - g).norm() / g.norm()) for n, g in ref_grads.items()),
                                "runtime_counts": ran, **plan_counts,  # microbatches back-propagated:
                                "valid_microbatches": sum(bool((t != -100).any()) for t in batches[0][1].chunk(k)),
+                               "loss_deferred": any(c.deferred for c in trainer.plan.collectives),
                                "param_err": err(trainer.state_dict(), ref_params), "norm": norm, "inf": inf,
                                "same": same_on_every_rank(norm),
                                "micro_rows": int(trainer.cg.node(trainer.cg.input_names[0]).meta["val"].shape[0])}
