@@ -100,6 +100,7 @@ def test_two_plan_kinds_round_trip_and_old_files_load(tmp_path):
     for p in (spmd, piped):
         back = load_plan(p.to_json())
         assert type(back) is type(p) and back.to_json() == p.to_json()
+        assert json.loads(p.to_json())["step_seconds"] == back.step_seconds == p.step_seconds > 0
     # specs are objects in memory and strings in JSON
     spec = spmd.param_specs["layers.0.weight"]
     assert isinstance(spec, alpa_lite.ShardingSpec) and spec.dims == ((), ()) and spec == "RR"

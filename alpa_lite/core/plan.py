@@ -239,6 +239,7 @@ class Plan:
             "input_specs": _specs_to_json(self.input_specs),
             "nodes": {k: v.to_dict() for k, v in self.nodes.items()},
             "collectives": [c.to_dict() for c in self.collectives],
+            "step_seconds": self.step_seconds,  # derived (read back from the parts), as a pipeline plan's
             "compute_seconds": self.compute_seconds,
             "comm_seconds": self.comm_seconds,
             "memory_bytes": self.memory_bytes,
