@@ -150,7 +150,8 @@ class GraphStageCosts:
         self._tables: dict[tuple, dict] = {}
         self._context = None
         self._memo: dict[tuple, list[StageOption]] = {}
-        self._least: dict[tuple, float] = {}  # (node, logical shape) -> least_compute_seconds
+        self._least: dict[tuple, float] = {}  # (node, logical shape) -> least_compute_seconds, (node, devices) ->
+        # least_activation_bytes
         self._bounds: dict[tuple, float] = {}  # (start, end, submesh) -> lower_bound
         self._fit: dict[tuple, float] = {}  # (start, end, submesh) -> _may_fit; the least bytes (kind first)
         self.stats = {"ilp_solves": 0, "cache_hits": 0, "disk_hits": 0, "ilp_s": 0.0, "memory_skips": 0}
@@ -240,9 +241,14 @@ class GraphStageCosts:
         if key not in self._fit:
             d = submesh[0] * submesh[1]
             again = {n for layer in self.remat(start, end) for n in layer}
-            self._fit[key] = sum(least_activation_bytes(self.cg, self.cg.node(n), d)
-                                 for n in self.subset(start, end) if n not in again)
+            self._fit[key] = sum(self._least_act(n, d) for n in self.subset(start, end) if n not in again)
         return self._fit[key]
+
+    def _least_act(self, name: str, devices: int) -> float:
+        key = (name, devices)  # a node is in O(L^2) ranges: its bound is computed once
+        if key not in self._least:
+            self._least[key] = least_activation_bytes(self.cg, self.cg.node(name), devices)
+        return self._least[key]
 
     def _may_fit(self, start: int, end: int, submesh: tuple[int, int]) -> bool:
         """Whether an option of the range can fit one microbatch in flight by the bounds above
