@@ -151,7 +151,7 @@ class GraphStageCosts:
         self._context = None
         self._memo: dict[tuple, list[StageOption]] = {}
         self._least: dict[tuple, float] = {}  # (node, logical shape) -> least_compute_seconds, (node, devices) ->
-        # least_activation_bytes
+        # least_activation_bytes, ("compute", start, end, logical shape) -> _range_compute
         self._bounds: dict[tuple, float] = {}  # (start, end, submesh) -> lower_bound
         self._fit: dict[tuple, float] = {}  # (start, end, submesh) -> _may_fit; the least bytes (kind first)
         self.stats = {"ilp_solves": 0, "cache_hits": 0, "disk_hits": 0, "ilp_s": 0.0, "memory_skips": 0}
@@ -201,11 +201,21 @@ class GraphStageCosts:
         if key not in self._bounds and not self._may_fit(*key):  # no option: no time bounds it
             self._bounds[key] = math.inf
         if key not in self._bounds:
-            names = self.subset(start, end)
-            least = min(sum(self._least_compute(n, shape) for n in names if n not in self.cg.param_fqns)
-                        for shape in self.shapes(submesh))  # the optimizer update is once per step
+            least = min(self._range_compute(start, end, shape) for shape in self.shapes(submesh))
             self._bounds[key] = least / (submesh[0] * submesh[1]) + self.transfer_seconds(start, submesh)
         return self._bounds[key]
+
+    def _range_compute(self, start: int, end: int, shape: tuple[int, int]) -> float:
+        """The sum of ``_least_compute`` over the nodes of layers ``[start, end)`` (not their
+        placeholders: the optimizer update is once per step, an input or buffer computes nothing),
+        summed on from ``[start, end - 1)``'s: each range costs one layer's nodes, not all of them."""
+        if start == end:
+            return 0.0
+        key = ("compute", start, end, shape)
+        if key not in self._least:
+            before = self._range_compute(start, end - 1, shape)
+            self._least[key] = sum((self._least_compute(n, shape) for n in self.layers[end - 1].nodes), before)
+        return self._least[key]
 
     def _least_compute(self, name: str, shape: tuple[int, int]) -> float:
         key = (name, shape)
