@@ -31,6 +31,22 @@ from .runtime.report import StepTimer, report_requested
 from .runtime.trainer import ParallelTrainer, device_mesh
 
 
+@contextmanager
+def _fewer_gc_passes(young_objects: int = 100_000):
+    """Planning allocates millions of short-lived objects (export's fx nodes and fake tensors,
+    strategy tables, ILP rows) that reference counting frees; CPython's cyclic collector would
+    also scan the young generation every 700 allocations: ~9 % of the CPU time of planning GPT-3
+    2.6B on 2x4 (docs/plan_time.md). Inside, a young-generation pass waits for ``young_objects``
+    allocations (the thresholds are restored after)."""
+    before = gc.get_threshold()
+    gc.set_threshold(young_objects, *before[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
+
+
+@_fewer_gc_passes()
 def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None, *, targets: tuple = (),
          example_kwargs: dict | None = None, options: PlanOptions | None = None,
          pipeline: PipelineOptions | str | int | None = None, progress=None, cache: str | Path | None = None,
@@ -72,28 +88,6 @@ def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None
         MemoryBudgetError / PipelinePlanError: nothing fits (the message gives the minimum needed
             or the limits).
     """
-    with _fewer_gc_passes():
-        return _plan(model, example_inputs, mesh, loss_fn, targets, example_kwargs, options, pipeline, progress, cache,
-                     option_fields)
-
-
-@contextmanager
-def _fewer_gc_passes(young_objects: int = 100_000):
-    """Planning allocates millions of short-lived objects (export's fx nodes and fake tensors,
-    strategy tables, ILP rows) that reference counting frees; CPython's cyclic collector would
-    also scan the young generation every 700 allocations: ~9 % of the CPU time of planning GPT-3
-    2.6B on 2x4 (docs/plan_time.md). Inside, a young-generation pass waits for ``young_objects``
-    allocations (the thresholds are restored after)."""
-    before = gc.get_threshold()
-    gc.set_threshold(young_objects, *before[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*before)
-
-
-def _plan(model, example_inputs, mesh, loss_fn, targets, example_kwargs, options, pipeline, progress, cache,
-          option_fields) -> Plan | PipelinePlan:
     options, pipe = split_options(options, pipeline, option_fields)
     say = progress or (lambda stage: None)
     cache = PlanCache(cache) if cache is not None else None

@@ -150,8 +150,8 @@ class GraphStageCosts:
         self._tables: dict[tuple, dict] = {}
         self._context = None
         self._memo: dict[tuple, list[StageOption]] = {}
-        self._least: dict[tuple, float] = {}  # (node, logical shape) -> least_compute_seconds, (node, devices) ->
-        # least_activation_bytes, ("compute", start, end, logical shape) -> _range_compute
+        self._least: dict[tuple, float] = {}  # (node, logical shape) -> least_compute_seconds, ("act", node, devices)
+        # -> least_activation_bytes, ("compute", start, end, logical shape) -> _range_compute
         self._bounds: dict[tuple, float] = {}  # (start, end, submesh) -> lower_bound
         self._fit: dict[tuple, float] = {}  # (start, end, submesh) -> _may_fit; the least bytes (kind first)
         self.stats = {"ilp_solves": 0, "cache_hits": 0, "disk_hits": 0, "ilp_s": 0.0, "memory_skips": 0}
@@ -255,7 +255,7 @@ class GraphStageCosts:
         return self._fit[key]
 
     def _least_act(self, name: str, devices: int) -> float:
-        key = (name, devices)  # a node is in O(L^2) ranges: its bound is computed once
+        key = ("act", name, devices)  # a node is in O(L^2) ranges: its bound is computed once
         if key not in self._least:
             self._least[key] = least_activation_bytes(self.cg, self.cg.node(name), devices)
         return self._least[key]
