@@ -128,7 +128,10 @@ def test_runtime_collectives_equal_the_plan(results):
         # nothing blocking in backward: the position embedding's gradient is bucketed (as DDP's)
         assert [c for c in res[name]["collectives"] if c["phase"] == "backward"
                 and not c["node"].startswith("gradient bucket")] == [], name
-        assert res[name]["plan_counts"]["all-reduce|forward"] == (2 if name == "dp" else 1)  # the loss, per axis
+        # the loss: one all-reduce over every axis the batch is split on (2x2: both at once)
+        assert res[name]["plan_counts"]["all-reduce|forward"] == 1
+        assert [c["mesh_axes"] for c in res[name]["collectives"]
+                if (c["kind"], c["phase"]) == ("all-reduce", "forward")] == [[0, 1] if name == "dp" else [1]]
     if "zero" in res:
         assert "all-gather|forward" in res["zero"]["plan_counts"] and "reduce-scatter|backward" in res["zero"]["plan_counts"]
     if model == "bert_layer:build":  # Megatron's count: 2 + 2 all-reduces per layer, q/k/v's input once

@@ -608,17 +608,18 @@ STAT_TARGETS = {aten.cross_entropy_loss.default, aten._native_batch_norm_legit_f
 
 
 def stat_reductions(sig: OpSignature, in_specs, in_shapes, itemsize: int, mesh_shape
-                    ) -> list[tuple[str, int, float]]:
+                    ) -> list[tuple[str, tuple[int, ...], float]]:
     """The all-reduces of the statistics (``OpSignature.stats``) of a strategy whose operands
-    arrive in ``in_specs`` (global ``in_shapes``): ``(phase, mesh axis, bytes per device)``,
-    one per statistic and mesh axis, as the local variant issues them."""
+    arrive in ``in_specs`` (global ``in_shapes``): ``(phase, mesh axes, bytes per device)``,
+    one per statistic of a split dim, over the devices of all the axes it is split along (one
+    collective, as the local variant issues it)."""
     axes_of, local = {}, {}
     for labs, spec, shape in zip(sig.inputs, in_specs, in_shapes):
         for lab, entry, size in zip(labs, spec.dims, shape):
             axes_of.setdefault(lab, entry)
             local.setdefault(lab, size // math.prod(mesh_shape[a] for a in entry))
-    return [(phase, axis, float(itemsize * math.prod(local[lab] for lab in labs)))
-            for lab, stats in sig.stats.items() for phase, labs in stats for axis in axes_of.get(lab, ())]
+    return [(phase, tuple(axes_of[lab]), float(itemsize * math.prod(local[lab] for lab in labs)))
+            for lab, stats in sig.stats.items() for phase, labs in stats if axes_of.get(lab)]
 
 
 def is_supported(node: torch.fx.Node) -> bool:

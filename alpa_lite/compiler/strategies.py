@@ -223,7 +223,7 @@ def _enumerate(sig_key: tuple, tensors: tuple, fl: float, kernel: str | None, fo
         compute = (1 + BACKWARD_FLOPS_FACTOR) * mesh.compute_cost(fl / shards, sum(local), kernel)
         out_local = sum(local[len(sig.inputs):])
         comm = mesh.all_reduce_cost(out_local, partial) if partial else 0.0
-        comm += sum(mesh.all_reduce_cost(nbytes, (axis,)) for _, axis, nbytes in stat_reductions(
+        comm += sum(mesh.all_reduce_cost(nbytes, axes) for _, axes, nbytes in stat_reductions(
             sig, in_specs, [shape for shape, _ in tensors], tensors[0][1], mesh.shape))
         memory = 0.0 if follower else out_local
         key = (in_specs, out_specs, partial)

@@ -83,8 +83,8 @@ def deferred_loss_axes(cg: CapturedGraph, name: str, in_specs, out_spec, partial
     forward and waits for after backward (docs/runtime.md, "the loss's all-reduce";
     ``executor.LocalExecutor.defer_loss``); ``()`` where it reduces as usual. Deferred: the
     graph's loss, a scalar read only by the graph's output, outside a recomputed layer
-    (``recomputed`` False), reduced over exactly one mesh axis, but a vocab-parallel
-    cross-entropy's sum (reduced where computed). The one decision both the listing
+    (``recomputed`` False), reduced over one or both mesh axes (one all-reduce), but a
+    vocab-parallel cross-entropy's sum (reduced where computed). The one decision both the listing
     (``plan_collectives``, ``Collective.deferred``) and the ILP (``cost_graph``'s loss pool)
     read, and the runtime reads from the plan. The runtime still reduces it as usual in the
     compiled program (``compile=True``, which the plan does not know) and the pipeline runtime
@@ -93,7 +93,7 @@ def deferred_loss_axes(cg: CapturedGraph, name: str, in_specs, out_spec, partial
     if name != cg.loss_name or recomputed or node.meta["val"].dim() or any(u.op != "output" for u in node.users):
         return ()
     axes = tuple(a for a in partial_axes if a not in out_spec.partial)
-    if len(axes) != 1:
+    if not axes:
         return ()
     if (node.target is torch.ops.aten.cross_entropy_loss.default and in_specs[0].dims[1]
             and bind_args(node.target, node.args, node.kwargs)["reduction"] == SUM):
@@ -170,18 +170,19 @@ def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Logica
         if sig is not None and sig.stats:
             shapes = [tuple(cg.node(n).meta["val"].shape) for n in np_.inputs]
             itemsize = cg.node(np_.inputs[0]).meta["val"].element_size()
-            for phase, axis, nbytes in stat_reductions(sig, np_.in_specs, shapes, itemsize, mesh.shape):
+            for phase, axes, nbytes in stat_reductions(sig, np_.in_specs, shapes, itemsize, mesh.shape):
                 (forward if phase == "forward" else backward).append(Collective(
-                    "all-reduce", (axis,), nbytes, phase, name, name, mesh.all_reduce_cost(nbytes, (axis,))))
+                    "all-reduce", axes, nbytes, phase, name, name, mesh.all_reduce_cost(nbytes, axes)))
         if np_.partial_axes:
             vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else [node.meta["val"]]
             deferred = defer_loss and bool(deferred_loss_axes(cg, name, np_.in_specs, np_.out_specs[0],
                                                               np_.partial_axes, layer is not None))
             for spec, val in zip(np_.out_specs, vals):
                 local = local_bytes(val, spec, mesh.shape)
-                for axis in (a for a in np_.partial_axes if a not in spec.partial):
-                    forward.append(Collective("all-reduce", (axis,), float(local), "forward", name, name,
-                                              mesh.all_reduce_cost(local, (axis,)), deferred))
+                axes = tuple(a for a in np_.partial_axes if a not in spec.partial)
+                if axes:  # one all-reduce over the devices of every axis (``collectives.AllReducePartial``)
+                    forward.append(Collective("all-reduce", axes, float(local), "forward", name, name,
+                                              mesh.all_reduce_cost(local, axes), deferred))
         if layer is not None:
             recompute[layer] += [replace(c, phase="recompute") for c in forward[first:]]
     buckets = []

@@ -655,14 +655,15 @@ class AllReduceShared(torch.autograd.Function):
 
 
 def _all_reduce(x: torch.Tensor, axes, mesh: MeshGroups, phase: str, op) -> torch.Tensor:
-    if _functional:
-        for axis in axes:
-            x = funcol.all_reduce(x, {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max"}[op], mesh.groups[axis])
+    """``x`` reduced by ``op`` over the devices of mesh ``axes``: one all-reduce on their group
+    (``MeshGroups.group``; both axes: the flattened mesh), as the plan lists it."""
+    if not axes:
         return x
+    if _functional:
+        return funcol.all_reduce(x, {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max"}[op], mesh.group(axes))
     x = x.contiguous().clone()
-    for axis in axes:
-        with _issued("all-reduce", phase, (axis,)):
-            dist.all_reduce(x, op=op, group=mesh.groups[axis])
+    with _issued("all-reduce", phase, tuple(axes)):
+        dist.all_reduce(x, op=op, group=mesh.group(axes))
     return x
 
 
