@@ -77,7 +77,9 @@ def test_overlapped_step_equals_plain_step(results, name):
 
 
 # the runtime's message on a survivor: it names itself, the collective and its mesh axes
-NAMED = {"stopped-in-backward": r"the all-reduce (?:of gradient bucket \d+|in backward) over mesh axes \(\d(?:, 1)?,?\)",
+# (DP on 2x2: the deferred loss all-reduce too, when rank 1 stopped before it completed)
+NAMED = {"stopped-in-backward": r"the all-reduce (?:of gradient bucket \d+|of the loss|in backward) over mesh axes "
+                                r"\(\d(?:, 1)?,?\)",
          "stopped-in-backward-zero3": r"the (?:all-gather of a ZeRO-3 group \(backward\)|reduce-scatter of a ZeRO-3 "
                                       r"group's gradients) over mesh axes \(1,\)"}
 
@@ -87,7 +89,7 @@ def test_peer_stopped_mid_backward_fails_on_the_timeout_and_is_named(tmp_path, c
     # rank 1 stops itself (SIGSTOP) in backward without exiting, so the launcher tears nothing
     # down: the others must end on their own collective timeout (15 s), each naming itself and
     # what it waited on, with no hang on an outstanding async handle (DP: bucket all-reduces in
-    # flight; ZeRO-3: group reduce-scatters and a prefetched all-gather)
+    # flight, and the loss's deferred all-reduce; ZeRO-3: group reduce-scatters and a prefetched all-gather)
     log = tmp_path / "log.txt"
     start = time.monotonic()
     with open(log, "w") as f:

@@ -48,9 +48,9 @@ def test_accumulation_equals_one_process_on_the_whole_batch(results):
         # forward (K) and each backward, its gradient buckets once (all-reduced, or reduce-scattered
         # under ZeRO-2). A plan that defers the loss's all-reduce back-propagates every microbatch
         # (the count is known after backward); else only those with a valid target (Megatron's
-        # first microbatch has none)
+        # first microbatch has none). Both plans defer it (DP on 2x2: one all-reduce over both axes)
         assert a["valid_microbatches"] == {"megatron_k4": 3, "dp_k2": 2}[name]
-        assert a["loss_deferred"] == (name == "megatron_k4"), name  # DP on 2x2 reduces the loss over both axes
+        assert a["loss_deferred"], name
         assert a["per_step"].get("all-reduce|backward", 0) + a["per_step"].get("reduce-scatter|backward", 0) >= 1, name
         runs = {"forward": k, "backward": k if a["loss_deferred"] else a["valid_microbatches"]}
         want = {key: runs.get(key.split("|")[1], 0) * a["per_microbatch"].get(key, 0) + a["per_step"].get(key, 0)

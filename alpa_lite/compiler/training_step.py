@@ -78,7 +78,7 @@ def defer_gradient_sync(cg: CapturedGraph, nodes: dict[str, NodePlan]
 
 def deferred_loss_axes(cg: CapturedGraph, name: str, in_specs, out_spec, partial_axes: tuple[int, ...],
                        recomputed: bool) -> tuple[int, ...]:
-    """The mesh axis (a 1-tuple) of the all-reduce of node ``name``'s result (its strategy's
+    """The mesh axes (one or both) of the all-reduce of node ``name``'s result (its strategy's
     ``in_specs``, ``out_spec`` and ``partial_axes``) that the SPMD runtime defers: starts in
     forward and waits for after backward (docs/runtime.md, "the loss's all-reduce";
     ``executor.LocalExecutor.defer_loss``); ``()`` where it reduces as usual. Deferred: the

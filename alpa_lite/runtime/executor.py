@@ -419,7 +419,7 @@ class LocalExecutor:
             return False
         flat = torch.stack([t.detach() for t in parts]).contiguous().clone()
         self.pending_loss.append(DeferredLoss(local, all_reduce_async(flat, axes, self.mesh, "forward"), flat,
-                                              len(parts) == 2))
+                                              len(parts) == 2, tuple(axes)))
         return True
 
     def _ratio(self, node, np_: NodePlan, num, den):
@@ -535,10 +535,11 @@ class DeferredLoss:
             share of the gradient of the summed loss (of a ratio: of its numerator, to be divided
             by the denominator after, ``ParallelTrainer._train_step``).
         ratio: whether it is a ratio (numerator and denominator reduced together).
+        axes: the mesh axes it is all-reduced over (named when it fails).
     """
 
-    def __init__(self, local: torch.Tensor, work, flat: torch.Tensor, ratio: bool):
-        self.local, self.ratio, self._work, self._flat = local, ratio, work, flat
+    def __init__(self, local: torch.Tensor, work, flat: torch.Tensor, ratio: bool, axes: tuple[int, ...]):
+        self.local, self.ratio, self.axes, self._work, self._flat = local, ratio, axes, work, flat
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(numerator, denominator)`` summed over the ranks (denominator None unless a ratio),
@@ -547,6 +548,6 @@ class DeferredLoss:
             try:
                 self._work.wait()
             except RuntimeError as e:
-                raise failed("the all-reduce of the loss", e) from e
+                raise failed(f"the all-reduce of the loss over mesh axes {self.axes}", e) from e
             self._work = None
         return self._flat[0], (self._flat[1] if self.ratio else None)
