@@ -523,13 +523,14 @@ def _summary(cg: CapturedGraph) -> tuple:
 class AnyBatchGraph:
     """A captured training loss for every batch size in ``batches`` (``capture_any_batch``), as
     picklable records: a plan cache keeps it (``compiler/plan_cache.py``) and ``at(batch)`` gives
-    the ``CapturedGraph`` of that batch without torch.export.
+    the ``CapturedGraph`` of that batch without torch.export and without running the graph.
 
     Attributes:
         nodes: one record per graph node, in order: ``(name, op, target, args, kwargs, meta)``; a
-            node read is a ``_Ref``, an op target ``(namespace, name, overload)``; a placeholder's
-            ``meta["val"]`` is ``(shape, dtype, device, requires_grad)`` with None at its batch dim.
-            Size nodes (``aten.sym_size`` and arithmetic on sizes) are kept: ``at`` replaces them.
+            node read is a ``_Ref``, an op target ``(namespace, name, overload)``; ``meta["val"]``
+            is the node's value with every size an expression in the batch (``_Sized``): tensors
+            as ``_SizedTensor``, sizes as ``_Sized``. Size nodes (``aten.sym_size`` and arithmetic
+            on sizes) are kept: ``at`` replaces them.
         fields: the ``CapturedGraph`` fields besides the graph (node names: the same at any batch;
             ``in_spec`` as ``pytree.treespec_dumps`` writes it).
         batches: the (smallest, largest) batch it holds for (export's range, at least 2).
@@ -541,25 +542,71 @@ class AnyBatchGraph:
 
     @classmethod
     def of(cls, cg: CapturedGraph, batched: set[str], batches: tuple[int, float]) -> AnyBatchGraph:
+        """The records of ``cg`` (valued at some batch; ``batched``: the placeholders whose dim 0
+        is the batch), each value's sizes found by one fake run of the graph with the batch a
+        symbol (a ``ShapeEnv``'s, as torch.export's dynamic dims).
+
+        Raises:
+            CaptureError: the run fails or specializes the batch (an op guards on its value), or a
+                size depends on data (an unbacked symbol).
+        """
+        from torch._dynamo.source import ConstantSource
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+        env = ShapeEnv()
+        mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+        hint = next((cg.node(n).meta["val"].shape[0] for n in batched), 2)
+        source = ConstantSource("batch")
+        symbol = env.create_symbol(hint, source, DimDynamic.DYNAMIC)
+        batch = env.create_symintnode(symbol, hint=hint, source=source)
         records = []
         for n in cg.graph.nodes:
             meta = {k: n.meta[k] for k in _KEPT_META if k in n.meta}
-            val = n.meta.get("val")
-            if n.op == "placeholder" and isinstance(val, torch.Tensor):
-                shape = tuple(None if d == 0 and n.name in batched else s for d, s in enumerate(val.shape))
-                meta["val"] = (shape, val.dtype, val.device, val.requires_grad)
+            if "val" in n.meta:
+                meta["val"] = n.meta["val"]
             args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: _Ref(a.name))
             records.append((n.name, n.op, _target_key(n.target), tuple(args), dict(kwargs), meta))
+        graph = cls(records, {}, batches)._graph(lambda val: val)
+        for n in graph.nodes:
+            val = n.meta.get("val")
+            if n.op == "placeholder" and isinstance(val, torch.Tensor):
+                with mode:
+                    n.meta["val"] = torch.empty([batch if d == 0 and n.name in batched else s
+                                                 for d, s in enumerate(val.shape)], dtype=val.dtype, device=val.device)
+        try:
+            _fake_run(graph, set(cg.param_fqns), store=True, mode=mode)
+        except Exception as e:  # noqa: BLE001 - an op that needs a concrete batch: the reason kept
+            raise CaptureError(f"the graph does not run with a symbolic batch: {_first_line(e)}") from e
+        if env.replacements.get(symbol, symbol) != symbol:
+            raise CaptureError(f"an op specializes the batch to {env.replacements[symbol]}: the graph is not for "
+                               "any batch size")
+        for record, n in zip(records, graph.nodes):
+            if "val" in record[5]:
+                record[5]["val"] = _sized(n.meta["val"], symbol)
         try:  # a tree spec pickles with a deprecation warning on load: kept as its JSON
             in_spec = pytree.treespec_dumps(cg.in_spec)
         except (TypeError, NotImplementedError) as e:  # an input container without a serialized name
             raise CaptureError(f"the inputs' structure cannot be kept: {e}") from e
         return cls(records, {f: getattr(cg, f) for f in _FIELDS} | {"in_spec": in_spec}, batches)
 
+    def _graph(self, value) -> torch.fx.Graph:
+        """The records as a graph, each node's ``meta["val"]`` ``value(its recorded val)``."""
+        graph, env = torch.fx.Graph(), {}
+        read = lambda a: env[a.name] if isinstance(a, _Ref) else a  # noqa: E731
+        for name, op, target, args, kwargs, meta in self.nodes:
+            node = graph.create_node(op, _target_of(target), torch.fx.node.map_aggregate(args, read),
+                                     torch.fx.node.map_aggregate(kwargs, read), name=name)
+            node.meta = dict(meta)
+            if "val" in meta:
+                node.meta["val"] = value(meta["val"])
+            env[name] = node
+        return graph
+
     def at(self, batch: int) -> CapturedGraph:
         """The graph at ``batch`` samples, node for node the graph ``capture`` gives for inputs of
-        that batch: every value from one fake run of the records (``_fake_run``), every size node
-        replaced by its value.
+        that batch: every value a fake tensor of its sizes at ``batch``, every size node replaced
+        by its value.
 
         Raises:
             ValueError: ``batch`` outside ``batches``.
@@ -568,21 +615,66 @@ class AnyBatchGraph:
 
         if not self.batches[0] <= batch <= self.batches[1]:
             raise ValueError(f"batch {batch} is outside the batch sizes {self.batches} this graph holds for")
-        graph, env, mode = torch.fx.Graph(), {}, FakeTensorMode()
-        read = lambda a: env[a.name] if isinstance(a, _Ref) else a  # noqa: E731
-        for name, op, target, args, kwargs, meta in self.nodes:
-            node = graph.create_node(op, _target_of(target), torch.fx.node.map_aggregate(args, read),
-                                     torch.fx.node.map_aggregate(kwargs, read), name=name)
-            node.meta = dict(meta)
-            if op == "placeholder" and "val" in meta:
-                shape, dtype, device, grad = meta["val"]
-                with mode:
-                    node.meta["val"] = torch.empty([batch if s is None else s for s in shape], dtype=dtype,
-                                                   device=device, requires_grad=grad)
-            env[name] = node
-        _fake_run(graph, set(self.fields["param_fqns"]), store=True)
+        sizes: dict = {}
+        with FakeTensorMode():
+            graph = self._graph(lambda val: _at_batch(val, batch, sizes))
         _replace_sizes(graph)
         return CapturedGraph(torch.fx.GraphModule(torch.nn.Module(), graph), **self.fields | {"in_spec": pytree.treespec_loads(self.fields["in_spec"])})
+
+
+@dataclass(frozen=True)
+class _Sized:
+    """A size (``kind`` int, float or bool) as a sympy expression in the batch ``symbol``."""
+
+    kind: type
+    expr: object
+    symbol: object
+
+    def at(self, batch: int, memo: dict):
+        key = (self.expr, batch)
+        if key not in memo:
+            memo[key] = self.kind(self.expr.xreplace({self.symbol: batch}))
+        return memo[key]
+
+
+@dataclass(frozen=True)
+class _SizedTensor:
+    """A tensor value: its shape (ints and ``_Sized``), dtype, device and ``requires_grad``."""
+
+    shape: tuple
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+
+def _sized(val, symbol):
+    """``val`` (a value of the symbolic fake run of ``AnyBatchGraph.of``) with its sizes as ``_Sized``."""
+    def size(s):
+        if isinstance(s, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            expr = s.node.expr
+            if expr.free_symbols - {symbol}:
+                raise CaptureError(f"a size depends on data ({expr}): the graph is not for any batch size")
+            kind = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[type(s)]
+            return kind(expr) if expr.is_number else _Sized(kind, expr, symbol)
+        return s
+
+    if isinstance(val, torch.Tensor):
+        return _SizedTensor(tuple(size(s) for s in val.shape), val.dtype, val.device, val.requires_grad)
+    if isinstance(val, (tuple, list)):
+        return type(val)(_sized(v, symbol) for v in val)
+    return size(val)
+
+
+def _at_batch(val, batch: int, memo: dict):
+    """``_sized(val)`` at ``batch``: tensors as fake tensors (in the active ``FakeTensorMode``)."""
+    if isinstance(val, _Sized):
+        return val.at(batch, memo)
+    if isinstance(val, _SizedTensor):
+        shape = [s.at(batch, memo) if isinstance(s, _Sized) else s for s in val.shape]
+        return torch.empty(shape, dtype=val.dtype, device=val.device, requires_grad=val.requires_grad)
+    if isinstance(val, (tuple, list)):
+        return type(val)(_at_batch(v, batch, memo) for v in val)
+    return val
 
 
 def capture_any_batch(model: torch.nn.Module, example_inputs: tuple, loss_fn=None, targets: tuple = (),
@@ -900,25 +992,27 @@ def _fresh_attr(gm: torch.fx.GraphModule, base: str) -> str:
     return f"{base}_inlined{k}"
 
 
-def _fake_run(graph: torch.fx.Graph, params: set[str], store: bool = False) -> tuple[set[str], set[str]]:
+def _fake_run(graph: torch.fx.Graph, params: set[str], store: bool = False,
+              mode=None) -> tuple[set[str], set[str]]:
     """Run ``graph`` on fake tensors with ``params`` requiring grad: (nodes whose result requires
     grad when only the parameters do, with exact autograd semantics: a view of data stays
     untracked, for example; placeholders the graph writes in place, ``batch_norm``'s running
     statistics or ``add_`` on a counter, found by their version counters). ``capture`` runs it
     once on export's graph, and again only when that graph had to be functionalized. With
     ``store`` every node's ``meta["val"]`` becomes its value of this run (a graph for any batch
-    size, valued from its placeholders' values: ``AnyBatchGraph``)."""
+    size, valued from its placeholders' values: ``AnyBatchGraph``). ``mode``: the
+    ``FakeTensorMode`` to run in (its placeholders' values already of it), default a new one."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     tracked: set[str] = set()
     inputs: dict[str, tuple[torch.Tensor, int]] = {}
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = mode or FakeTensorMode(allow_non_fake_inputs=True)
 
     class Tracker(torch.fx.Interpreter):
         def run_node(self, n):
             if n.op == "placeholder":
                 val = n.meta["val"]
-                out = mode.from_tensor(val) if isinstance(val, torch.Tensor) else val
+                out = val if not isinstance(val, torch.Tensor) or mode.is_our_fake(val) else mode.from_tensor(val)
                 if isinstance(out, torch.Tensor):  # only the parameters: export may mark a meta input too
                     out = out.detach().requires_grad_(n.name in params)
                 if isinstance(out, torch.Tensor):
