@@ -342,8 +342,8 @@ def build_strategies(cg: CapturedGraph, mesh: LogicalMesh, *, warn=None, nodes: 
                 warned.add(str(node.target))
                 warn(f"no sharding strategy for {node.target}: it runs replicated")
         needs = [n.name in cg.requires_grad for n in ins]
-        strategies = [replace(s, grad_partial=tuple(g if need else None for g, need in zip(s.grad_partial, needs)))
-                      for s in strategies]
+        strategies = [s if gp == s.grad_partial else replace(s, grad_partial=gp) for s, gp in
+                      ((s, tuple(g if need else None for g, need in zip(s.grad_partial, needs))) for s in strategies)]
         table[node.name] = NodeStrategies(node.name, strategies, [n.name for n in ins], [0] * len(ins),
                                           node.target in FOLLOWER_TARGETS or _unary_pointwise(node), supported,
                                           requires_grad=node.name in cg.requires_grad,
