@@ -179,8 +179,9 @@ def test_spmd_losses_equal_single_process(tmp_path):
 
 
 def test_pipelined_losses_equal_single_process(tmp_path):
-    """2 stages x 2 devices (tensor parallel inside), GPipe and 1F1B, B = 2 and 4: microbatches
-    hold different numbers of valid targets (one none in the last step at B = 4)."""
+    """2 stages x 2 devices (tensor parallel inside; data parallel inside, its loss's all-reduce
+    deferred), GPipe, 1F1B and ZB-H1, B = 2 and 4: microbatches hold different numbers of valid
+    targets (one none in the last step at B = 4)."""
     base = {"num_stages": 2, "num_layers": 2, "param_specs": MEGATRON}
     layouts = {"gpipe_b2": {"schedule": "gpipe", "num_microbatches": 2},
                "1f1b_b4": {"schedule": "1f1b", "num_microbatches": 4}}
@@ -192,8 +193,18 @@ def test_pipelined_losses_equal_single_process(tmp_path):
               for k, o in more.items() for loss in ("ce_ignore", "ce_sum")}
     cases |= {f"{k}_ce_ignore_adamw": {"loss": "ce_ignore", "optimizer": "adamw", "options": base | o}
               for k, o in layouts.items()}
+    # data parallel inside the stages: the last stage defers its loss's all-reduce of every
+    # microbatch (runtime/pipeline.py), backward runs from the local sum
+    dp = {"num_stages": 2, "num_layers": 2, "force_data_parallel": True}
+    split = {"dp_1f1b_b4": {"schedule": "1f1b", "num_microbatches": 4},
+             "dp_zbh1_b2": {"schedule": "zb-h1", "num_microbatches": 2}}
+    cases |= {f"{k}_{loss}_{opt}": {"loss": loss, "optimizer": opt, "options": dp | o}
+              for k, o in split.items() for loss in ("ce_ignore", "ce_sum", "plain_mean") for opt in ("sgd", "adamw")}
     res = _run(tmp_path, cases)
     _check(res)
+    for name, r in res.items():
+        if name.startswith("dp_"):
+            assert r["deferred"] == [[1]], name  # a stage's 1 x 2 mesh
     kinds = {"ce_ignore": "ratio", "nll_ignore": "ratio", "ce_sum": "sum", "masked_mean": "ratio",
              "plain_mean": "mean"}
     for name, r in res.items():

@@ -20,9 +20,10 @@ seconds, as the edge pays them; so does the sync of a lookup's output where its 
 gradient is bucketed instead, ``CapturedGraph.param_lookups``, priced at the weight's bytes), and a ZeRO-3 use a group can take (``resharding.grouped_steps``)
 its reduce-scatter's seconds to the ZeRO-3 pool; each node's compute times ``BACKWARD_SHARE``
 is what hides them (``CostGraph.backward``; a parameter's, its optimizer update, hides nothing),
-as ``core.plan.hidden_seconds`` prices a listing. In a whole-program graph (an SPMD plan's) the
-loss's all-reduce the runtime defers (``training_step.deferred_loss_axes``) is the pool
-``"deferred loss"``, nothing of it unhidden (the listing's ``Collective.deferred``).
+as ``core.plan.hidden_seconds`` prices a listing. The loss's all-reduce the runtime defers
+(``training_step.deferred_loss_axes``; an SPMD plan's, or a pipeline's last stage, per
+microbatch) is the pool ``"deferred loss"``, nothing of it unhidden (the listing's
+``Collective.deferred``).
 """
 from __future__ import annotations
 
@@ -186,8 +187,8 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
             # a ZeRO-1/2 parameter joins a bucketed all-gather (and reduce-scatter): its latency, once
             for kind in ("all-gather", "reduce-scatter")[:s.zero_stage]:
                 graph.add_fixed((kind, s.zero_axes), mesh.collective_cost(kind, 0, s.zero_axes), (placed.var, p))
-            axes = () if nodes is not None else deferred_loss_axes(cg, node.name, s.in_specs, s.out_specs[0],
-                                                                   s.partial_axes, node.name in layer_of)
+            axes = deferred_loss_axes(cg, node.name, s.in_specs, s.out_specs[0], s.partial_axes,
+                                      node.name in layer_of)
             if axes:  # the listing's deferred all-reduce of the loss (plan_collectives), hidden behind backward
                 local = local_bytes(node.meta["val"], s.out_specs[0], mesh.shape)
                 pool = graph.pools.setdefault("deferred loss", Pool(0.0))

@@ -84,7 +84,7 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
     remat = [list(layer) for layer, r in zip(layers, sol.remat) if r]
     nodes, grad_sync, collectives = training_step(cg, {name: node_plan(s, table[name]) for name, s in chosen.items()},
                                                   mesh, options.bucket_bytes,
-                                                  options.gradient_reduce_dtype, remat, defer_loss=True)
+                                                  options.gradient_reduce_dtype, remat)
     recomputed = {n for layer in remat for n in layer}
     result = Plan(mesh=mesh, param_specs=param_specs_of(cg, nodes),
                   input_specs={n: nodes[n].out_specs[0] for n in cg.input_names}, nodes=nodes,

@@ -81,14 +81,15 @@ def deferred_loss_axes(cg: CapturedGraph, name: str, in_specs, out_spec, partial
     """The mesh axes (one or both) of the all-reduce of node ``name``'s result (its strategy's
     ``in_specs``, ``out_spec`` and ``partial_axes``) that the SPMD runtime defers: starts in
     forward and waits for after backward (docs/runtime.md, "the loss's all-reduce";
-    ``executor.LocalExecutor.defer_loss``); ``()`` where it reduces as usual. Deferred: the
+    ``executor.LocalExecutor.defer_loss``), as the pipeline runtime does on its last stage for
+    every microbatch; ``()`` where it reduces as usual. Deferred: the
     graph's loss, a scalar read only by the graph's output, outside a recomputed layer
     (``recomputed`` False), reduced over one or both mesh axes (one all-reduce), but a
     vocab-parallel cross-entropy's sum (reduced where computed). The one decision both the listing
     (``plan_collectives``, ``Collective.deferred``) and the ILP (``cost_graph``'s loss pool)
     read, and the runtime reads from the plan. The runtime still reduces it as usual in the
-    compiled program (``compile=True``, which the plan does not know) and the pipeline runtime
-    (its stage plans defer nothing); under gradient accumulation it defers each microbatch's."""
+    compiled program (``compile=True``, which the plan does not know); under gradient
+    accumulation and in a pipeline it defers each microbatch's."""
     node = cg.node(name)
     if name != cg.loss_name or recomputed or node.meta["val"].dim() or any(u.op != "output" for u in node.users):
         return ()
@@ -102,23 +103,21 @@ def deferred_loss_axes(cg: CapturedGraph, name: str, in_specs, out_spec, partial
 
 
 def training_step(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: LogicalMesh, bucket_bytes: float = 25 * 2**20,
-                  reduce_dtype: torch.dtype | None = None, remat: list[list[str]] = (), defer_loss: bool = False
+                  reduce_dtype: torch.dtype | None = None, remat: list[list[str]] = ()
                   ) -> tuple[dict[str, NodePlan], dict[str, tuple[int, ...]], list[Collective]]:
     """What a ``Plan`` (an SPMD plan or one pipeline stage's) stores for the chosen strategies
     ``nodes`` (gradient syncs on their edges): ``(nodes, grad_sync, collectives)`` with the
     data-parallel gradient syncs deferred to buckets (``defer_gradient_sync``) and every
-    collective of one training step (``plan_collectives``; ``remat``: the recomputed layers;
-    ``defer_loss``: an SPMD plan, whose runtime defers the loss's all-reduce). The
+    collective of one training step (``plan_collectives``; ``remat``: the recomputed layers). The
     one place both plan kinds derive their gradient synchronization."""
     nodes, grad_sync = defer_gradient_sync(cg, nodes)
-    return nodes, grad_sync, plan_collectives(cg, nodes, mesh, grad_sync, bucket_bytes, reduce_dtype, remat,
-                                              defer_loss)
+    return nodes, grad_sync, plan_collectives(cg, nodes, mesh, grad_sync, bucket_bytes, reduce_dtype, remat)
 
 
 def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: LogicalMesh,
                      grad_sync: dict[str, tuple[int, ...]] | None = None,
                      bucket_bytes: float = 25 * 2**20, reduce_dtype: torch.dtype | None = None,
-                     remat: list[list[str]] = (), defer_loss: bool = False) -> list[Collective]:
+                     remat: list[list[str]] = ()) -> list[Collective]:
     """Every collective of one training step for the chosen strategies: partial-sum all-reduces
     inside ops (not of a result left partial: its edges reduce it), the all-reduces of shared
     statistics (``ops.stat_reductions``), the resharding of every value to each (spec, gradient
@@ -133,8 +132,7 @@ def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Logica
     forward collectives again in backward: those are listed once more in phase ``"recompute"``
     (layers in reverse order, as backward reaches them).
 
-    With ``defer_loss`` the loss's all-reduce the SPMD runtime defers (``deferred_loss_axes``)
-    is listed ``deferred``."""
+    The loss's all-reduce the runtime defers (``deferred_loss_axes``) is listed ``deferred``."""
     forward, backward = [], []
     layer_of = {n: i for i, layer in enumerate(remat) for n in layer}
     recompute: list[list[Collective]] = [[] for _ in remat]
@@ -175,8 +173,8 @@ def plan_collectives(cg: CapturedGraph, nodes: dict[str, NodePlan], mesh: Logica
                     "all-reduce", axes, nbytes, phase, name, name, mesh.all_reduce_cost(nbytes, axes)))
         if np_.partial_axes:
             vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else [node.meta["val"]]
-            deferred = defer_loss and bool(deferred_loss_axes(cg, name, np_.in_specs, np_.out_specs[0],
-                                                              np_.partial_axes, layer is not None))
+            deferred = bool(deferred_loss_axes(cg, name, np_.in_specs, np_.out_specs[0], np_.partial_axes,
+                                               layer is not None))
             for spec, val in zip(np_.out_specs, vals):
                 local = local_bytes(val, spec, mesh.shape)
                 axes = tuple(a for a in np_.partial_axes if a not in spec.partial)

@@ -94,8 +94,8 @@ class Collective:
         node: the consuming node (resharding) or the node reducing its partial result.
         tensor: the tensor moved (producer node name).
         seconds: predicted time.
-        deferred: the loss's all-reduce that the SPMD runtime starts in forward and waits for
-            only after backward (``training_step.deferred_loss_axes``; phase ``"forward"``):
+        deferred: the loss's all-reduce that the runtime (SPMD, or a pipeline's last stage, per
+            microbatch) starts in forward and waits for only after backward (``training_step.deferred_loss_axes``; phase ``"forward"``):
             hidden behind backward (``hidden_seconds``).
     """
 
@@ -549,25 +549,25 @@ def hidden_seconds(collectives, compute_seconds: float) -> tuple[float, float, f
     (or a pipeline stage's last microbatch) that computes ``compute_seconds`` forward and
     backward (the optimizer update not included) and issues
     ``collectives`` (``Plan.overlap_seconds``): every ZeRO-3 group's reduce-scatter but group 0's
-    first, then every gradient bucket but the first listed of each (kind, mesh axes), then the
-    loss all-reduce the runtime defers (``Collective.deferred``: started in forward, waited for
-    after backward), within the backward's share of the compute (``BACKWARD_SHARE``). The first
-    bucket of a (kind, axes)
-    holds its parameters used first (``gradient_buckets``), often the first layer's, whose
-    gradients are complete only when backward ends. A pipeline stage hides its groups'
-    reduce-scatters behind each microbatch's backward and its buckets behind the last one's, in
-    what the groups leave of it (its plans defer no loss)."""
+    first, then the loss all-reduce the runtime defers (``Collective.deferred``: started in
+    forward, waited for after backward), then every gradient bucket but the first listed of each
+    (kind, mesh axes), within the backward's share of the compute (``BACKWARD_SHARE``). The
+    first bucket of a (kind, axes) holds its parameters used first (``gradient_buckets``), often
+    the first layer's, whose gradients are complete only when backward ends. A pipeline stage
+    hides its groups' reduce-scatters and (the last stage) its loss's all-reduce behind each
+    microbatch's backward, and its buckets behind the last one's, in what those leave of it (the
+    order of the ILP's pool weights, ``ilp.Pool.weight``)."""
     budget = BACKWARD_SHARE * compute_seconds
     groups = min(budget, sum(c.seconds for c in collectives if c.kind == "reduce-scatter"
                              and c.tensor.startswith("ZeRO-3 group ") and not c.tensor.startswith("ZeRO-3 group 0 ")))
+    loss = min(budget - groups, sum(c.seconds for c in collectives if c.deferred))
     first, buckets = set(), 0.0
     for c in collectives:
         if c.node.startswith("gradient bucket"):
             if (c.kind, c.mesh_axes) in first:
                 buckets += c.seconds
             first.add((c.kind, c.mesh_axes))
-    buckets = min(budget - groups, buckets)
-    loss = min(budget - groups - buckets, sum(c.seconds for c in collectives if c.deferred))
+    buckets = min(budget - groups - loss, buckets)
     return groups, buckets, loss
 
 

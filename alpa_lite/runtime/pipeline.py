@@ -36,6 +36,9 @@ valid targets weighs each by its count (``w_m = D_m``, its denominator, ``Z = su
 it is the ratio of the summed numerators and denominators. The last stage back-propagates
 ``w_m L_m``; ``Z`` is known only after the last microbatch, so every rank divides its
 synchronized gradients by it before the optimizer step (one broadcast carries loss and ``Z``).
+Where its plan defers the loss's all-reduce (``Collective.deferred``), as the SPMD runtime does,
+each microbatch back-propagates its local partial sum (of a token mean: its numerator) while
+the all-reduce runs, waited for once the schedule is done.
 
 ``torch.distributed.pipelining`` is not used: its stages are one module per rank with one
 process group, and its schedules drive ``PipelineStage`` objects that exchange tensors of fixed
@@ -58,7 +61,8 @@ from ..core.capture import stage_view
 from ..core.plan import PipelinePlan, Plan, PlanError
 from ..core.schedules import get_schedule
 from ..core.spec import ShardingSpec
-from .collectives import GatheredParameters, MeshGroups, local_slice, reshard, synchronize_device
+from .collectives import GatheredParameters, MeshGroups, failed, local_slice, reshard, synchronize_device
+from .executor import DeferredLoss
 from .init import store_buffer_mutations
 from .program import StageProgram
 from .trainer import Trainer
@@ -303,14 +307,15 @@ class PipelineTrainer(Trainer):
         bufs = {n: torch.empty(*self._meta(n)[:1], dtype=self._meta(n)[1], device=self.device) for n in self.sp.recv}
         works = self._p2p([dist.P2POp(dist.irecv, bufs[n], src, tag=_tag(self.stage, mb, 0, k))
                            for k, n in enumerate(self.sp.recv)])
-        for w in works:
-            w.wait()
+        _wait(works, f"the receive of microbatch {mb}'s activations from rank {src}")
         return {n: (t.requires_grad_(True) if n in self.cg.requires_grad else t) for n, t in bufs.items()}
 
     def _send(self, tensors: list[torch.Tensor], peers: list[int], boundary: int, mb: int, kind: int) -> None:
         ops = [dist.P2POp(dist.isend, t.contiguous(), p, tag=_tag(boundary, mb, kind, k))
                for p in peers for k, t in enumerate(tensors)]
-        self._pending += self._p2p(ops)
+        values = ("activations", "gradients")[kind]
+        what = f"the send of microbatch {mb}'s {values} to rank(s) {', '.join(map(str, peers))}"
+        self._pending.append((self._p2p(ops), what))
 
     def _next_peers(self) -> list[int]:
         nxt = self.plan.stages[self.stage + 1]
@@ -359,7 +364,11 @@ class PipelineTrainer(Trainer):
             sent, kept = self.program(values)
             values |= kept
         else:
-            sent = self._run_stage(values, gathered)
+            self.executor.defer_loss = self.stage == self.num_stages - 1
+            try:
+                sent = self._run_stage(values, gathered)
+            finally:
+                self.executor.defer_loss = False
         store_buffer_mutations(self.view, self.sp.plan, values, self.buffers, self.groups)
         if self.stage != self.num_stages - 1:
             return sent, None
@@ -384,7 +393,15 @@ class PipelineTrainer(Trainer):
 
     def _loss_term(self, values) -> torch.Tensor | None:
         """``w_m L_m`` of this microbatch (None when ``w_m = 0``: a token mean without a valid
-        target adds nothing), recording ``(w_m L_m, w_m)`` for the step's loss."""
+        target adds nothing), recording ``(w_m L_m, w_m)`` for the step's loss. Where the stage
+        plan defers the loss's all-reduce (``Collective.deferred``; ``LocalExecutor.defer_loss``)
+        it is the local partial sum (of a token mean: of its numerator, ``w_m L_m`` with ``w_m``
+        its denominator), recorded as the ``DeferredLoss``, waited for in ``_broadcast_loss``; a
+        microbatch without a valid target then back-propagates a sum of nothing (zero gradients)."""
+        if self.executor.pending_loss:
+            deferred = self.executor.pending_loss.pop()
+            self._terms.append(deferred)
+            return deferred.local
         loss = values[self.cg.loss_name]
         weight = self._loss_weight(values).to(loss)
         if not weight:
@@ -453,8 +470,8 @@ class PipelineTrainer(Trainer):
                 out = [(t.grad if t.grad is not None else torch.zeros_like(t)) for n, t in leaves.items()
                        if n in self.cg.requires_grad]
                 self._send(out, self._prev_peers(), self.stage, mb, 1)
-        for w in self._pending:
-            w.wait()
+        for works, what in self._pending:
+            _wait(works, what)
         self._pending = []
         self.schedule_seconds = time.perf_counter() - start
         if self.timer is not None:
@@ -487,8 +504,7 @@ class PipelineTrainer(Trainer):
             if b is not None:
                 ops.append(dist.P2POp(dist.irecv, b, src, tag=_tag(self.stage + 1, mb, 1, k)))
                 k += 1
-        for w in self._p2p(ops):
-            w.wait()
+        _wait(self._p2p(ops), f"the receive of microbatch {mb}'s gradients from rank {src}")
         return bufs
 
     def _sync_gradients(self) -> None:
@@ -497,22 +513,30 @@ class PipelineTrainer(Trainer):
             self._sync_buckets()
         for ph, (stage, group) in self.tied_groups.items():  # a weight several stages use: sum their gradients
             self._enter(stage)
-            p = self.params[self.view.param_fqns[ph]]
+            fqn = self.view.param_fqns[ph]
+            p = self.params[fqn]
             spec = self._spec(ph)
             full = self._full(p.grad if p.grad is not None else torch.zeros_like(p), ph)
             if self.index != 0:  # every rank of a stage holds the same full gradient: count it once
                 full = torch.zeros_like(full)
-            dist.all_reduce(full, group=group)
+            try:
+                dist.all_reduce(full, group=group)
+            except RuntimeError as e:
+                raise failed(f"the all-reduce of tied weight {fqn}'s gradient over its stages", e) from e
             p.grad = local_slice(full, spec, self.groups).clone()
 
     def _broadcast_loss(self) -> tuple[float, float]:
         """``(loss, Z)`` of the step from the last stage (module docstring), on every rank."""
         value = torch.zeros(2, device=self.device)
         if self._terms:
-            terms, weights = (torch.stack(x) for x in zip(*self._terms))
+            terms, weights = (torch.stack(x) for x in zip(*map(_term, self._terms)))
             z = torch.ones_like(weights[0]) if self.reduction.kind == "sum" else weights.sum()
             value = torch.stack([terms.sum() / z, z]).to(value)
-        dist.broadcast(value, src=self.plan.stages[-1].ranks[0])
+        src = self.plan.stages[-1].ranks[0]
+        try:
+            dist.broadcast(value, src=src)
+        except RuntimeError as e:
+            raise failed(f"the broadcast of the step's loss from rank {src}", e) from e
         return float(value[0]), float(value[1])
 
     def _gather(self, local: dict[str, torch.Tensor], placeholders: dict[str, str]) -> dict[str, torch.Tensor]:
@@ -532,11 +556,34 @@ class PipelineTrainer(Trainer):
                 x = self._full(local[fqn], ph).contiguous()
             else:
                 x = torch.empty(shape, dtype=dtype, device=self.device)
-            dist.broadcast(x, src=self.plan.stages[owners[ph]].ranks[0])
+            src = self.plan.stages[owners[ph]].ranks[0]
+            try:
+                dist.broadcast(x, src=src)
+            except RuntimeError as e:
+                raise failed(f"the broadcast of {fqn} from rank {src}", e) from e
             out[fqn] = x.cpu()
             for alias in self.cg.tied.get(fqn, []):
                 out[alias] = out[fqn]
         return out
+
+
+def _term(entry) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w_m L_m, w_m)`` of a microbatch's recorded loss (``_loss_term``): a ``DeferredLoss``
+    waited for (the summed numerator and denominator, 1 if none), else the pair itself."""
+    if not isinstance(entry, DeferredLoss):
+        return entry
+    term, den = entry.wait()
+    return term, torch.ones_like(term) if den is None else den
+
+
+def _wait(works: list, what: str) -> None:
+    """Wait for point-to-point ``works``; a failure (a peer died, stopped or timed out) names
+    this rank and ``what`` it waited on."""
+    try:
+        for w in works:
+            w.wait()
+    except RuntimeError as e:
+        raise failed(what, e) from e
 
 
 def _tag(boundary: int, mb: int, kind: int, k: int) -> int:

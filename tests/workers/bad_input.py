@@ -45,6 +45,17 @@ def main():
                 lambda p: os.kill(os.getpid(), signal.SIGSTOP))
         trainer.step(*example)
         return
+    if args.case == "stopped-in-backward-pipeline":
+        # 2 stages x 2 data-parallel devices, 1F1B, B = 2: rank 3 (last stage) stops in its first
+        # backward of the second step, its loss's deferred all-reduce and the next one in flight
+        trainer = parallelize(model, (2, 2), example, num_stages=2, num_layers=2, num_microbatches=2,
+                              force_data_parallel=True, bucket_bytes=8192)
+        trainer.step(*example)
+        if rank == 3:
+            trainer.params["ln_f.weight"].register_post_accumulate_grad_hook(
+                lambda p: os.kill(os.getpid(), signal.SIGSTOP))
+        trainer.step(*example)
+        return
     if args.case == "stopped-in-backward-zero3":
         # ZeRO-3 groups on 1x4: rank 1 stops as it starts its first gradient reduce-scatter of the
         # second step's backward, with the next group's all-gather prefetched

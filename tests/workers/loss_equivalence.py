@@ -114,7 +114,9 @@ def main():
                          "grad_err": None if grads is None else max_err(grads, ref_grads),
                          "grad_scale": max(float(v.abs().max()) for v in ref_grads.values()),
                          "first_step_param_err": first, "param_err": max_err(trainer.state_dict(), ref_params[-1]),
-                         "loss_reduction": getattr(trainer.plan.loss_reduction, "kind", None)}
+                         "loss_reduction": getattr(trainer.plan.loss_reduction, "kind", None),
+                         "deferred": [c.mesh_axes for sp in getattr(trainer.plan, "stages", [trainer])
+                                      for c in sp.plan.collectives if c.deferred]}
     finish(results, args.out)
 
 
