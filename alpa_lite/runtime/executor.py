@@ -551,3 +551,9 @@ class DeferredLoss:
                 raise failed(f"the all-reduce of the loss over mesh axes {self.axes}", e) from e
             self._work = None
         return self._flat[0], (self._flat[1] if self.ratio else None)
+
+    def weighted(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w_m L_m, w_m)`` of the microbatch (``pipeline.py``'s module docstring): the summed
+        numerator and denominator of a ratio, else the summed loss and 1; waits (``wait``)."""
+        term, den = self.wait()
+        return term, torch.ones_like(term) if den is None else den

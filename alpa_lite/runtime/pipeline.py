@@ -519,24 +519,21 @@ class PipelineTrainer(Trainer):
             full = self._full(p.grad if p.grad is not None else torch.zeros_like(p), ph)
             if self.index != 0:  # every rank of a stage holds the same full gradient: count it once
                 full = torch.zeros_like(full)
-            try:
+            with _named(f"the all-reduce of tied weight {fqn}'s gradient over its stages"):
                 dist.all_reduce(full, group=group)
-            except RuntimeError as e:
-                raise failed(f"the all-reduce of tied weight {fqn}'s gradient over its stages", e) from e
             p.grad = local_slice(full, spec, self.groups).clone()
 
     def _broadcast_loss(self) -> tuple[float, float]:
         """``(loss, Z)`` of the step from the last stage (module docstring), on every rank."""
         value = torch.zeros(2, device=self.device)
         if self._terms:
-            terms, weights = (torch.stack(x) for x in zip(*map(_term, self._terms)))
+            terms, weights = (torch.stack(x) for x in zip(*(t.weighted() if isinstance(t, DeferredLoss) else t
+                                                              for t in self._terms)))
             z = torch.ones_like(weights[0]) if self.reduction.kind == "sum" else weights.sum()
             value = torch.stack([terms.sum() / z, z]).to(value)
         src = self.plan.stages[-1].ranks[0]
-        try:
+        with _named(f"the broadcast of the step's loss from rank {src}"):
             dist.broadcast(value, src=src)
-        except RuntimeError as e:
-            raise failed(f"the broadcast of the step's loss from rank {src}", e) from e
         return float(value[0]), float(value[1])
 
     def _gather(self, local: dict[str, torch.Tensor], placeholders: dict[str, str]) -> dict[str, torch.Tensor]:
@@ -557,33 +554,29 @@ class PipelineTrainer(Trainer):
             else:
                 x = torch.empty(shape, dtype=dtype, device=self.device)
             src = self.plan.stages[owners[ph]].ranks[0]
-            try:
+            with _named(f"the broadcast of {fqn} from rank {src}"):
                 dist.broadcast(x, src=src)
-            except RuntimeError as e:
-                raise failed(f"the broadcast of {fqn} from rank {src}", e) from e
             out[fqn] = x.cpu()
             for alias in self.cg.tied.get(fqn, []):
                 out[alias] = out[fqn]
         return out
 
 
-def _term(entry) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(w_m L_m, w_m)`` of a microbatch's recorded loss (``_loss_term``): a ``DeferredLoss``
-    waited for (the summed numerator and denominator, 1 if none), else the pair itself."""
-    if not isinstance(entry, DeferredLoss):
-        return entry
-    term, den = entry.wait()
-    return term, torch.ones_like(term) if den is None else den
+@contextmanager
+def _named(what: str):
+    """A communication's failure (a peer died, stopped or timed out) inside the block raised as
+    a ``RuntimeError`` naming this rank and ``what`` it waited on (``collectives.failed``)."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise failed(what, e) from e
 
 
 def _wait(works: list, what: str) -> None:
-    """Wait for point-to-point ``works``; a failure (a peer died, stopped or timed out) names
-    this rank and ``what`` it waited on."""
-    try:
+    """Wait for point-to-point ``works`` (``_named``)."""
+    with _named(what):
         for w in works:
             w.wait()
-    except RuntimeError as e:
-        raise failed(what, e) from e
 
 
 def _tag(boundary: int, mb: int, kind: int, k: int) -> int:

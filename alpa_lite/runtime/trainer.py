@@ -507,9 +507,8 @@ class ParallelTrainer(Trainer):
 
         def total() -> tuple[torch.Tensor, torch.Tensor]:
             for m, deferred in enumerate(pending):
-                if deferred is not None:  # w_m L_m and w_m: the summed numerator and denominator (1 if none)
-                    losses[m], den = deferred.wait()
-                    weights[m] = torch.ones_like(losses[m]) if den is None else den
+                if deferred is not None:
+                    losses[m], weights[m] = deferred.weighted()
             z = torch.ones_like(weights[0]) if self.plan.loss_reduction.kind == "sum" else torch.stack(weights).sum()
             return torch.stack(losses).sum() / z, z
         return total

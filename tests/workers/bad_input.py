@@ -35,25 +35,19 @@ def main():
             os._exit(3)  # dies between steps; the others block in the next step's collectives
         trainer.step(*example)
         return
-    if args.case == "stopped-in-backward":
-        # rank 1 stops (SIGSTOP: alive, never answering) in backward while bucket all-reduces are in
-        # flight: the others must fail on their own collective timeout, not on the launcher tearing them down
-        trainer = parallelize(model, (2, 2), example, force_data_parallel=True, bucket_bytes=8192)
+    # one rank stops (SIGSTOP: alive, never answering) as a parameter's gradient accumulates in
+    # the second step's backward: the others must fail on their own collective timeout, not on
+    # the launcher tearing them down. DP on 2x2: rank 1, bucket all-reduces in flight; 2 stages x
+    # 2 data-parallel devices, 1F1B, B = 2: rank 3 (last stage), its loss's deferred all-reduce in flight
+    stopped = {"stopped-in-backward": (1, "blocks.0.attn.qkv.weight", {}),
+               "stopped-in-backward-pipeline": (3, "ln_f.weight",
+                                                {"num_stages": 2, "num_layers": 2, "num_microbatches": 2})}
+    if args.case in stopped:
+        who, param, options = stopped[args.case]
+        trainer = parallelize(model, (2, 2), example, force_data_parallel=True, bucket_bytes=8192, **options)
         trainer.step(*example)
-        if rank == 1:
-            trainer.params["blocks.0.attn.qkv.weight"].register_post_accumulate_grad_hook(
-                lambda p: os.kill(os.getpid(), signal.SIGSTOP))
-        trainer.step(*example)
-        return
-    if args.case == "stopped-in-backward-pipeline":
-        # 2 stages x 2 data-parallel devices, 1F1B, B = 2: rank 3 (last stage) stops in its first
-        # backward of the second step, its loss's deferred all-reduce and the next one in flight
-        trainer = parallelize(model, (2, 2), example, num_stages=2, num_layers=2, num_microbatches=2,
-                              force_data_parallel=True, bucket_bytes=8192)
-        trainer.step(*example)
-        if rank == 3:
-            trainer.params["ln_f.weight"].register_post_accumulate_grad_hook(
-                lambda p: os.kill(os.getpid(), signal.SIGSTOP))
+        if rank == who:
+            trainer.params[param].register_post_accumulate_grad_hook(lambda p: os.kill(os.getpid(), signal.SIGSTOP))
         trainer.step(*example)
         return
     if args.case == "stopped-in-backward-zero3":
