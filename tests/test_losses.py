@@ -205,6 +205,33 @@ def test_pipelined_losses_equal_single_process(tmp_path):
     for name, r in res.items():
         if name.startswith("dp_"):
             assert r["deferred"] == [[1]], name  # a stage's 1 x 2 mesh
+    _check_kinds(res)
+
+
+def test_compiled_deferred_losses_equal_single_process(tmp_path):
+    """The compiled program (``compile="aot_eager"``, runtime/program.py) defers the loss's
+    all-reduce as the interpreter does: backward from the local sum inside the graph, the
+    all-reduce started after it, a token mean's gradients divided by the count after their sync.
+    Data parallel on 1 x 4 (with 2 accumulated microbatches too) and 2 x 2 (one all-reduce over
+    both axes), ZeRO-2 on 1 x 4, and 2 data-parallel stages of 1F1B, B = 4 (each microbatch's
+    deferred; one without a valid target in the last step)."""
+    compiled = {"compile": "aot_eager", "force_data_parallel": True}
+    setups = {"dp_1x4": (compiled, [1, 4]), "dp_k2_1x4": (compiled | {"accumulate": 2}, [1, 4]),
+              "dp_2x2": (compiled, [2, 2]), "zero2_1x4": (compiled | {"zero_stage": 2}, [1, 4]),
+              "dp_1f1b_b4": (compiled | {"num_stages": 2, "num_layers": 2, "schedule": "1f1b",
+                                         "num_microbatches": 4}, [2, 2])}
+    cases = {f"{k}_{loss}_{opt}": {"loss": loss, "optimizer": opt, "options": o, "mesh": mesh}
+             for k, (o, mesh) in setups.items() for loss in ("ce_ignore", "ce_sum", "plain_mean")
+             for opt in ("sgd", "adamw") if opt == "sgd" or loss == "ce_ignore"}
+    res = _run(tmp_path, cases)
+    _check(res)
+    _check_kinds(res)
+    for name, r in res.items():
+        assert r["compiled"], name
+        assert r["deferred"] == [[0, 1] if name.startswith("dp_2x2") else [1]], name
+
+
+def _check_kinds(res: dict) -> None:
     kinds = {"ce_ignore": "ratio", "nll_ignore": "ratio", "ce_sum": "sum", "masked_mean": "ratio",
              "plain_mean": "mean"}
     for name, r in res.items():

@@ -154,8 +154,9 @@ class LocalExecutor:
             the compiler: ``training_step.deferred_loss_axes``) is started asynchronously and
             not waited on (``DeferredLoss``): the loss node then returns the local partial sum
             (of a ratio: of its numerator), whose backward is the all-reduce's (identity), and
-            its value is ``pending_loss``'s. Any other reduction, and every one inside the
-            compiled program (functional collectives) or without autograd, is reduced as usual.
+            its value is ``pending_loss``'s. In a traced run (the compiled program's,
+            functional collectives) it is recorded not started (the program starts it after its
+            graph). Any other reduction, and every one without autograd, is reduced as usual.
         pending_loss: the ``DeferredLoss`` of each such run, in run order (the trainer pops them).
     """
 
@@ -412,14 +413,14 @@ class LocalExecutor:
 
     def _deferred(self, node, axes: tuple[int, ...], local: torch.Tensor, *parts: torch.Tensor) -> bool:
         """Whether the all-reduce of the loss ``node`` over ``axes`` is deferred (``defer_loss``):
-        then it is started on ``parts`` (detached, stacked) as a ``DeferredLoss`` whose local
-        partial sum for backward is ``local``."""
-        if not (self.defer_loss and (node.name, tuple(axes)) in self._deferred_axes and not functional()
-                and torch.is_grad_enabled()):
+        then it is recorded on ``parts`` (detached, stacked) as a ``DeferredLoss`` whose local
+        partial sum for backward is ``local``, started here; in a traced run (``functional()``)
+        not started: the program returns the parts and starts it after its graph (``program.py``)."""
+        if not (self.defer_loss and (node.name, tuple(axes)) in self._deferred_axes and torch.is_grad_enabled()):
             return False
-        flat = torch.stack([t.detach() for t in parts]).contiguous().clone()
-        self.pending_loss.append(DeferredLoss(local, all_reduce_async(flat, axes, self.mesh, "forward"), flat,
-                                              len(parts) == 2, tuple(axes)))
+        deferred = DeferredLoss(local, torch.stack([t.detach() for t in parts]).contiguous().clone(),
+                                len(parts) == 2, tuple(axes))
+        self.pending_loss.append(deferred if functional() else deferred.start(self.mesh))
         return True
 
     def _ratio(self, node, np_: NodePlan, num, den):
@@ -527,30 +528,39 @@ class LocalExecutor:
 
 
 class DeferredLoss:
-    """A loss whose all-reduce is in flight (``LocalExecutor.defer_loss``).
+    """A loss whose all-reduce is deferred (``LocalExecutor.defer_loss``): started in the
+    microbatch's forward (a compiled program's: after its graph), waited for once backward ran.
 
     Attributes:
         local: the loss node's local partial sum (a ratio's numerator), in autograd's graph: its
             backward is the all-reduce's (identity), so back-propagating it gives each rank's
             share of the gradient of the summed loss (of a ratio: of its numerator, to be divided
             by the denominator after, ``ParallelTrainer._train_step``).
+        parts: ``[2]`` (a ratio's numerator and denominator) or ``[1]`` (the loss), this rank's
+            local values, detached; summed over ``axes`` in place once started and waited for.
         ratio: whether it is a ratio (numerator and denominator reduced together).
         axes: the mesh axes it is all-reduced over (named when it fails).
     """
 
-    def __init__(self, local: torch.Tensor, work, flat: torch.Tensor, ratio: bool, axes: tuple[int, ...]):
-        self.local, self.ratio, self.axes, self._work, self._flat = local, ratio, axes, work, flat
+    def __init__(self, local: torch.Tensor, parts: torch.Tensor, ratio: bool, axes: tuple[int, ...]):
+        self.local, self.parts, self.ratio, self.axes, self._work = local, parts, ratio, axes, None
+
+    def start(self, mesh) -> DeferredLoss:
+        """Start the all-reduce of ``parts`` over ``axes`` of ``mesh`` (``MeshGroups``),
+        asynchronously (``collectives.all_reduce_async``, counted in phase "forward"); returns self."""
+        self._work = all_reduce_async(self.parts, self.axes, mesh, "forward")
+        return self
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(numerator, denominator)`` summed over the ranks (denominator None unless a ratio),
-        0-dim, detached; waits for the all-reduce."""
+        0-dim, detached; waits for the all-reduce (started: ``start``)."""
         if self._work is not None:
             try:
                 self._work.wait()
             except RuntimeError as e:
                 raise failed(f"the all-reduce of the loss over mesh axes {self.axes}", e) from e
             self._work = None
-        return self._flat[0], (self._flat[1] if self.ratio else None)
+        return self.parts[0], (self.parts[1] if self.ratio else None)
 
     def weighted(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w_m L_m, w_m)`` of the microbatch (``pipeline.py``'s module docstring): the summed

@@ -12,7 +12,11 @@ interpreter's. It takes the placeholders' local values and the loss scale, and r
 weighted loss, its weight, the trainable parameters' gradients, the new values of the mutated
 buffers and the loss denominators. The deferred data-parallel gradient buckets, ZeRO's
 collectives and the optimizer stay outside it, in the trainer (the buckets all start after the
-step's backward).
+step's backward). So does the loss's all-reduce where the plan defers it (``Collective.deferred``;
+``LocalExecutor.defer_loss``): the graph back-propagates the local partial sum (of a token mean,
+its numerator) as the interpreter does, returns the loss's local parts in place of its weight,
+and the all-reduce of those starts after the graph, before the buckets, waited for once the
+step's microbatches ran.
 
 A pipeline stage (``StageProgram``): its forward of one microbatch (the stage's nodes with its
 intra-stage collectives, and the all-gathers of the values it sends to replicated) is traced by
@@ -21,8 +25,9 @@ same explicit duals and functional collectives, into one joint graph, which the 
 partitioner splits as eager autograd runs it (the forward's ops, collectives included, in the
 forward graph; the tensors backward reads saved): a forward and a backward ``GraphModule`` on
 local shapes, each compiled with the backend and run as one ``torch.autograd.Function``. So the
-pipeline runtime (``pipeline.py``) keeps the schedule, the sends and receives between stages
-and the gradient buckets: it calls the program where it ran the stage's nodes, and its
+pipeline runtime (``pipeline.py``) keeps the schedule, the sends and receives between stages,
+the gradient buckets and a deferred loss's all-reduce (the last stage's forward graph returns the
+loss's local parts, whose all-reduce starts after it, as the interpreter's in its forward): it calls the program where it ran the stage's nodes, and its
 ``torch.autograd.backward`` from the received gradients (or the weighted loss) runs the
 compiled backward, whose parameter gradients accumulate into ``.grad`` over the microbatches
 (the bucket hooks fire as in the interpreter). A schedule that splits the backward (ZB-H1) is
@@ -66,7 +71,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..core.aten import bind_args
 from .collectives import functional_collectives
-from .executor import LocalExecutor, Dispatch
+from .executor import DeferredLoss, Dispatch, LocalExecutor
 
 _KINDS = {"all_reduce": "all-reduce", "all_gather_into_tensor": "all-gather",
           "reduce_scatter_tensor": "reduce-scatter", "all_to_all_single": "all-to-all"}
@@ -125,6 +130,17 @@ class _Seeds:
             self.executor.seeds = {}
 
 
+@contextlib.contextmanager
+def _deferring(executor: LocalExecutor):
+    """While open, ``executor`` defers the loss's all-reduce its plan lists ``deferred``
+    (``LocalExecutor.defer_loss``); traced, it records the ``DeferredLoss`` not started."""
+    executor.defer_loss = True
+    try:
+        yield
+    finally:
+        executor.defer_loss = False
+
+
 def _compiled(graph_module: torch.fx.GraphModule, backend: str | None) -> Callable:
     """``graph_module`` under ``torch.compile(backend=backend)`` (one graph), or as is for None."""
     return torch.compile(graph_module, backend=backend, fullgraph=True) if backend else graph_module
@@ -168,12 +184,17 @@ class RankProgram:
         self._names: list[str] = []  # placeholder order of the graph's inputs
         self._grads: list[str] = []  # placeholders whose gradient the graph returns, in order
         self._denominators: list[str] = []
+        self._deferred: DeferredLoss | None = None  # the traced run's (not started): its ratio and axes
 
     def __call__(self, env: dict[str, torch.Tensor], scale: float
-                 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+                 ) -> tuple[tuple[torch.Tensor, torch.Tensor] | DeferredLoss, dict[str, torch.Tensor],
+                            dict[str, torch.Tensor]]:
         """Run one microbatch: ``env`` maps placeholder names to local shards, ``scale`` seeds
-        the backward (the fp16 loss scale, else 1). Returns ``(w L, w, gradients by placeholder,
-        kept values by name)``; the executor's ``denominators`` are set as a run sets them."""
+        the backward (the fp16 loss scale, else 1). Returns ``(loss, gradients by placeholder,
+        kept values by name)``, ``loss`` being ``(w L, w)``, or where the plan defers the loss's
+        all-reduce the ``DeferredLoss`` started after the graph (its backward ran from the
+        local partial sum, as the interpreter's); the executor's ``denominators`` are set as a
+        run sets them."""
         if self.graph_module is None:
             self._names = list(env)
         self.executor.calls += 1  # a run, as the interpreter's: new random draws
@@ -183,24 +204,30 @@ class RankProgram:
             self._compiled = _compiled(self.graph_module, self.backend)
         with torch.no_grad():
             out = list(self._compiled(*flat))
-        term, weight = out[0], out[1]
+        loss = (out[0], out[1]) if self._deferred is None else DeferredLoss(
+            out[0], out[1], self._deferred.ratio, self._deferred.axes).start(self.executor.mesh)
         grads = dict(zip(self._grads, out[2:2 + len(self._grads)]))
         rest = out[2 + len(self._grads):]
         values = dict(zip(self.kept, rest))
         self.executor.denominators.update(zip(self._denominators, rest[len(self.kept):]))
-        return term, weight, grads, values
+        return loss, grads, values
 
     def _step(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The traced function: forward, weight, backward of one microbatch (``__call__``)."""
+        """The traced function: forward, weight, backward of one microbatch (``__call__``); of a
+        deferred loss (``LocalExecutor.defer_loss``) the backward from its local partial sum,
+        and its parts returned in place of the weight."""
         *inputs, scale, seeds = flat
         env = dict(zip(self._names, inputs))
         calls = self.executor.calls
-        with functional_collectives(), self._seeds.tracing(seeds):
+        with functional_collectives(), self._seeds.tracing(seeds), _deferring(self.executor):
             values = self.executor.run(env)
             self.executor.calls = calls  # the trace is not a run (``__call__`` counts it)
-            loss = values[self.executor.cg.loss_name]
-            weight = self.weight(values, loss)
-            term = loss * weight
+            self._deferred = self.executor.pending_loss.pop() if self.executor.pending_loss else None
+            if self._deferred is None:
+                weight = self.weight(values, values[self.executor.cg.loss_name])
+                term = values[self.executor.cg.loss_name] * weight
+            else:
+                term, weight = self._deferred.local, self._deferred.parts
             wrt = [n for n in self._names if env[n].requires_grad]
             grads = torch.autograd.grad(term, [env[n] for n in wrt], scale.to(term), allow_unused=True)
         self._grads = [n for n, g in zip(wrt, grads) if g is not None]
@@ -252,30 +279,42 @@ class StageProgram:
         self._fixed: dict[str, object] = {}  # the rest of ``env`` (not tensors), fixed at the trace
         self._sent = 0
         self._denominators: list[str] = []
+        self._deferred: DeferredLoss | None = None  # the traced run's (not started): its ratio and axes
 
     def __call__(self, env: dict[str, object]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
         """Run the stage's forward of one microbatch on ``env`` (as ``run``'s). Returns ``(sent
         values, kept values by name)``, in autograd's graph through the compiled backward; the
-        executor's ``denominators`` are set as a run sets them."""
+        executor's ``denominators`` are set as a run sets them. Where the stage plan defers the
+        loss's all-reduce (``LocalExecutor.defer_loss``), the kept loss is its local partial
+        sum, and the ``DeferredLoss`` is started after the forward graph and appended to the
+        executor's ``pending_loss``, as a run of the interpreter appends it."""
         if self._function is None:
             self._names = [n for n, v in env.items() if isinstance(v, torch.Tensor)]
             self._fixed = {n: v for n, v in env.items() if not isinstance(v, torch.Tensor)}
             self._function = aot_function(self._forward, fw_compiler=self._compile, bw_compiler=self._compile,
                                           partition_fn=self._partition)
-        with functional_collectives():  # the first call traces the joint graph
+        with functional_collectives(), _deferring(self.executor):  # the first call traces the joint graph
             out = list(self._function(*(env[n] for n in self._names), self._seeds.seeds()))
         sent, rest = out[:self._sent], out[self._sent:]
+        kept = dict(zip(self.kept, rest))
         self.executor.denominators.update(zip(self._denominators, rest[len(self.kept):]))
-        return sent, dict(zip(self.kept, rest))
+        if self._deferred is not None:
+            self.executor.pending_loss.append(DeferredLoss(kept[self.executor.cg.loss_name], rest[-1],
+                                                           self._deferred.ratio, self._deferred.axes
+                                                           ).start(self.executor.mesh))
+        return sent, kept
 
     def _forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The traced function: the stage's forward on ``tensors`` (``__call__``)."""
+        """The traced function: the stage's forward on ``tensors`` (``__call__``), and a deferred
+        loss's parts last."""
         *tensors, seeds = tensors
         env = dict(zip(self._names, tensors)) | self._fixed
         with self._seeds.tracing(seeds):
             sent = self.run(env)
+        self._deferred = self.executor.pending_loss.pop() if self.executor.pending_loss else None
         self._sent, self._denominators = len(sent), list(self.executor.denominators)
-        return (*sent, *(env[n] for n in self.kept), *(self.executor.denominators[n] for n in self._denominators))
+        return (*sent, *(env[n] for n in self.kept), *(self.executor.denominators[n] for n in self._denominators),
+                *([] if self._deferred is None else [self._deferred.parts]))
 
     def _compile(self, graph_module: torch.fx.GraphModule, _example_inputs) -> Callable:
         """AOT autograd's compiler of the forward and the backward graph: ``_compiled``, taking

@@ -29,7 +29,7 @@ from ..core.plan import Plan, PlanError, gradient_buckets
 from ..core.spec import ShardingSpec
 from . import checkpoint
 from .collectives import COUNTS, MeshGroups, finish_gradients, gather_full, local_slice, wait_all_gathers
-from .executor import LocalExecutor
+from .executor import DeferredLoss, LocalExecutor
 from .grad_sync import BucketSync
 from .init import local_constants, local_shards, store_buffer_mutations
 from .launch import default_device, job_timeout
@@ -390,7 +390,7 @@ class ParallelTrainer(Trainer):
             (``program.py``: the plan lowered to a ``torch.fx.GraphModule`` with functional
             collectives) under ``torch.compile``: True for the ``"inductor"`` backend, or a
             backend name (``"aot_eager"`` ...); the gradient buckets then all start after
-            backward (``overlap`` has no effect). False: the interpreter (``executor.py``).
+            backward (``overlap`` has no effect), after a deferred loss's all-reduce. False: the interpreter (``executor.py``).
 
     Attributes:
         program: the ``RankProgram`` under ``compile``, else None.
@@ -480,7 +480,8 @@ class ParallelTrainer(Trainer):
         losses, weights, pending = [], [], []
         for mb in range(self.num_microbatches):
             if backward and self.program is not None:
-                term, weight = self._run_program(self._microbatch(flat, mb))
+                term, weight, deferred = self._run_program(self._microbatch(flat, mb))
+                pending.append(deferred)
                 losses.append(term)
                 weights.append(weight)
                 continue
@@ -517,19 +518,24 @@ class ParallelTrainer(Trainer):
         """``w_m`` of a microbatch of ``K`` (1 when ``K = 1``), in the loss's dtype."""
         return (self._loss_weight(values) if self.num_microbatches > 1 else torch.ones(())).to(loss)
 
-    def _run_program(self, flat: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(w_m L_m, w_m)`` of a microbatch run by the compiled program (``program.py``), its
-        gradients accumulated into the parameters' ``.grad`` (none when ``w_m = 0``: no valid
-        target) and its buffer updates stored."""
-        term, weight, grads, values = self.program(self.placeholder_values(flat),
-                                                   1.0 if self.scaler is None else self.scaler.scale)
+    def _run_program(self, flat: list[torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, DeferredLoss | None]:
+        """``(w_m L_m, w_m, None)`` of a microbatch run by the compiled program (``program.py``),
+        or where the plan defers the loss's all-reduce ``(local partial sum, None, its
+        DeferredLoss)`` (started after the program's backward, waited for by ``_accumulate``'s
+        ``total``), its gradients accumulated into the parameters' ``.grad`` (none when ``w_m =
+        0``: no valid target) and its buffer updates stored."""
+        loss, grads, values = self.program(self.placeholder_values(flat),
+                                           1.0 if self.scaler is None else self.scaler.scale)
         store_buffer_mutations(self.cg, self.plan, values, self.buffers, self.groups)
-        if not weight:
-            return torch.zeros_like(term), weight
+        deferred = loss if isinstance(loss, DeferredLoss) else None
+        term, weight = (deferred.local, None) if deferred is not None else loss
+        if deferred is None and not weight:
+            return torch.zeros_like(term), weight, None
         for ph, g in grads.items():
             p = self.params[self.cg.param_fqns[ph]]
             p.grad = g if p.grad is None else p.grad + g
-        return term, weight
+        return term, weight, deferred
 
     def _train_step(self, flat: list[torch.Tensor]) -> float:
         total = self._accumulate(flat, backward=True)

@@ -4,8 +4,9 @@ Rank 0 writes, per plan: both runs' losses, the largest parameter difference, pe
 collectives in its traced graphs (an SPMD step's one GraphModule; a pipeline stage's forward and
 backward GraphModules) next to what its plan issues there (the forward and backward collectives
 of one microbatch, a pipeline stage's all-gathers of its sent values to replicated included),
-per rank the collectives counted outside the program during the compiled steps (only the
-gradient buckets: the program's collectives are not counted) next to its plan's buckets, per
+per rank the collectives counted outside the program during the compiled steps (the gradient
+buckets and the loss's deferred all-reduce of every microbatch, started after the program's graph:
+the program's own collectives are not counted) next to its plan's buckets and deferred loss, per
 rank the buckets of the last step that started during backward, of its buckets, and per rank the
 seeds its random ops drew with in each step (``LocalExecutor.seeded``; a GPT with dropout:
 ``model_dropout``)."""
@@ -58,15 +59,18 @@ def recording(seeded, drawn: list[set]):
 
 def expected(trainer) -> tuple[Counter, Counter]:
     """This rank's plan: (collectives of one microbatch by kind, by "kind|phase" for a pipeline
-    stage's two graphs; the gradient buckets of the 3 steps by "kind|phase")."""
+    stage's two graphs; the gradient buckets and the deferred loss all-reduces of the 3 steps by
+    "kind|phase", run outside the program)."""
     pipelined = trainer.plan.kind == "pipeline"
     stage = trainer.plan.stages[trainer.stages[0]] if pipelined else None
     plan = stage.plan if pipelined else trainer.plan
     key = (lambda kind, phase: f"{kind}|{phase}") if pipelined else (lambda kind, phase: kind)
-    counts, buckets = Counter(), Counter()
+    counts, outside = Counter(), Counter()
     for c in plan.collectives:
         if c.node.startswith("gradient bucket"):
-            buckets[f"{c.kind}|{c.phase}"] += STEPS
+            outside[f"{c.kind}|{c.phase}"] += STEPS
+        elif c.deferred:  # once per microbatch
+            outside[f"{c.kind}|{c.phase}"] += STEPS * trainer.num_microbatches
         elif c.phase in ("forward", "backward", "recompute"):  # a stage recomputes in its backward graph
             counts[key(c.kind, "backward" if c.phase == "recompute" else c.phase)] += 1
     ex = trainer.program.executor
@@ -81,7 +85,7 @@ def expected(trainer) -> tuple[Counter, Counter]:
             spec, shape = plan.nodes[name].out_specs[0], tuple(trainer.cg.node(name).meta["val"].shape)
             for step in forward_steps(spec, ShardingSpec.replicated(spec.ndim), shape, 4, ex.mesh.shape):
                 counts[key(step.kind, "forward")] += step.is_collective
-    return +counts, buckets
+    return +counts, outside
 
 
 def traced(program, pipelined: bool) -> tuple[list, dict[str, int]]:
@@ -120,7 +124,7 @@ def main():
         compiled, losses, interpreted, seeds = train(model, example, batches,
                                                      runtime | {"plan": plain.plan, "compile": args.backend}, optimizer)
         got, want = compiled.state_dict(), plain.state_dict()
-        plan_counts, buckets = expected(compiled)
+        plan_counts, outside = expected(compiled)
         graphs, graph_counts = traced(compiled.program, plain.plan.kind == "pipeline")
         plan = compiled.sp.plan if plain.plan.kind == "pipeline" else compiled.plan  # this rank's (stage's)
         results[name] = {"losses": losses, "plain_losses": plain_losses,
@@ -128,7 +132,8 @@ def main():
                          "graph_collectives": every_rank(graph_counts),
                          "plan_collectives": every_rank(dict(plan_counts)),
                          "interpreted_during_compiled": every_rank(interpreted),
-                         "buckets_3_steps": every_rank(dict(buckets)),
+                         "outside_3_steps": every_rank(dict(outside)),
+                         "deferred_loss": every_rank(sum(c.deferred for c in plan.collectives)),
                          "early_buckets": every_rank((compiled.bucket_sync.launched_in_backward,
                                                       len(compiled.bucket_sync.buckets))),
                          "stage_devices": [len(s.ranks) for s in getattr(plain.plan, "stages", [])],

@@ -100,7 +100,8 @@ def main():
         loss_fn, optimizer = LOSSES[case["loss"]], OPTIMIZERS[case["optimizer"]]
         ref_losses, ref_grads, ref_params = reference(model, loss_fn, optimizer, data)
         key = json.dumps([case["loss"], case["options"], case.get("mesh")], sort_keys=True)  # SGD and AdamW share a plan
-        options = {"plan": plans[key]} if key in plans else case["options"]
+        runtime = {k: v for k, v in case["options"].items() if k in ("compile", "accumulate")}
+        options = {"plan": plans[key]} | runtime if key in plans else case["options"]
         trainer = parallelize(copy.deepcopy(model), tuple(case.get("mesh", (2, 2))), (data[0][0],), loss_fn,
                               targets=(data[0][1],),
                               optimizer=optimizer, **options)
@@ -115,6 +116,7 @@ def main():
                          "grad_scale": max(float(v.abs().max()) for v in ref_grads.values()),
                          "first_step_param_err": first, "param_err": max_err(trainer.state_dict(), ref_params[-1]),
                          "loss_reduction": getattr(trainer.plan.loss_reduction, "kind", None),
+                         "compiled": trainer.program is not None,
                          "deferred": [c.mesh_axes for sp in getattr(trainer.plan, "stages", [trainer])
                                       for c in sp.plan.collectives if c.deferred]}
     finish(results, args.out)
