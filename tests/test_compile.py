@@ -126,6 +126,28 @@ def test_compiled_remat_recomputes_in_backward(results, name):
     assert r["graph_collectives"] == r["plan_collectives"]
 
 
+@pytest.mark.parametrize("name", ["zero3-groups-sgd", "zero3-groups-remat"])
+def test_compiled_zero3_collectives_overlap_compute(results, name):
+    """The program's graph is reordered (``runtime/overlap.py``): on every rank each ZeRO-3 group's
+    gradient reduce-scatter waits after compute that does not read it, and at least 3 in 4 of the
+    parameter all-gathers are prefetched (compute between the all-gather and its wait). The values
+    are equal (``test_compiled_step_equals_interpreted_step``)."""
+    for rank, graphs in enumerate(results[name]["windows"]):
+        windows = [w for graph in graphs for w in graph]
+        gathers = [n for op, n in windows if op == "all_gather_into_tensor"]
+        scatters = [n for op, n in windows if op == "reduce_scatter_tensor"]
+        assert scatters and all(n > 0 for n in scatters), (rank, windows)
+        assert len(gathers) >= 4 and sum(n > 0 for n in gathers) >= 0.75 * len(gathers), (rank, windows)
+
+
+@pytest.mark.parametrize("name", ["pipeline", "pipeline-remat"])
+def test_compiled_stage_collectives_overlap_compute(results, name):
+    """A stage's forward and backward graphs are reordered too: on every rank each of its two graphs
+    has a collective with compute before its wait."""
+    for rank, graphs in enumerate(results[name]["windows"]):
+        assert len(graphs) == 2 and all(any(n > 0 for _, n in graph) for graph in graphs), (rank, graphs)
+
+
 def test_lowering_refuses_in_place_writes_only():
     """An in-place write to a stored tensor (``embedding_renorm_`` of ``max_norm``) is refused;
     dropout and recomputed layers are lowered."""

@@ -411,6 +411,16 @@ class LocalExecutor:
         with torch.no_grad():
             values[placeholder].copy_(reshard(out.detach(), spec, self.specs[placeholder][0], None, shape, self.mesh))
 
+    @contextlib.contextmanager
+    def deferring(self, on: bool = True):
+        """While open, ``defer_loss`` is ``on`` (then False again): with True, the loss's all-reduce
+        the plan lists ``deferred`` is recorded as a ``DeferredLoss`` (traced: not started)."""
+        self.defer_loss = on
+        try:
+            yield
+        finally:
+            self.defer_loss = False
+
     def _deferred(self, node, axes: tuple[int, ...], local: torch.Tensor, *parts: torch.Tensor) -> bool:
         """Whether the all-reduce of the loss ``node`` over ``axes`` is deferred (``defer_loss``):
         then it is recorded on ``parts`` (detached, stacked) as a ``DeferredLoss`` whose local

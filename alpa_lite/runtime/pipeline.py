@@ -364,11 +364,8 @@ class PipelineTrainer(Trainer):
             sent, kept = self.program(values)
             values |= kept
         else:
-            self.executor.defer_loss = self.stage == self.num_stages - 1
-            try:
+            with self.executor.deferring(self.stage == self.num_stages - 1):
                 sent = self._run_stage(values, gathered)
-            finally:
-                self.executor.defer_loss = False
         store_buffer_mutations(self.view, self.sp.plan, values, self.buffers, self.groups)
         if self.stage != self.num_stages - 1:
             return sent, None

@@ -8,7 +8,8 @@ backward through the collectives' explicit duals (``collectives.py``), every col
 as a ``torch.distributed._functional_collectives`` op (``functional_collectives``). The result
 is one graph per rank: aten ops on local shapes and ``_c10d_functional`` collectives, each
 followed by its ``wait_tensor``, in the interpreter's order, so its values are the
-interpreter's. It takes the placeholders' local values and the loss scale, and returns the
+interpreter's; then ``overlap.py`` moves prefetchable collectives earlier and waits read only by
+the outputs later (``RankProgram.overlap``; the same values). It takes the placeholders' local values and the loss scale, and returns the
 weighted loss, its weight, the trainable parameters' gradients, the new values of the mutated
 buffers and the loss denominators. The deferred data-parallel gradient buckets, ZeRO's
 collectives and the optimizer stay outside it, in the trainer (the buckets all start after the
@@ -24,11 +25,12 @@ AOT autograd (``torch._functorch.aot_autograd.aot_function``) with its backward,
 same explicit duals and functional collectives, into one joint graph, which the default
 partitioner splits as eager autograd runs it (the forward's ops, collectives included, in the
 forward graph; the tensors backward reads saved): a forward and a backward ``GraphModule`` on
-local shapes, each compiled with the backend and run as one ``torch.autograd.Function``. So the
-pipeline runtime (``pipeline.py``) keeps the schedule, the sends and receives between stages,
-the gradient buckets and a deferred loss's all-reduce (the last stage's forward graph returns the
-loss's local parts, whose all-reduce starts after it, as the interpreter's in its forward): it calls the program where it ran the stage's nodes, and its
-``torch.autograd.backward`` from the received gradients (or the weighted loss) runs the
+local shapes, each reordered by ``overlap.py`` (``StageProgram.overlap``), compiled with the
+backend and run as one ``torch.autograd.Function``. So the pipeline runtime (``pipeline.py``)
+keeps the schedule, the sends and receives between stages, the gradient buckets and a deferred
+loss's all-reduce (the last stage's forward graph returns the loss's local parts, whose
+all-reduce starts after it, as the interpreter's in its forward): it calls the program where it
+ran the stage's nodes, and its ``torch.autograd.backward`` from the received gradients (or the weighted loss) runs the
 compiled backward, whose parameter gradients accumulate into ``.grad`` over the microbatches
 (the bucket hooks fire as in the interpreter). A schedule that splits the backward (ZB-H1) is
 refused: the compiled backward is one graph giving the input and the weight gradients together.
@@ -72,6 +74,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from ..core.aten import bind_args
 from .collectives import functional_collectives
 from .executor import DeferredLoss, Dispatch, LocalExecutor
+from .overlap import overlap_collectives
 
 _KINDS = {"all_reduce": "all-reduce", "all_gather_into_tensor": "all-gather",
           "reduce_scatter_tensor": "reduce-scatter", "all_to_all_single": "all-to-all"}
@@ -130,17 +133,6 @@ class _Seeds:
             self.executor.seeds = {}
 
 
-@contextlib.contextmanager
-def _deferring(executor: LocalExecutor):
-    """While open, ``executor`` defers the loss's all-reduce its plan lists ``deferred``
-    (``LocalExecutor.defer_loss``); traced, it records the ``DeferredLoss`` not started."""
-    executor.defer_loss = True
-    try:
-        yield
-    finally:
-        executor.defer_loss = False
-
-
 def _compiled(graph_module: torch.fx.GraphModule, backend: str | None) -> Callable:
     """``graph_module`` under ``torch.compile(backend=backend)`` (one graph), or as is for None."""
     return torch.compile(graph_module, backend=backend, fullgraph=True) if backend else graph_module
@@ -170,6 +162,8 @@ class RankProgram:
 
     Attributes:
         graph_module: the traced ``GraphModule`` (None before the first call).
+        overlap: reorder its collectives to overlap compute (``overlap.py``) when it is traced
+            (default); False: as traced.
 
     Raises:
         ValueError: the plan has in-place writes to stored tensors (the message names them).
@@ -180,6 +174,7 @@ class RankProgram:
         self.executor, self.weight, self.kept, self.backend = executor, weight, list(kept), backend
         self._seeds = _Seeds(executor)
         self.graph_module: torch.fx.GraphModule | None = None
+        self.overlap = True
         self._compiled = None
         self._names: list[str] = []  # placeholder order of the graph's inputs
         self._grads: list[str] = []  # placeholders whose gradient the graph returns, in order
@@ -201,6 +196,8 @@ class RankProgram:
         flat = [env[n] for n in self._names] + [torch.tensor(float(scale)), self._seeds.seeds()]
         if self.graph_module is None:
             self.graph_module = make_fx(self._step, tracing_mode="fake")(*flat)
+            if self.overlap:
+                overlap_collectives(self.graph_module)
             self._compiled = _compiled(self.graph_module, self.backend)
         with torch.no_grad():
             out = list(self._compiled(*flat))
@@ -219,7 +216,7 @@ class RankProgram:
         *inputs, scale, seeds = flat
         env = dict(zip(self._names, inputs))
         calls = self.executor.calls
-        with functional_collectives(), self._seeds.tracing(seeds), _deferring(self.executor):
+        with functional_collectives(), self._seeds.tracing(seeds), self.executor.deferring():
             values = self.executor.run(env)
             self.executor.calls = calls  # the trace is not a run (``__call__`` counts it)
             self._deferred = self.executor.pending_loss.pop() if self.executor.pending_loss else None
@@ -262,6 +259,8 @@ class StageProgram:
     Attributes:
         forward_module, backward_module: the partitioned ``GraphModule`` s (None before the
             first call).
+        overlap: reorder their collectives to overlap compute (``overlap.py``) when they are
+            traced (default); False: as partitioned.
 
     Raises:
         ValueError: the stage's plan has in-place writes to stored tensors (the message names
@@ -274,6 +273,7 @@ class StageProgram:
         self._seeds = _Seeds(executor)
         self.forward_module: torch.fx.GraphModule | None = None
         self.backward_module: torch.fx.GraphModule | None = None
+        self.overlap = True
         self._function = None
         self._names: list[str] = []  # the tensors of ``env``, in the order the function takes them
         self._fixed: dict[str, object] = {}  # the rest of ``env`` (not tensors), fixed at the trace
@@ -293,7 +293,7 @@ class StageProgram:
             self._fixed = {n: v for n, v in env.items() if not isinstance(v, torch.Tensor)}
             self._function = aot_function(self._forward, fw_compiler=self._compile, bw_compiler=self._compile,
                                           partition_fn=self._partition)
-        with functional_collectives(), _deferring(self.executor):  # the first call traces the joint graph
+        with functional_collectives(), self.executor.deferring():  # the first call traces the joint graph
             out = list(self._function(*(env[n] for n in self._names), self._seeds.seeds()))
         sent, rest = out[:self._sent], out[self._sent:]
         kept = dict(zip(self.kept, rest))
@@ -327,6 +327,8 @@ class StageProgram:
         self.forward_module, self.backward_module = default_partition(joint, inputs, **kwargs)
         for gm in (self.forward_module, self.backward_module):
             gm.graph.eliminate_dead_code(is_impure_node=_has_effect)
+            if self.overlap:
+                overlap_collectives(gm)
             gm.recompile()
         return self.forward_module, self.backward_module
 

@@ -390,7 +390,9 @@ class ParallelTrainer(Trainer):
             (``program.py``: the plan lowered to a ``torch.fx.GraphModule`` with functional
             collectives) under ``torch.compile``: True for the ``"inductor"`` backend, or a
             backend name (``"aot_eager"`` ...); the gradient buckets then all start after
-            backward (``overlap`` has no effect), after a deferred loss's all-reduce. False: the interpreter (``executor.py``).
+            backward, after a deferred loss's all-reduce (``overlap`` has no effect; the
+            program's own ``RankProgram.overlap`` reorders its graph's collectives to overlap
+            compute, ``overlap.py``). False: the interpreter (``executor.py``).
 
     Attributes:
         program: the ``RankProgram`` under ``compile``, else None.
@@ -485,11 +487,8 @@ class ParallelTrainer(Trainer):
                 losses.append(term)
                 weights.append(weight)
                 continue
-            self.executor.defer_loss = backward
-            try:
+            with self.executor.deferring(backward):
                 values = self._run(self._microbatch(flat, mb))
-            finally:
-                self.executor.defer_loss = False
             loss = values[self.cg.loss_name]
             deferred = self.executor.pending_loss.pop() if self.executor.pending_loss else None
             weight = None if deferred is not None else self._weight(values, loss)

@@ -7,9 +7,10 @@ of one microbatch, a pipeline stage's all-gathers of its sent values to replicat
 per rank the collectives counted outside the program during the compiled steps (the gradient
 buckets and the loss's deferred all-reduce of every microbatch, started after the program's graph:
 the program's own collectives are not counted) next to its plan's buckets and deferred loss, per
-rank the buckets of the last step that started during backward, of its buckets, and per rank the
+rank the buckets of the last step that started during backward, of its buckets, per rank the
 seeds its random ops drew with in each step (``LocalExecutor.seeded``; a GPT with dropout:
-``model_dropout``)."""
+``model_dropout``), and per rank and graph the compute nodes between each collective and its
+wait (``overlap.overlap_windows``)."""
 import argparse
 import copy
 import json
@@ -24,6 +25,7 @@ from alpa_lite.core.resharding import forward_steps
 from alpa_lite.core.spec import ShardingSpec
 from alpa_lite.runtime import collective_counts
 from alpa_lite.runtime.launch import init_distributed
+from alpa_lite.runtime.overlap import overlap_windows
 from alpa_lite.zoo.models import build_model
 from single_process import finish
 
@@ -141,6 +143,7 @@ def main():
                          "seeds": every_rank(seeds), "plain_seeds": every_rank(plain_seeds),
                          "random_ops": every_rank(sum(is_random(compiled.cg.node(n).target) for n in plan.nodes)),
                          "recompute_collectives": every_rank(sum(c.phase == "recompute" for c in plan.collectives)),
+                         "windows": every_rank([overlap_windows(g) for g in graphs]),
                          "graph_module": all(every_rank(all(isinstance(g, torch.fx.GraphModule) for g in graphs)))}
     finish(results, args.out)
 
