@@ -14,7 +14,8 @@
 - the auto plan (nothing forced) vs the fastest of DDP, DTensor TP and FSDP2;
 - (``--rows compiled``) the ZeRO-3 plan's compiled per-rank program (``compile="aot_eager"``) with
   its collectives reordered to overlap compute (``runtime/overlap.py``) vs the same program as
-  traced.
+  traced, and the DP plan's compiled program (its gradient buckets' all-reduces in its graph,
+  launched during backward) vs DDP.
 Every alpa-lite plan is made for a cluster measured on this machine: ``--cluster FILE`` (a cluster
 JSON), else ``alpa-lite profile`` runs first on the same ranks and mesh (measured collective
 curves, written next to ``--out`` as ``*_cluster.json``); the ``cpu-gloo`` preset (100 us latency
@@ -222,7 +223,7 @@ def worker(args) -> None:
         return torch_runner(m, True)
 
     rows = set(args.rows.split(","))
-    if rows & {"dp", "auto"}:
+    if rows & {"dp", "auto", "compiled"}:
         runners["DDP"] = torch_runner(torch.nn.parallel.DistributedDataParallel(
             copy.deepcopy(model), bucket_cap_mb=args.bucket_mib), True)
     if "dp" in rows:
@@ -257,6 +258,7 @@ def worker(args) -> None:
         for label, overlap in (("alpa-lite ZeRO-3 compiled", True), ("alpa-lite ZeRO-3 compiled, as traced", False)):
             runners[label] = alpa_runner(force_data_parallel=True, zero_stage=3, compile="aot_eager",
                                          program_overlap=overlap)
+        runners["alpa-lite DP compiled"] = alpa_runner(force_data_parallel=True, compile="aot_eager")
     results = _run_interleaved(runners, batches, args.warmup)
     gathered = [None] * n
     dist.all_gather_object(gathered, results)
@@ -290,7 +292,8 @@ def main() -> int:
     ap.add_argument("--rows", default="dp,tp,zero3,bf16,remat,auto",
                     help="comparisons to run (comma-separated of dp, tp, zero3, bf16, remat, auto, compiled); auto "
                     "builds DDP, DTensor TP and FSDP2 for its fastest manual setup; compiled: the ZeRO-3 plan's "
-                    "compiled program (aot_eager) with its collectives reordered (runtime/overlap.py) vs as traced")
+                    "compiled program (aot_eager) with its collectives reordered (runtime/overlap.py) vs as traced, and the DP "
+                    "plan's compiled program vs DDP")
     args = ap.parse_args()
     if args.worker:
         worker(args)
@@ -324,7 +327,8 @@ def main() -> int:
         ("remat, ZeRO-3", "alpa-lite ZeRO-3 remat", "FSDP2 remat", 1.10, 1.00),
         ("auto vs fastest manual", "alpa-lite auto", fastest, 1.00, None),
         ("compiled ZeRO-3, overlap pass vs none", "alpa-lite ZeRO-3 compiled", "alpa-lite ZeRO-3 compiled, as traced",
-         1.00, None)] if row[1] in r]
+         1.00, None),
+        ("compiled data parallel", "alpa-lite DP compiled", "DDP", 1.00, None)] if row[1] in r]
     table = Table(title=f"runtime on {args.nproc} CPU processes (gloo): GPT hidden {args.hidden}, {args.layers} layers, "
                         f"batch {args.batch}, seq {args.seq}")
     heads = ["", "alpa-lite step ms", "alpa-lite predicted ms", "baseline step ms", "time ratio", "alpa-lite peak MiB",

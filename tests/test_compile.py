@@ -140,6 +140,19 @@ def test_compiled_zero3_collectives_overlap_compute(results, name):
         assert len(gathers) >= 4 and sum(n > 0 for n in gathers) >= 0.75 * len(gathers), (rank, windows)
 
 
+def test_compiled_buckets_run_during_backward(results):
+    """With one microbatch the data-parallel gradient buckets are summed in the program's graph
+    (``test_compiled_step_equals_interpreted_step`` counts them there, not outside), each launched
+    where backward completes it: on every rank of the dp plan each bucket's all-reduce has compute
+    before its wait, and outside the graph only the deferred loss's all-reduce runs."""
+    r = results["dp"]
+    for rank, graphs in enumerate(r["windows"]):
+        (graph,) = graphs
+        assert len(graph) >= 3 and all(op == "all_reduce" and n > 0 for op, n in graph), (rank, graph)
+        assert r["graph_collectives"][rank] == {"all-reduce": len(graph)}
+    assert all(outside == {"all-reduce|forward": 3} for outside in r["outside_3_steps"]), r["outside_3_steps"]
+
+
 @pytest.mark.parametrize("name", ["pipeline", "pipeline-remat"])
 def test_compiled_stage_collectives_overlap_compute(results, name):
     """A stage's forward and backward graphs are reordered too: on every rank each of its two graphs

@@ -667,6 +667,14 @@ def _all_reduce(x: torch.Tensor, axes, mesh: MeshGroups, phase: str, op) -> torc
     return x
 
 
+def all_reduce_sum(x: torch.Tensor, axes: tuple[int, ...], mesh: MeshGroups, phase: str = "backward") -> torch.Tensor:
+    """The sum of ``x`` over the devices of mesh ``axes`` (no autograd), a new tensor: one
+    all-reduce, a functional collective inside ``functional_collectives`` (a compiled program's
+    gradient bucket, ``program.py``)."""
+    with torch.no_grad():
+        return _all_reduce(x, axes, mesh, phase, dist.ReduceOp.SUM)
+
+
 def all_reduce_max(x: torch.Tensor, axes: tuple[int, ...], mesh: MeshGroups) -> torch.Tensor:
     """The elementwise max of ``x`` over the devices of mesh ``axes`` (no gradient)."""
     with torch.no_grad():

@@ -16,6 +16,11 @@ gradients are copied into it, it is all-reduced in place, and the sums are copie
 gradients (cast, when the bucket is reduced in another dtype; a copy, so a gradient kept past the
 step is not overwritten by the next one's, as DDP's default ``gradient_as_bucket_view=False``).
 A ZeRO-2 bucket is reduce-scattered into the rank's slices (``zero.ZeroPartition``).
+
+Under ``compile`` (``program.py``) a one-microbatch step's all-reduce buckets are summed inside
+the program's graph instead, each launched where backward completes it, in this order
+(``BucketSync.in_program``); the sync writes the sums the graph returns into the gradients as it
+writes its own (``summed``), so the values are the same.
 """
 from __future__ import annotations
 
@@ -38,27 +43,35 @@ class BucketSync:
             are cast back into the gradients).
         zero: the ``ZeroPartition`` whose slices the reduce-scatter buckets fill, and
             ``fqns``: placeholder -> FQN (both needed only with reduce-scatter buckets).
+        in_program: the all-reduce buckets are summed by a compiled program (``summed``), not
+            launched here.
 
     Attributes:
         launched_in_backward: buckets of the last synchronization whose collective started from
             a hook, while backward was still running (the others started in ``finish``).
+        in_program: launch-order indices of the buckets a compiled program sums (``in_program``
+            given: every all-reduce bucket), else empty.
     """
 
     def __init__(self, buckets: list[tuple[str, tuple[int, ...], list[str]]], params: dict[str, torch.Tensor],
-                 mesh: MeshGroups, dtype: torch.dtype | None = None, zero=None, fqns: dict[str, str] | None = None):
+                 mesh: MeshGroups, dtype: torch.dtype | None = None, zero=None, fqns: dict[str, str] | None = None,
+                 in_program: bool = False):
         self.mesh, self.dtype, self.zero = mesh, dtype, zero
         self.buckets = [(kind, axes, [params[ph] for ph in members], [fqns[ph] for ph in members] if zero else [])
                         for kind, axes, members in reversed(buckets)]
+        self.in_program = [k for k, (kind, *_) in enumerate(self.buckets) if in_program and kind == "all-reduce"]
+        self._summed: dict[int, torch.Tensor] = {}
         self._flat: list[torch.Tensor | None] = [  # each all-reduce bucket's persistent buffer
             torch.empty(sum(p.numel() for p in members), dtype=dtype or members[0].dtype, device=members[0].device)
-            if kind == "all-reduce" else None for kind, _, members, _ in self.buckets]
+            if kind == "all-reduce" and k not in self.in_program else None
+            for k, (kind, _, members, _) in enumerate(self.buckets)]
         self.armed = False
         self.launched_in_backward = 0
         self._missing: list[int] = []
         self._next = 0
         self._works: list[tuple[int, object, torch.Tensor]] = []
         for k, (_, _, members, _) in enumerate(self.buckets):
-            for p in (p for p in members if p.requires_grad):
+            for p in (p for p in members if p.requires_grad and k not in self.in_program):
                 p.register_post_accumulate_grad_hook(partial(self._accumulated, k))
 
     def arm(self) -> None:
@@ -76,9 +89,22 @@ class BucketSync:
             self._launch()
             self.launched_in_backward += 1
 
+    def summed(self, flats: list[torch.Tensor]) -> None:
+        """The sums of the ``in_program`` buckets (in that order; each its members' gradients
+        flattened and concatenated in the bucket's dtype, summed over its mesh axes), computed by
+        the compiled program's graph: the next ``finish`` writes them into the gradients."""
+        self._summed = dict(zip(self.in_program, flats, strict=True))
+
     def _launch(self) -> None:
         k = self._next
         kind, axes, members, fqns = self.buckets[k]
+        if k in self.in_program:  # summed by the program
+            if k not in self._summed:
+                raise RuntimeError(f"gradient bucket {len(self.buckets) - 1 - k} is summed by the compiled "
+                                   "program, which has not run since the last synchronization")
+            self._works.append((k, None, self._summed.pop(k)))
+            self._next += 1
+            return
         for p in members:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -113,7 +139,8 @@ class BucketSync:
         for k, work, flat in works:
             kind, axes, members, fqns = self.buckets[k]
             try:
-                work.wait()
+                if work is not None:  # None: summed by the program
+                    work.wait()
             except RuntimeError as e:
                 raise failed(f"the {kind} of gradient bucket {len(self.buckets) - 1 - k} over mesh axes {axes}",
                              e) from e
@@ -122,6 +149,8 @@ class BucketSync:
                 continue
             offset = 0
             for p in members:  # a copy, not a view: a gradient read after the step outlives the buffer's reuse
+                if p.grad is None:  # summed by the program, which does not write the gradients
+                    p.grad = torch.empty_like(p)
                 part = flat[offset: offset + p.numel()].view_as(p)
                 if divisor is None:
                     p.grad.copy_(part)

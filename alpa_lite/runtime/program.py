@@ -11,13 +11,16 @@ followed by its ``wait_tensor``, in the interpreter's order, so its values are t
 interpreter's; then ``overlap.py`` moves prefetchable collectives earlier and waits read only by
 the outputs later (``RankProgram.overlap``; the same values). It takes the placeholders' local values and the loss scale, and returns the
 weighted loss, its weight, the trainable parameters' gradients, the new values of the mutated
-buffers and the loss denominators. The deferred data-parallel gradient buckets, ZeRO's
-collectives and the optimizer stay outside it, in the trainer (the buckets all start after the
-step's backward). So does the loss's all-reduce where the plan defers it (``Collective.deferred``;
+buffers and the loss denominators. A step of one microbatch sums the deferred data-parallel
+gradient buckets' all-reduces in the graph (``RankProgram.buckets``): each is traced where
+backward completes its gradients, as ``grad_sync.BucketSync``'s hooks launch it, and the graph
+returns the sums in place of those gradients. ZeRO's collectives (its reduce-scatter buckets
+included), the buckets of accumulated microbatches and the optimizer stay outside it, in the
+trainer. So does the loss's all-reduce where the plan defers it (``Collective.deferred``;
 ``LocalExecutor.defer_loss``): the graph back-propagates the local partial sum (of a token mean,
 its numerator) as the interpreter does, returns the loss's local parts in place of its weight,
-and the all-reduce of those starts after the graph, before the buckets, waited for once the
-step's microbatches ran.
+and the all-reduce of those starts after the graph, before the trainer's buckets, waited for
+once the step's microbatches ran.
 
 A pipeline stage (``StageProgram``): its forward of one microbatch (the stage's nodes with its
 intra-stage collectives, and the all-gathers of the values it sends to replicated) is traced by
@@ -65,6 +68,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch._functorch.aot_autograd import aot_function, make_boxed_func
@@ -72,7 +76,7 @@ from torch._functorch.partitioners import default_partition
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..core.aten import bind_args
-from .collectives import functional_collectives
+from .collectives import all_reduce_sum, functional_collectives
 from .executor import DeferredLoss, Dispatch, LocalExecutor
 from .overlap import overlap_collectives
 
@@ -159,6 +163,11 @@ class RankProgram:
         weight: ``(values, loss) -> w``: the microbatch's loss weight (0-dim, detached).
         kept: names of the values returned besides the loss (the mutated buffers' new values).
         backend: a ``torch.compile`` backend name, or None.
+        buckets: gradient all-reduce buckets the graph sums, ``(mesh axes, [parameter
+            placeholders])`` in launch order (``grad_sync.BucketSync.in_program``), each launched
+            during backward once its gradients are computed (``_BucketHooks``); their members'
+            gradients are returned as the buckets' sums instead.
+        dtype: the dtype the buckets are summed in (None: their first member's).
 
     Attributes:
         graph_module: the traced ``GraphModule`` (None before the first call).
@@ -169,9 +178,11 @@ class RankProgram:
         ValueError: the plan has in-place writes to stored tensors (the message names them).
     """
 
-    def __init__(self, executor: LocalExecutor, weight: Callable, kept: list[str], backend: str | None):
+    def __init__(self, executor: LocalExecutor, weight: Callable, kept: list[str], backend: str | None,
+                 buckets: list[tuple[tuple[int, ...], list[str]]] = (), dtype: torch.dtype | None = None):
         _check_lowerable(executor)
         self.executor, self.weight, self.kept, self.backend = executor, weight, list(kept), backend
+        self.buckets, self.dtype = [(tuple(axes), list(members)) for axes, members in buckets], dtype
         self._seeds = _Seeds(executor)
         self.graph_module: torch.fx.GraphModule | None = None
         self.overlap = True
@@ -183,13 +194,14 @@ class RankProgram:
 
     def __call__(self, env: dict[str, torch.Tensor], scale: float
                  ) -> tuple[tuple[torch.Tensor, torch.Tensor] | DeferredLoss, dict[str, torch.Tensor],
-                            dict[str, torch.Tensor]]:
+                            dict[str, torch.Tensor], list[torch.Tensor]]:
         """Run one microbatch: ``env`` maps placeholder names to local shards, ``scale`` seeds
         the backward (the fp16 loss scale, else 1). Returns ``(loss, gradients by placeholder,
-        kept values by name)``, ``loss`` being ``(w L, w)``, or where the plan defers the loss's
-        all-reduce the ``DeferredLoss`` started after the graph (its backward ran from the
-        local partial sum, as the interpreter's); the executor's ``denominators`` are set as a
-        run sets them."""
+        kept values by name, the buckets' sums)``, ``loss`` being ``(w L, w)``, or where the plan
+        defers the loss's all-reduce the ``DeferredLoss`` started after the graph (its backward
+        ran from the local partial sum, as the interpreter's); the gradients are those of the
+        placeholders in no bucket, each bucket's sum a 1-D tensor of its members' gradients
+        concatenated (``buckets``); the executor's ``denominators`` are set as a run sets them."""
         if self.graph_module is None:
             self._names = list(env)
         self.executor.calls += 1  # a run, as the interpreter's: new random draws
@@ -207,7 +219,7 @@ class RankProgram:
         rest = out[2 + len(self._grads):]
         values = dict(zip(self.kept, rest))
         self.executor.denominators.update(zip(self._denominators, rest[len(self.kept):]))
-        return loss, grads, values
+        return loss, grads, values, rest[len(self.kept) + len(self._denominators):]
 
     def _step(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The traced function: forward, weight, backward of one microbatch (``__call__``); of a
@@ -226,17 +238,68 @@ class RankProgram:
             else:
                 term, weight = self._deferred.local, self._deferred.parts
             wrt = [n for n in self._names if env[n].requires_grad]
-            grads = torch.autograd.grad(term, [env[n] for n in wrt], scale.to(term), allow_unused=True)
-        self._grads = [n for n, g in zip(wrt, grads) if g is not None]
+            with _BucketHooks(self.buckets, env, self.executor.mesh, self.dtype) as buckets:
+                grads = torch.autograd.grad(term, [env[n] for n in wrt], scale.to(term), allow_unused=True)
+            summed = buckets.finish()
+        self._grads = [n for n, g in zip(wrt, grads) if g is not None and n not in buckets.members]
         self._denominators = list(self.executor.denominators)
-        return (term.detach(), weight, *(g for g in grads if g is not None), *(values[n].detach() for n in self.kept),
-                *(self.executor.denominators[n] for n in self._denominators))
+        return (term.detach(), weight, *(g for n, g in zip(wrt, grads) if n in self._grads),
+                *(values[n].detach() for n in self.kept), *(self.executor.denominators[n] for n in self._denominators),
+                *summed)
 
     def collectives(self) -> Counter:
         """Collectives in the graph by kind (``"all-reduce"`` ...): the plan's forward and
-        backward ones (``Plan.collectives`` of those phases, gradient buckets excluded), less the
-        backward re-gathers of ZeRO-3 copies (module docstring)."""
+        backward ones (``Plan.collectives`` of those phases, gradient buckets excluded) and the
+        all-reduces of ``buckets``, less the backward re-gathers of ZeRO-3 copies (module
+        docstring)."""
         return _graph_collectives(self.graph_module)
+
+
+class _BucketHooks:
+    """While open, hooks on the gradients of ``RankProgram.buckets``' members (placeholders of
+    ``env`` requiring grad) launch each bucket's all-reduce as soon as its members' gradients are
+    computed, in the buckets' order (a complete bucket waits for those before it), as
+    ``grad_sync.BucketSync`` launches them; ``finish`` launches the rest, a gradient backward
+    never reached as zeros, and returns every bucket's sum. Under ``make_fx`` the launches are
+    traced where backward computes the gradients, so each all-reduce runs in the graph during
+    the rest of backward (``overlap.py`` defers its wait). The gradients and their order are
+    the interpreter's, so are the concatenation and the sum."""
+
+    def __init__(self, buckets, env: dict[str, torch.Tensor], mesh, dtype: torch.dtype | None):
+        self.buckets, self.env, self.mesh, self.dtype = buckets, env, mesh, dtype
+        self.members = {ph for _, members in buckets for ph in members}
+        self.grads: dict[str, torch.Tensor] = {}
+        self.sums: list[torch.Tensor] = []
+        self._missing = [sum(env[ph].requires_grad for ph in members) for _, members in buckets]
+        self._handles = []
+
+    def __enter__(self):
+        for k, (_, members) in enumerate(self.buckets):
+            for ph in (ph for ph in members if self.env[ph].requires_grad):
+                self._handles.append(self.env[ph].register_hook(partial(self._computed, k, ph)))
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+
+    def _computed(self, k: int, ph: str, grad: torch.Tensor) -> None:
+        self.grads[ph] = grad
+        self._missing[k] -= 1
+        while len(self.sums) < len(self.buckets) and self._missing[len(self.sums)] == 0:
+            self._launch()
+
+    def _launch(self) -> None:
+        axes, members = self.buckets[len(self.sums)]
+        dtype = self.dtype or self.env[members[0]].dtype
+        flat = torch.cat([self.grads.get(ph, torch.zeros_like(self.env[ph])).reshape(-1).to(dtype)
+                          for ph in members])
+        self.sums.append(all_reduce_sum(flat, axes, self.mesh))
+
+    def finish(self) -> list[torch.Tensor]:
+        while len(self.sums) < len(self.buckets):
+            self._launch()
+        return self.sums
 
 
 class StageProgram:

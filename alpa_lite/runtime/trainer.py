@@ -99,6 +99,7 @@ class Trainer:
     max_grad_norm: float | None = None
     last_grad_norm: float | None = None
     overlap: bool = True
+    buckets_in_program: bool = False  # the all-reduce buckets are summed by the compiled program
 
     def _build(self, model, plan: Plan, optimizer: Callable, seed: int, init_fn) -> None:
         """The state of this rank for the SPMD ``plan`` of ``self.view``: shards, constants,
@@ -112,7 +113,8 @@ class Trainer:
         self.scaler = LossScaler() if compute_dtype_of(self.plan.options) is torch.float16 else None
         self.zero = ZeroPartition(self.view, plan, self.params, self.groups)
         self.bucket_sync = BucketSync(self.buckets, {ph: self.params[fqn] for ph, fqn in self.view.param_fqns.items()},
-                                      self.groups, self.reduce_dtype, self.zero, self.view.param_fqns)
+                                      self.groups, self.reduce_dtype, self.zero, self.view.param_fqns,
+                                      in_program=self.buckets_in_program)
         self.optimizer = optimizer(self.zero.optimizer_params()) if self.params else None
         self._placeholders = {fqn: ph for ph, fqn in {**self.view.param_fqns, **self.view.buffer_fqns}.items()}
 
@@ -389,10 +391,13 @@ class ParallelTrainer(Trainer):
         compile: run each microbatch's forward and backward as this rank's ``RankProgram``
             (``program.py``: the plan lowered to a ``torch.fx.GraphModule`` with functional
             collectives) under ``torch.compile``: True for the ``"inductor"`` backend, or a
-            backend name (``"aot_eager"`` ...); the gradient buckets then all start after
-            backward, after a deferred loss's all-reduce (``overlap`` has no effect; the
-            program's own ``RankProgram.overlap`` reorders its graph's collectives to overlap
-            compute, ``overlap.py``). False: the interpreter (``executor.py``).
+            backend name (``"aot_eager"`` ...). With ``accumulate`` 1 the gradient all-reduce
+            buckets are summed in the graph, each launched where backward completes it
+            (``RankProgram.buckets``); with more microbatches, and ZeRO-2's reduce-scatter
+            buckets, they start after the last microbatch's backward, after a deferred loss's
+            all-reduce. ``overlap`` has no effect; the program's own ``RankProgram.overlap``
+            reorders its graph's collectives to overlap compute (``overlap.py``). False: the
+            interpreter (``executor.py``).
 
     Attributes:
         program: the ``RankProgram`` under ``compile``, else None.
@@ -428,10 +433,13 @@ class ParallelTrainer(Trainer):
         if accumulate > 1 and plan.loss_reduction.problems:
             warnings.warn(f"accumulating {accumulate} microbatches changes the loss: "
                           + "; ".join(plan.loss_reduction.problems), stacklevel=2)
+        self.buckets_in_program = bool(compile) and accumulate == 1
         self._build(model, plan, optimizer, seed, init_fn)
         if compile:
+            in_graph = [(axes, members) for kind, axes, members in reversed(self.buckets)
+                        if self.buckets_in_program and kind == "all-reduce"]  # BucketSync.in_program's order
             self.program = RankProgram(self.executor, self._weight, list(captured.buffer_mutations),
-                                       "inductor" if compile is True else compile)
+                                       "inductor" if compile is True else compile, in_graph, self.reduce_dtype)
 
     def _local_plan(self) -> Plan:
         return self.plan
@@ -523,9 +531,11 @@ class ParallelTrainer(Trainer):
         or where the plan defers the loss's all-reduce ``(local partial sum, None, its
         DeferredLoss)`` (started after the program's backward, waited for by ``_accumulate``'s
         ``total``), its gradients accumulated into the parameters' ``.grad`` (none when ``w_m =
-        0``: no valid target) and its buffer updates stored."""
-        loss, grads, values = self.program(self.placeholder_values(flat),
-                                           1.0 if self.scaler is None else self.scaler.scale)
+        0``: no valid target), its buckets' sums handed to the sync (``BucketSync.summed``) and
+        its buffer updates stored."""
+        loss, grads, values, summed = self.program(self.placeholder_values(flat),
+                                                   1.0 if self.scaler is None else self.scaler.scale)
+        self.bucket_sync.summed(summed)
         store_buffer_mutations(self.cg, self.plan, values, self.buffers, self.groups)
         deferred = loss if isinstance(loss, DeferredLoss) else None
         term, weight = (deferred.local, None) if deferred is not None else loss
