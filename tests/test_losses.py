@@ -211,13 +211,15 @@ def test_pipelined_losses_equal_single_process(tmp_path):
 def test_compiled_deferred_losses_equal_single_process(tmp_path):
     """The compiled program (``compile="aot_eager"``, runtime/program.py) defers the loss's
     all-reduce as the interpreter does: backward from the local sum inside the graph, the
-    all-reduce started after it, a token mean's gradients divided by the count after their sync.
+    all-reduce started after it, a token mean's gradients divided by the count after their sync
+    (with one microbatch the all-reduce buckets are summed inside the graph, the division after).
     Data parallel on 1 x 4 (with 2 accumulated microbatches too) and 2 x 2 (one all-reduce over
-    both axes), ZeRO-2 on 1 x 4, and 2 data-parallel stages of 1F1B, B = 4 (each microbatch's
+    both axes), ZeRO-1 and ZeRO-2 on 1 x 4, and 2 data-parallel stages of 1F1B, B = 4 (each microbatch's
     deferred; one without a valid target in the last step)."""
     compiled = {"compile": "aot_eager", "force_data_parallel": True}
     setups = {"dp_1x4": (compiled, [1, 4]), "dp_k2_1x4": (compiled | {"accumulate": 2}, [1, 4]),
-              "dp_2x2": (compiled, [2, 2]), "zero2_1x4": (compiled | {"zero_stage": 2}, [1, 4]),
+              "dp_2x2": (compiled, [2, 2]), "zero1_1x4": (compiled | {"zero_stage": 1}, [1, 4]),
+              "zero2_1x4": (compiled | {"zero_stage": 2}, [1, 4]),
               "dp_1f1b_b4": (compiled | {"num_stages": 2, "num_layers": 2, "schedule": "1f1b",
                                          "num_microbatches": 4}, [2, 2])}
     cases = {f"{k}_{loss}_{opt}": {"loss": loss, "optimizer": opt, "options": o, "mesh": mesh}

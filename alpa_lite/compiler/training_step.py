@@ -87,9 +87,9 @@ def deferred_loss_axes(cg: CapturedGraph, name: str, in_specs, out_spec, partial
     (``recomputed`` False), reduced over one or both mesh axes (one all-reduce), but a
     vocab-parallel cross-entropy's sum (reduced where computed). The one decision both the listing
     (``plan_collectives``, ``Collective.deferred``) and the ILP (``cost_graph``'s loss pool)
-    read, and the runtime reads from the plan. The runtime still reduces it as usual in the
-    compiled program (``compile=True``, which the plan does not know); under gradient
-    accumulation and in a pipeline it defers each microbatch's."""
+    read, and the runtime reads from the plan (the compiled program too, ``compile=True``);
+    under gradient accumulation and in a pipeline it defers each microbatch's. Under mixed
+    precision the graph's loss is the fp32 cast of the reduced value, which is not deferred."""
     node = cg.node(name)
     if name != cg.loss_name or recomputed or node.meta["val"].dim() or any(u.op != "output" for u in node.users):
         return ()

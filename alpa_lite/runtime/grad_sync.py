@@ -20,7 +20,9 @@ A ZeRO-2 bucket is reduce-scattered into the rank's slices (``zero.ZeroPartition
 Under ``compile`` (``program.py``) a one-microbatch step's all-reduce buckets are summed inside
 the program's graph instead, each launched where backward completes it, in this order
 (``BucketSync.in_program``); the sync writes the sums the graph returns into the gradients as it
-writes its own (``summed``), so the values are the same.
+writes its own (``summed``), so the values are the same: as views of the sums, which are new
+tensors every step (DDP's ``gradient_as_bucket_view``: no second copy of the gradients), where
+the bucket is reduced in the gradients' dtype.
 """
 from __future__ import annotations
 
@@ -148,14 +150,18 @@ class BucketSync:
                 self.zero.finish_reduce_scatter(fqns, flat)
                 continue
             offset = 0
-            for p in members:  # a copy, not a view: a gradient read after the step outlives the buffer's reuse
-                if p.grad is None:  # summed by the program, which does not write the gradients
-                    p.grad = torch.empty_like(p)
+            for p in members:
                 part = flat[offset: offset + p.numel()].view_as(p)
-                if divisor is None:
+                offset += p.numel()
+                if divisor is not None:
+                    divided.add(id(p))
+                if work is None and part.dtype == p.dtype:  # the program's sum, a new tensor every step: viewed
+                    p.grad = part if divisor is None else part.div_(divisor)
+                    continue
+                if p.grad is None:  # summed by the program, in another dtype
+                    p.grad = torch.empty_like(p)
+                if divisor is None:  # a copy, not a view: a gradient read after the step outlives the buffer's reuse
                     p.grad.copy_(part)
                 else:
                     torch.div(part, divisor, out=p.grad)
-                    divided.add(id(p))
-                offset += p.numel()
         return divided
