@@ -84,7 +84,13 @@ NAMED = {"stopped-in-backward": r"the all-reduce (?:of gradient bucket \d+|of th
                                       r"group's gradients) over mesh axes \(1,\)",
          # 2 stages x 2 DP devices: stage 0 waits on the gradients the stopped last stage (rank 3,
          # with its loss's deferred all-reduce in flight) and its peer (stuck with it) do not send
-         "stopped-in-backward-pipeline": r"the receive of microbatch \d's gradients from rank [23]"}
+         "stopped-in-backward-pipeline": r"the receive of microbatch \d's gradients from rank [23]",
+         # compiled, DP: a survivor's graph names itself with its bucket all-reduces in flight; the pipeline:
+         # stage 0's receive times out first (and the launcher ends the stopped rank's stage peer, whose forward
+         # graph all-reduces with it, before its own timeout names it)
+         "stopped-in-graph": r"a collective of the compiled step \(forward, backward or a gradient bucket\)",
+         "stopped-in-graph-pipeline": r"(?:a collective of the compiled stage's forward|the receive of microbatch "
+                                      r"\d's gradients from rank [23])"}
 
 
 @pytest.mark.parametrize("case", list(NAMED))

@@ -76,7 +76,7 @@ from torch._functorch.partitioners import default_partition
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..core.aten import bind_args
-from .collectives import all_reduce_sum, functional_collectives
+from .collectives import all_reduce_sum, failed, functional_collectives
 from .executor import DeferredLoss, Dispatch, LocalExecutor
 from .overlap import overlap_collectives
 
@@ -140,6 +140,29 @@ class _Seeds:
 def _compiled(graph_module: torch.fx.GraphModule, backend: str | None) -> Callable:
     """``graph_module`` under ``torch.compile(backend=backend)`` (one graph), or as is for None."""
     return torch.compile(graph_module, backend=backend, fullgraph=True) if backend else graph_module
+
+
+class _Named:
+    """``run`` (a compiled graph) failing as a collective once it has run: after a first call
+    that succeeded (its trace and compilation done), a ``RuntimeError`` it raises is one of its
+    collectives' (a peer died, stopped or timed out: gloo and NCCL raise plain ``RuntimeError``
+    s), re-raised naming this rank and ``what`` (``collectives.failed``), as the interpreter names
+    its collectives'; memory errors are raised as they are. ``boxed``: ``run`` takes its
+    arguments as one list (AOT autograd's calling convention)."""
+
+    def __init__(self, run: Callable, what: str, boxed: bool = False):
+        self.run, self.what, self.ran = run, what, False
+        self._boxed_call = boxed
+
+    def __call__(self, *args):
+        try:
+            out = self.run(*args)
+        except RuntimeError as e:
+            if not self.ran or isinstance(e, torch.OutOfMemoryError):
+                raise
+            raise failed(self.what, e) from e
+        self.ran = True
+        return out
 
 
 def _graph_collectives(*graph_modules: torch.fx.GraphModule) -> Counter:
@@ -210,7 +233,8 @@ class RankProgram:
             self.graph_module = make_fx(self._step, tracing_mode="fake")(*flat)
             if self.overlap:
                 overlap_collectives(self.graph_module)
-            self._compiled = _compiled(self.graph_module, self.backend)
+            self._compiled = _Named(_compiled(self.graph_module, self.backend),
+                                    "a collective of the compiled step (forward, backward or a gradient bucket)")
         with torch.no_grad():
             out = list(self._compiled(*flat))
         loss = (out[0], out[1]) if self._deferred is None else DeferredLoss(
@@ -354,8 +378,8 @@ class StageProgram:
         if self._function is None:
             self._names = [n for n, v in env.items() if isinstance(v, torch.Tensor)]
             self._fixed = {n: v for n, v in env.items() if not isinstance(v, torch.Tensor)}
-            self._function = aot_function(self._forward, fw_compiler=self._compile, bw_compiler=self._compile,
-                                          partition_fn=self._partition)
+            self._function = aot_function(self._forward, fw_compiler=partial(self._compile, "forward"),
+                                          bw_compiler=partial(self._compile, "backward"), partition_fn=self._partition)
         with functional_collectives(), self.executor.deferring():  # the first call traces the joint graph
             out = list(self._function(*(env[n] for n in self._names), self._seeds.seeds()))
         sent, rest = out[:self._sent], out[self._sent:]
@@ -379,10 +403,12 @@ class StageProgram:
         return (*sent, *(env[n] for n in self.kept), *(self.executor.denominators[n] for n in self._denominators),
                 *([] if self._deferred is None else [self._deferred.parts]))
 
-    def _compile(self, graph_module: torch.fx.GraphModule, _example_inputs) -> Callable:
+    def _compile(self, phase: str, graph_module: torch.fx.GraphModule, _example_inputs) -> Callable:
         """AOT autograd's compiler of the forward and the backward graph: ``_compiled``, taking
-        its arguments as one list (AOT autograd's boxed calling convention)."""
-        return make_boxed_func(_compiled(graph_module, self.backend))
+        its arguments as one list (AOT autograd's boxed calling convention), its collectives'
+        failures named (``_Named``)."""
+        return _Named(make_boxed_func(_compiled(graph_module, self.backend)),
+                      f"a collective of the compiled stage's {phase}", boxed=True)
 
     def _partition(self, joint: torch.fx.GraphModule, inputs, **kwargs):
         """The default partitioner's split of the joint graph, kept as ``forward_module`` and

@@ -50,6 +50,28 @@ def main():
             trainer.params[param].register_post_accumulate_grad_hook(lambda p: os.kill(os.getpid(), signal.SIGSTOP))
         trainer.step(*example)
         return
+    # the compiled programs (compile="aot_eager"): a rank stops as its second step's graph starts. DP
+    # on 2x2: rank 1, the others' gradient buckets' all-reduces in flight in their graphs; 2 Megatron
+    # stages x 2 devices: rank 3, its stage peer's forward graph all-reducing with it
+    megatron = {f"blocks.{i}.{layer}.weight": spec for i in range(2)
+                for layer, spec in (("attn.qkv", "S1R"), ("attn.proj", "RS1"), ("ffn.fc", "S1R"), ("ffn.proj", "RS1"))}
+    in_graph = {"stopped-in-graph": (1, {"force_data_parallel": True}),
+                "stopped-in-graph-pipeline": (3, {"num_stages": 2, "num_layers": 2, "num_microbatches": 2,
+                                                  "param_specs": megatron})}
+    if args.case in in_graph:
+        who, options = in_graph[args.case]
+        trainer = parallelize(model, (2, 2), example, bucket_bytes=8192, compile="aot_eager", **options)
+        trainer.step(*example)
+        if rank == who:
+            program, graph = trainer.program, "_function" if options.get("num_stages") else "_compiled"
+            run = getattr(program, graph)
+
+            def stopping(*a, **kw):
+                os.kill(os.getpid(), signal.SIGSTOP)
+                return run(*a, **kw)
+            setattr(program, graph, stopping)
+        trainer.step(*example)
+        return
     if args.case == "stopped-in-backward-zero3":
         # ZeRO-3 groups on 1x4: rank 1 stops as it starts its first gradient reduce-scatter of the
         # second step's backward, with the next group's all-gather prefetched
