@@ -109,6 +109,19 @@ def failed(what: str, error: Exception) -> RuntimeError:
     return RuntimeError(f"rank {dist.get_rank()}: {what} failed (a peer died, stopped or timed out): {error}")
 
 
+@contextmanager
+def named(what: str):
+    """A communication's failure (a peer died, stopped or timed out) inside the block raised as
+    a ``RuntimeError`` naming this rank and ``what`` it waited on (``failed``); memory errors are
+    raised as they are."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as e:
+        raise failed(what, e) from e
+
+
 @dataclass(frozen=True)
 class MeshGroups:
     """This rank's view of the 2D mesh: its coordinate, the process group of each axis (group

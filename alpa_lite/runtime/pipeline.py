@@ -61,7 +61,7 @@ from ..core.capture import stage_view
 from ..core.plan import PipelinePlan, Plan, PlanError
 from ..core.schedules import get_schedule
 from ..core.spec import ShardingSpec
-from .collectives import GatheredParameters, MeshGroups, failed, local_slice, reshard, synchronize_device
+from .collectives import GatheredParameters, MeshGroups, local_slice, named, reshard, synchronize_device
 from .executor import DeferredLoss
 from .init import store_buffer_mutations
 from .program import StageProgram
@@ -516,7 +516,7 @@ class PipelineTrainer(Trainer):
             full = self._full(p.grad if p.grad is not None else torch.zeros_like(p), ph)
             if self.index != 0:  # every rank of a stage holds the same full gradient: count it once
                 full = torch.zeros_like(full)
-            with _named(f"the all-reduce of tied weight {fqn}'s gradient over its stages"):
+            with named(f"the all-reduce of tied weight {fqn}'s gradient over its stages"):
                 dist.all_reduce(full, group=group)
             p.grad = local_slice(full, spec, self.groups).clone()
 
@@ -529,7 +529,7 @@ class PipelineTrainer(Trainer):
             z = torch.ones_like(weights[0]) if self.reduction.kind == "sum" else weights.sum()
             value = torch.stack([terms.sum() / z, z]).to(value)
         src = self.plan.stages[-1].ranks[0]
-        with _named(f"the broadcast of the step's loss from rank {src}"):
+        with named(f"the broadcast of the step's loss from rank {src}"):
             dist.broadcast(value, src=src)
         return float(value[0]), float(value[1])
 
@@ -551,7 +551,7 @@ class PipelineTrainer(Trainer):
             else:
                 x = torch.empty(shape, dtype=dtype, device=self.device)
             src = self.plan.stages[owners[ph]].ranks[0]
-            with _named(f"the broadcast of {fqn} from rank {src}"):
+            with named(f"the broadcast of {fqn} from rank {src}"):
                 dist.broadcast(x, src=src)
             out[fqn] = x.cpu()
             for alias in self.cg.tied.get(fqn, []):
@@ -559,19 +559,9 @@ class PipelineTrainer(Trainer):
         return out
 
 
-@contextmanager
-def _named(what: str):
-    """A communication's failure (a peer died, stopped or timed out) inside the block raised as
-    a ``RuntimeError`` naming this rank and ``what`` it waited on (``collectives.failed``)."""
-    try:
-        yield
-    except RuntimeError as e:
-        raise failed(what, e) from e
-
-
 def _wait(works: list, what: str) -> None:
-    """Wait for point-to-point ``works`` (``_named``)."""
-    with _named(what):
+    """Wait for point-to-point ``works`` (``collectives.named``)."""
+    with named(what):
         for w in works:
             w.wait()
 

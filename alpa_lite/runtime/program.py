@@ -76,7 +76,7 @@ from torch._functorch.partitioners import default_partition
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..core.aten import bind_args
-from .collectives import all_reduce_sum, failed, functional_collectives
+from .collectives import all_reduce_sum, functional_collectives, named
 from .executor import DeferredLoss, Dispatch, LocalExecutor
 from .overlap import overlap_collectives
 
@@ -146,8 +146,8 @@ class _Named:
     """``run`` (a compiled graph) failing as a collective once it has run: after a first call
     that succeeded (its trace and compilation done), a ``RuntimeError`` it raises is one of its
     collectives' (a peer died, stopped or timed out: gloo and NCCL raise plain ``RuntimeError``
-    s), re-raised naming this rank and ``what`` (``collectives.failed``), as the interpreter names
-    its collectives'; memory errors are raised as they are. ``boxed``: ``run`` takes its
+    s), re-raised naming this rank and ``what`` (``collectives.named``), as the pipeline names its
+    waits; memory errors are raised as they are. ``boxed``: ``run`` takes its
     arguments as one list (AOT autograd's calling convention)."""
 
     def __init__(self, run: Callable, what: str, boxed: bool = False):
@@ -155,12 +155,8 @@ class _Named:
         self._boxed_call = boxed
 
     def __call__(self, *args):
-        try:
+        with named(self.what) if self.ran else contextlib.nullcontext():
             out = self.run(*args)
-        except RuntimeError as e:
-            if not self.ran or isinstance(e, torch.OutOfMemoryError):
-                raise
-            raise failed(self.what, e) from e
         self.ran = True
         return out
 
