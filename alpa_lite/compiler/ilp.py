@@ -463,7 +463,7 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
         raise MemoryBudgetError(memory_budget, graph.min_memory())
     prob = pulp.LpProblem("alpa_intra_op", pulp.LpMinimize)
     # s[v]: the strategy variables of v, None when v has a single strategy (always chosen)
-    s = [None if len(costs) == 1 else [pulp.LpVariable(f"s_{v}_{p}", cat=pulp.LpBinary) for p in range(len(costs))]
+    s = [None if len(costs) == 1 else [prob.add_variable(f"s_{v}_{p}", cat=pulp.LpBinary) for p in range(len(costs))]
          for v, costs in enumerate(graph.costs)]
     objective: dict = {}
     constant = 0.0
@@ -512,7 +512,7 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
         if any(s[v] is None for v, _ in members):  # always paid
             add(None, seconds)
             continue
-        y = pulp.LpVariable(f"y_{k}", lowBound=0, upBound=1)  # minimized: its largest member's value
+        y = prob.add_variable(f"y_{k}", lowBound=0, upBound=1)  # minimized: its largest member's value
         for v, p in sorted(members):
             prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression([(y, 1), (s[v][p], -1)]),
                                                  pulp.LpConstraintGE, rhs=0), f"fixed_{k}_{v}_{p}")
@@ -596,7 +596,7 @@ def _edge_terms(prob, tag: str, s, u: int, v: int, *matrices) -> list[list]:
         prob.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(terms), pulp.LpConstraintEQ, rhs=0), name)
 
     # e over (row class, column class): identical rows (columns) need not be told apart
-    e = [[pulp.LpVariable(f"e{tag}_{u}_{v}_{a}_{b}", lowBound=0, upBound=1) for b in range(len(cols))]
+    e = [[prob.add_variable(f"e{tag}_{u}_{v}_{a}_{b}", lowBound=0, upBound=1) for b in range(len(cols))]
          for a in range(len(rows))]
     for a, ps in enumerate(rows):
         equal([(x, 1) for x in e[a]] + [(s[u][p], -1) for p in ps], f"row{tag}_{u}_{v}_{a}")
@@ -611,7 +611,7 @@ def _remat_terms(prob, graph: CostGraph, s, add, unit: float, seconds: float):
     bytes; the cost rows (``w_l``) are in ``seconds`` (``_seconds_unit``)."""
     if not graph.remat:
         return [], []
-    z = pulp.LpVariable("remat_peak", lowBound=0)
+    z = prob.add_variable("remat_peak", lowBound=0)
     rs, terms = [], [(z, 1.0)]
 
     def expr(vectors: dict[int, list[float]], scale: float) -> list:
@@ -624,20 +624,20 @@ def _remat_terms(prob, graph: CostGraph, s, add, unit: float, seconds: float):
                                              pulp.LpConstraintGE, rhs=const), name)
 
     for i, g in enumerate(graph.remat):
-        r = True if g.forced else pulp.LpVariable(f"r_{i}", cat=pulp.LpBinary)
+        r = True if g.forced else prob.add_variable(f"r_{i}", cat=pulp.LpBinary)
         rs.append(r)
         big_a = RematGroup.bound(g.act) / unit
         big_e = (RematGroup.bound(g.extra) + sum(max(map(max, m)) for m in g.edges.values())) / seconds
         a, e = expr(g.act, unit), expr(g.extra, seconds)
         for (u, v), matrix in sorted(g.edges.items()):
             e += [(x, c / seconds) for x, c in _edge_terms(prob, f"r{i}", s, u, v, matrix)[0]]
-        w = pulp.LpVariable(f"remat_w_{i}", lowBound=0)
+        w = prob.add_variable(f"remat_w_{i}", lowBound=0)
         add(w, seconds)
         if r is True:
             at_least(z, a, f"remat_peak_{i}")
             at_least(w, e, f"remat_cost_{i}")
             continue
-        k = pulp.LpVariable(f"remat_keep_{i}", lowBound=0)
+        k = prob.add_variable(f"remat_keep_{i}", lowBound=0)
         terms.append((k, 1.0))
         c = g.keep_scale
         at_least(k, [(x, c * y) for x, y in a] + [(r, -c * big_a)], f"remat_keep_{i}")
@@ -685,12 +685,12 @@ def _overlap_terms(prob, graph: CostGraph, pools: dict[int, Pool], pool_terms: d
             if any(x is None and c > 0 for x, c in members):
                 y = None
             else:
-                y = pulp.LpVariable(f"pool_y_{k}", lowBound=0, upBound=1)
+                y = prob.add_variable(f"pool_y_{k}", lowBound=0, upBound=1)
                 for i, (x, c) in enumerate(members):
                     if c > 0:
                         _at_most(prob, [(x, 1.0), (y, -1.0)], f"pool_y_{k}_{i}")
             if pool.grouped:  # w >= latency y, w >= S_P: w = max(latency y, S_P), in units of ``seconds``
-                w = pulp.LpVariable(f"pool_w_{k}", lowBound=0)
+                w = prob.add_variable(f"pool_w_{k}", lowBound=0)
                 add(w, seconds)
                 _at_most(prob, [(y, pool.latency / seconds), (w, -1.0)], f"pool_w_{k}")
                 _at_most(prob, [(x, c / seconds) for x, c in pool_terms[k, True]] + [(w, -1.0)], f"pool_ws_{k}")
@@ -699,11 +699,11 @@ def _overlap_terms(prob, graph: CostGraph, pools: dict[int, Pool], pool_terms: d
         if not _hides(pool):
             continue
         terms = [(x, -c / seconds) for x, c in pool_terms[k, True]]
-        h = pulp.LpVariable(f"hide_{k}", lowBound=0)
+        h = prob.add_variable(f"hide_{k}", lowBound=0)
         add(h, -pool.weight * seconds)
         hidden.append((h, 1.0))
         if pool.unhidden > 0:
-            z = pulp.LpVariable(f"hide_z_{k}", cat=pulp.LpBinary)
+            z = prob.add_variable(f"hide_z_{k}", cat=pulp.LpBinary)
             _at_most(prob, [(h, 1.0), (z, pool.unhidden / seconds)] + terms, f"hide_{k}")
             _at_most(prob, [(h, 1.0), (z, (pool.unhidden - pool.bound()) / seconds)], f"hide_z_{k}")
         else:
@@ -716,7 +716,7 @@ def _shared_move(prob, g: int, s, u: int, readers, matrix, add) -> None:
     """The variables and rows of shared move ``g`` (module docstring)."""
     targets = [t for t in range(len(matrix[0])) if any(row[t] for row in matrix)]
     rows = _identical(matrix)
-    m = {(a, t): pulp.LpVariable(f"m_{g}_{a}_{t}", lowBound=0, upBound=1) for a in range(len(rows)) for t in targets}
+    m = {(a, t): prob.add_variable(f"m_{g}_{a}_{t}", lowBound=0, upBound=1) for a in range(len(rows)) for t in targets}
     for (a, t), x in m.items():
         add(x, matrix[rows[a][0]][t])
 
@@ -734,7 +734,7 @@ def _shared_move(prob, g: int, s, u: int, readers, matrix, add) -> None:
             if len(rows) == 1:  # f_c = y_c
                 row([(m[0, t], 1)] + y, pulp.LpConstraintGE, always, f"or_{g}_{c}_{t}")
                 continue
-            f = [pulp.LpVariable(f"f_{g}_{c}_{a}_{t}", lowBound=0) for a in range(len(rows))]
+            f = [prob.add_variable(f"f_{g}_{c}_{a}_{t}", lowBound=0) for a in range(len(rows))]
             row([(x, 1) for x in f] + y, pulp.LpConstraintEQ, always, f"y_{g}_{c}_{t}")
             for a, x in enumerate(f):
                 row([(m[a, t], 1), (x, -1)], pulp.LpConstraintGE, 0, f"or_{g}_{c}_{a}_{t}")
