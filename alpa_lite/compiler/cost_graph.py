@@ -251,8 +251,8 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         _price_value(graph, sums, reshard, src.var, outs, zeros, reduced, edges, tuple(val.shape),
                      val.element_size(), parameter, sync_bytes)
         if parameter or weight is not None:  # the parameters used first complete their gradients when backward ends
-            _pool_parameter(graph, sums, reshard, src.var, outs, zeros, edges, scopes[(src_name, r)], tuple(val.shape),
-                            val.dtype, (options or PlanOptions()).bucket_bytes,
+            _pool_parameter(graph, sums, reshard, src.var, outs, zeros, edges, scopes[(src_name, r)],
+                            tuple(val.shape), val.dtype, (options or PlanOptions()).bucket_bytes,
                             position[weight or casts.get(src_name, src_name)] != first, pool_memo, sync_bytes)
         # forward only (no gradient); a forbidden pair: not chosen; a ZeRO-3 use: free, the
         # recomputation's gather replaces the backward's (``resharding.regathers``)
@@ -267,8 +267,9 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
     return graph, where
 
 
-def _price_value(graph: CostGraph, sums: _EdgeSums, reshard: ReshardCosts, u: int, outs: tuple, zeros: tuple, reduced: tuple | None,
-                 edges: list, shape, itemsize: int, parameter: bool, sync_bytes: tuple | None = None) -> None:
+def _price_value(graph: CostGraph, sums: _EdgeSums, reshard: ReshardCosts, u: int, outs: tuple, zeros: tuple,
+                 reduced: tuple | None, edges: list, shape, itemsize: int, parameter: bool,
+                 sync_bytes: tuple | None = None) -> None:
     """Price the moves of one value (variable ``u``, ``outs[p]`` its spec under u's strategy p,
     ``zeros[p]`` its ZeRO ``(stage, axes)`` when it is a parameter, ``reduced[p]`` the axes its op
     all-reduced, ``ReshardCosts.matrix``) to its reader ``edges`` (``(v, ins)``,
@@ -317,9 +318,9 @@ def _lookup_sync(reshard: ReshardCosts, outs: tuple, ins: tuple, sync_bytes: tup
              if is_gradient_sync(o, spec, gp) else 0.0 for spec, gp in ins] for o, b in zip(outs, sync_bytes)]
 
 
-def _pool_parameter(graph: CostGraph, sums: _EdgeSums, reshard: ReshardCosts, u: int, outs: tuple, zeros: tuple, edges: list,
-                    scopes: list, shape, dtype: torch.dtype, bucket_bytes: float, hides: bool, memo: dict,
-                    sync_bytes: tuple | None = None) -> None:
+def _pool_parameter(graph: CostGraph, sums: _EdgeSums, reshard: ReshardCosts, u: int, outs: tuple, zeros: tuple,
+                    edges: list, scopes: list, shape, dtype: torch.dtype, bucket_bytes: float, hides: bool,
+                    memo: dict, sync_bytes: tuple | None = None) -> None:
     """Add what backward may hide of one parameter's uses (``outs``, ``zeros``, ``edges`` as
     ``_price_value``) to the cost graph's pools: each gradient sync's seconds on its edge to the
     pool of its bucket's (kind, mesh axes), and each groupable ZeRO-3 use's reduce-scatter (its
