@@ -30,7 +30,6 @@ def main():
             print(f"step {step} loss {loss:.5f}")
     if dist.get_rank() == 0:
         print("specs", {k: v for k, v in trainer.plan.param_specs.items() if k.endswith("weight")})
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

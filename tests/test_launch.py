@@ -28,7 +28,6 @@ WORKER = textwrap.dedent("""
         dist.all_reduce(x)
         (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "world": world, "sum": x.item(),
                                                          "omp": os.environ.get("OMP_NUM_THREADS")}))
-        dist.destroy_process_group()
     elif mode == "die":
         dist.barrier()
         if rank == 1:
@@ -127,3 +126,24 @@ def test_init_distributed_outside_torchrun(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     with pytest.raises(RuntimeError, match="torchrun"):
         init_distributed()
+
+
+def test_no_rank_leaves_its_group_without_a_barrier():
+    """A rank that destroys the process group while a peer still receives the last collective
+    aborts that peer ("terminate called without an active exception", seen under load on
+    ``alpa-lite verify``): every multi-rank script leaves through ``init_distributed``'s exit
+    handler (a barrier, then the group destroyed) or destroys the group right after a barrier."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    files = [p for d in ("alpa_lite", "benchmarks", "examples", "tests/workers") for p in (root / d).rglob("*.py")]
+    files.append(Path(__file__))
+    bare = []
+    for path in files:
+        lines = [ln.split("#")[0].strip() for ln in path.read_text().splitlines()]
+        lines = [ln for ln in lines if ln]
+        for i, line in enumerate(lines):
+            if line.startswith("dist.destroy_process_group()") and lines[i - 1] not in ("dist.barrier()", "finally:"):
+                bare.append(f"{path.relative_to(root)}: {lines[i - 1]!r} before it")
+    assert not bare, bare
+    assert len(files) > 20
