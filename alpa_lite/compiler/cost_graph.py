@@ -6,7 +6,10 @@ Building the cost graph shrinks the ILP two ways (docs/planner.md, "The ILP ... 
   every operand strategy has a matching follower strategy (Alpa's merged nodes);
 - nodes at the same place in identical repeated blocks (``h.0.attn`` ... ``h.31.attn``, same
   shapes and strategies, at least ``MIN_SHARED_LAYER_NODES`` nodes per block) share one
-  variable, so every block gets the same solution.
+  variable, so every block gets the same solution. Numbered modules inside numbered modules
+  (a Wide-ResNet's ``stages.i.j``) are tried outermost first: a node joins the first copy of
+  its place with the same strategies at any level (``stages.1.2.conv1`` the variable of
+  ``stages.1.1.conv1``, as the stages themselves differ in width).
 Both restrict the search space, never the accounting: each node's costs and each edge's
 resharding matrix still enter the objective and the memory sum once per node.
 
@@ -90,29 +93,35 @@ class _EdgeSums:
         self.sums.clear()
 
 
-_LAYER = re.compile(r"^(.*?)\.(\d+)(\..*)?$")
+_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
 MIN_SHARED_LAYER_NODES = 8  # a repeated "layer" smaller than this (one Linear) is not a block
 
 
-def _layer_of(node: torch.fx.Node):
+def _layer_levels(node: torch.fx.Node) -> list[tuple[str, str, str]]:
+    """``(prefix, index, rest)`` of each numbered module on the node's module path, innermost
+    first: ``model.stages.1.2.conv1`` is block 2 of ``model.stages.1`` and block 1 of
+    ``model.stages``."""
     if node.op == "placeholder":  # a parameter belongs to the layer of its first consumer
         node = next(iter(node.users), None)
         if node is None:
-            return None
+            return []
     stack = node.meta.get("nn_module_stack")
-    m = _LAYER.match(list(stack.values())[-1][0]) if stack else None
-    return (m.group(1), m.group(2), m.group(3) or "") if m else None
+    path = list(stack.values())[-1][0] if stack else ""
+    return [(path[:m.start()], m.group(1), path[m.end():]) for m in reversed(list(_INDEX.finditer(path)))]
 
 
-def _layer_key(node: torch.fx.Node, counters: dict, sizes: dict) -> tuple | None:
-    layer = _layer_of(node)
-    if layer is None or sizes[layer[:2]] < MIN_SHARED_LAYER_NODES:
-        return None
-    prefix, index, rest = layer
+def _layer_keys(node: torch.fx.Node, counters: dict, sizes: dict) -> list[tuple]:
+    """The node's place in each numbered block it lies in that holds at least
+    ``MIN_SHARED_LAYER_NODES`` nodes (``sizes``: nodes per ``(prefix, index)``), outermost first,
+    each as ``(prefix, rest, kind, occurrence)``."""
     kind = "placeholder" if node.op == "placeholder" else str(node.target)
-    slot = (prefix, index, rest, kind)
-    counters[slot] = counters.get(slot, -1) + 1
-    return prefix, rest, kind, counters[slot]
+    keys = []
+    for prefix, index, rest in reversed(_layer_levels(node)):
+        if sizes[prefix, index] >= MIN_SHARED_LAYER_NODES:
+            slot = (prefix, index, rest, kind)
+            counters[slot] = counters.get(slot, -1) + 1
+            keys.append((prefix, rest, kind, counters[slot]))
+    return keys
 
 
 def _strategy_signature(ns: NodeStrategies) -> tuple:
@@ -152,13 +161,12 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         table = {k: v for k, v in table.items() if k in nodes}
     graph = CostGraph(costs=[], memory=[])
     where: dict[str, Var] = {}
-    shared: dict[tuple, tuple[int, tuple]] = {}
+    shared: dict[tuple, int] = {}  # (place in a block, strategies) -> its variable
     counters: dict = {}
     sizes: dict = {}
     for node in cg.graph.nodes:
-        layer = _layer_of(node) if node.name in table else None
-        if layer is not None:
-            sizes[layer[:2]] = sizes.get(layer[:2], 0) + 1
+        for level in _layer_levels(node) if node.name in table else ():
+            sizes[level[:2]] = sizes.get(level[:2], 0) + 1
     layer_of = {n: i for i, layer in enumerate(remat) for n in layer}
     graph.remat = [RematGroup(forced=remat_forced) for _ in remat]
     reshard = reshard_costs(mesh, options)
@@ -196,15 +204,14 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
             index = [cheapest.get(src_ns.strategies[p].out_specs[r]) for p in src.index]
             if None not in index:
                 placed = Var(src.var, index)
-        if placed is None and share_layers:
-            key = _layer_key(node, counters, sizes)
-            if key is not None:
+        if placed is None and share_layers:  # the outermost block with a copy of the same strategies
+            keys = _layer_keys(node, counters, sizes)
+            if keys:
                 sig = _strategy_signature(ns)
-                if key in shared and shared[key][1] == sig:
-                    placed = Var(shared[key][0], list(range(len(ns.strategies))))
-                elif key not in shared:
-                    placed = new_var(node.name, ns)
-                    shared[key] = (placed.var, sig)
+                owner = next((shared[k, sig] for k in keys if (k, sig) in shared), None)
+                placed = new_var(node.name, ns) if owner is None else Var(owner, list(range(len(ns.strategies))))
+                for k in keys:
+                    shared.setdefault((k, sig), placed.var)
         if placed is None:
             placed = new_var(node.name, ns)
         where[node.name] = placed

@@ -40,8 +40,9 @@ class PlanOptions:
     input_specs: dict[str, str] = field(default_factory=dict)
     """User-input placeholder name (or position ``"0"``, ``"1"`` ...) -> spec string to force."""
     share_layers: bool = True
-    """Identical repeated layers share one ILP solution (a smaller ILP, the same optimum when the
-    layers really are identical)."""
+    """Identical repeated layers share one ILP solution, also blocks numbered inside numbered
+    blocks (a smaller ILP; it restricts the search, so the optimum can be a little slower where
+    mixing specs across copies pays: docs/planner.md, "Shrinking")."""
     node_limit: int | None = 1000
     """Branch-and-bound nodes the ILP solver may explore per solve (HiGHS ``mip_max_nodes``, CBC
     ``maxNodes``), the primary stopping rule: with one thread and fixed seeds the same input
