@@ -503,3 +503,30 @@ def test_in_flight_need_is_the_most_any_pipeline_holds(schedule):
 
 def _size(q):
     return q[0] * q[1]
+
+
+def test_chain_gives_each_layer_its_least_memory_before_one_ilp(monkeypatch):
+    """Where no equal split of the memory fits (gpt-tiny's layers 0-2 on 2x2 at 1.05x their least
+    memory), each layer gets its least memory and a third of the rest (``split_budgets``): that
+    chain fits, and no ILP over the whole range is solved; that ILP, searching a superset, is
+    at least as fast."""
+    probe = _tiny_stage_costs()
+    least = [probe.least_weight_bytes(j, j + 1, (2, 2)) + probe.least_act_bytes(j, j + 1, (2, 2)) for j in range(3)]
+    costs = _tiny_stage_costs()
+    costs.memory_bytes = 1.05 * sum(least)
+    split = costs.split_budgets(0, 3, (2, 2), 1)
+    assert sum(split) == pytest.approx(costs.memory_bytes, rel=1e-12)
+    assert [b - m for b, m in zip(split, least)] == pytest.approx([0.05 * sum(least) / 3] * 3, rel=1e-9)
+    for j in range(2):  # the equal splits do not fit
+        opt = costs._chain_option(0, 3, (2, 2), 1, costs.memory_bytes / 2 ** j, (2, 2))
+        assert opt is None or not opt.fits(1, costs.memory_bytes)
+    whole = []
+    monkeypatch.setattr(costs, "_solve_cached", lambda *a, **k: whole.append(a))
+    options = costs(0, 3, (2, 2))
+    assert not whole and options
+    chained = [o for o in options if o.payload[2] == split]
+    assert chained and all(o.fits(1, costs.memory_bytes) for o in chained)
+    monkeypatch.undo()
+    exact = costs._solve_cached(costs._signature(costs.subset(0, 3)), costs.subset(0, 3), (2, 2), 1, 0, 3, (2, 2))
+    best = min(o.seconds + o.once_seconds for o in chained) - costs.transfer_seconds(0, (2, 2))
+    assert exact.seconds + exact.once_seconds <= best * (1 + 1e-9)

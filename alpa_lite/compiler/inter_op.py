@@ -32,7 +32,7 @@ from .clustering import cluster_layers
 from .constraints import check_names
 from .ilp import solver_limits
 from .loss_reduction import loss_reduction
-from .stage_costs import GraphStageCosts, send_gather_seconds, solve_stage
+from .stage_costs import GraphStageCosts, layer_budget, send_gather_seconds, solve_stage
 from .stage_dp import (CostFn, PipelinePlanError, StageChoice, bubble_fraction, check_stage_count, in_flight, stage_dp,
                        submesh_shapes)
 from .training_step import param_specs_of, training_step
@@ -416,7 +416,7 @@ def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budg
         limits = []
         for j in range(st.start, st.end):
             part = costs.subset(j, j + 1)
-            sol = solve_stage(cg, part, mesh, st.option.payload[2], scale, costs.table(shape, j, j + 1), options,
+            sol = solve_stage(cg, part, mesh, layer_budget(st.option.payload[2], j - st.start), scale, costs.table(shape, j, j + 1), options,
                               fixed=dict(fixed), sync_weight=costs.sync_weight,
                               remat=[layers[j].nodes] if j - st.start in st.option.remat else [])
             compute += sol.compute_seconds

@@ -18,8 +18,9 @@ Two ways to solve a stage of layers ``[k, i)``:
   these specs) priced exactly; it may miss what a whole-range ILP finds (on GPT-3 2.6B over
   2x4 A100s the pipeline's step time came out 0.006% above the exact mode's, in a fifth of
   the planning time). Layer ``j`` may use the whole memory; if the stage then does not fit, every
-  layer gets ``M / 2^m`` for ``m = 1 .. ceil(log2 (i - k))`` until it does; when no split fits
-  although every layer fits alone, the stage falls back to one ILP (the exact mode). The stage
+  layer gets ``M / 2^m`` for ``m = 1 .. ceil(log2 (i - k))`` until it does, then its own least
+  memory and an equal share of the rest (``split_budgets``); when no split fits although every
+  layer fits alone, the stage falls back to one ILP (the exact mode). The stage
   of all layers also gets that one ILP (the intra-op pass's, identical blocks sharing a
   variable): with ``B = 1`` the search then holds the plan without pipelining.
 
@@ -412,8 +413,9 @@ class GraphStageCosts:
         """Layers ``[start, end)`` as a chain of per-layer ILPs, each given the specs its operands
         from earlier layers of the stage were produced in (their resharding is in its objective).
         Each layer may use the whole memory budget; when the sum does not fit, every layer gets
-        ``M / 2^j`` for ``j = 1 .. ceil(log2 n)`` until it does. Returns the option (None: no
-        split fits) and whether every layer fits the whole budget on its own."""
+        ``M / 2^j`` for ``j = 1 .. ceil(log2 n)`` until it does, then (``split_budgets``) its own
+        least memory and an equal share of the rest. Returns the option (None: no split fits) and
+        whether every layer fits the whole budget on its own."""
         n = end - start
         first = None
         for j in range(math.ceil(math.log2(n)) + 1 if n > 1 else 1):
@@ -421,15 +423,33 @@ class GraphStageCosts:
             first = best if j == 0 else first
             if best is not None and best.fits(scale, self.memory_bytes):
                 return best, True
+        if first is not None and n > 1:
+            best = self._chain_option(start, end, shape, scale, self.split_budgets(start, end, submesh, scale), submesh)
+            if best is not None and best.fits(scale, self.memory_bytes):
+                return best, True
         return None, first is not None
 
+    def split_budgets(self, start: int, end: int, submesh: tuple[int, int], scale: int) -> tuple[float, ...]:
+        """Per-layer memory rows for a chain of layers ``[start, end)`` whose equal splits did
+        not fit: layer ``j`` gets its least memory ``w_j + scale a_j`` (``least_weight_bytes``,
+        ``least_act_bytes``) and ``1 / n`` of what the stage's memory leaves above their sum, so
+        a layer with large weights is not held to the share of one with small ones. The layers
+        may miss these rows (the least is a bound, not an ILP's optimum); then the stage is one
+        ILP."""
+        least = [self.least_weight_bytes(j, j + 1, submesh) + scale * self.least_act_bytes(j, j + 1, submesh)
+                 for j in range(start, end)]
+        slack = max(0.0, self.memory_bytes - sum(least)) / len(least)
+        return tuple(m + slack for m in least)
+
     def _chain_option(self, start, end, shape, scale, budget, submesh) -> StageOption | None:
+        """The chain of layers ``[start, end)`` under per-layer memory rows ``budget``: one figure
+        for every layer (a chain from ``start`` shared by every ``end``) or one per layer."""
         key = (start, shape, scale, budget)
         chain = self._chains.setdefault(key, {"parts": [], "fixed": {}, "dead": False})
         while len(chain["parts"]) < end - start and not chain["dead"]:
             j = start + len(chain["parts"])
             names = self.subset(j, j + 1)
-            part = self._layer_part(j, names, shape, scale, budget, chain["fixed"], submesh)
+            part = self._layer_part(j, names, shape, scale, layer_budget(budget, j - start), chain["fixed"], submesh)
             if part is None:
                 chain["dead"] = True
                 break
@@ -541,6 +561,11 @@ class GraphStageCosts:
                             for e in limits]
         entries.append((scale, budget, result, terms))
         return result
+
+
+def layer_budget(budget: float | tuple[float, ...], i: int) -> float:
+    """The memory row of a chain's ``i``-th layer: ``budget`` itself, or its ``i``-th entry."""
+    return budget[i] if isinstance(budget, tuple) else budget
 
 
 _PREFETCHING: GraphStageCosts | None = None
