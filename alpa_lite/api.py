@@ -18,7 +18,6 @@ import torch.distributed as dist
 from .compiler.ilp import MemoryBudgetError
 from .compiler.inter_op import plan_pipeline
 from .compiler.intra_op import plan_intra_op
-from .compiler.loss_reduction import loss_reduction
 from .compiler.plan_cache import PlanCache, capture_cached
 from .compiler.stage_dp import PipelinePlanError
 from .core.capture import CaptureError, CapturedGraph, batch_size, capture, rows
@@ -107,7 +106,7 @@ def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None
         say("capture")
         cg = capture_cached(cache, model, inputs, loss_fn, targets, example_kwargs, options.compute_dtype)
         capture_s = time.perf_counter() - t0
-        result = plan_intra_op(cg, mesh, options, progress, loss_reduction(cg), cache)
+        result = plan_intra_op(cg, mesh, options, progress, cache)
         result.stats |= {"capture_s": capture_s, "total_s": time.perf_counter() - t0}
     result.stats["graph_hits"] = cache.graph_hits if cache is not None else 0
     return result
