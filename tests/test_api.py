@@ -134,8 +134,8 @@ def test_a_planning_call_captures_once(monkeypatch):
 
 
 def test_planning_runs_with_fewer_gc_passes_and_restores_the_thresholds(monkeypatch):
-    """Inside ``plan`` the young generation's threshold is raised (``api._fewer_gc_passes``); after
-    it, also after a planning error, the caller's thresholds are back."""
+    """Inside ``plan`` the young and the oldest generation's thresholds are raised
+    (``api._fewer_gc_passes``); after it, also after a planning error, the caller's thresholds are back."""
     import gc
 
     import alpa_lite.api as api
@@ -146,7 +146,7 @@ def test_planning_runs_with_fewer_gc_passes_and_restores_the_thresholds(monkeypa
     monkeypatch.setattr(api, "plan_intra_op", lambda *a, **k: inside.append(gc.get_threshold()) or real(*a, **k))
     model, example = mlp()
     plan(model, example, LogicalMesh((1, 4), cluster="cpu-gloo"))
-    assert inside == [(100_000, *before[1:])] and gc.get_threshold() == before
+    assert inside == [(100_000, before[1], 100)] and gc.get_threshold() == before
     with pytest.raises(ValueError, match="not a parameter"):
         plan(model, example, LogicalMesh((1, 4), cluster="cpu-gloo"), param_specs={"layers.9.weight": "S1R"})
     assert gc.get_threshold() == before

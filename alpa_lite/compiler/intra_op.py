@@ -8,7 +8,6 @@ import warnings
 
 from ..core.aten import written_args
 from ..core.capture import CapturedGraph
-from ..core.losses import LossReduction
 from ..core.mesh import LogicalMesh
 from ..core.options import PlanOptions
 from ..core.plan import Plan
@@ -16,6 +15,7 @@ from .clustering import cluster_layers
 from .constraints import apply_constraints
 from .cost_graph import build_cost_graph
 from .ilp import solve, solver_limits
+from .loss_reduction import loss_reduction
 from .plan_cache import solve_cached
 from .strategies import BACKWARD_FLOPS_FACTOR, build_strategies
 from .training_step import node_plan, param_specs_of, training_step
@@ -34,8 +34,7 @@ def remat_candidates(cg: CapturedGraph) -> list[tuple[str, ...]]:
     return [layer.nodes for layer in cluster_layers(cg) if recomputable(cg, layer.nodes)]
 
 
-def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, progress=None,
-                  loss_reduction: LossReduction | None = None, cache=None) -> Plan:
+def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, progress=None, cache=None) -> Plan:
     """Find the sharding plan of ``cg`` on ``mesh`` that minimizes the predicted step time.
 
     Args:
@@ -43,7 +42,6 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
         mesh: the logical mesh (``LogicalMesh``), real or only described.
         options: the planning options (``PlanOptions``), recorded in the plan.
         progress: ``progress(stage: str)`` called as planning advances.
-        loss_reduction: how the loss reduces over the batch (recorded for the runtime).
         cache: a ``plan_cache.PlanCache``: the ILP's answer for this very cost graph is read from
             it or added to it (``stats["disk_hits"]``: 1 when read).
 
@@ -59,6 +57,7 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
     t1 = time.perf_counter()
     say("strategies")
     table = build_strategies(cg, mesh, warn=lambda msg: warnings.warn(msg, stacklevel=4))
+    reduction = loss_reduction(cg, table)  # recorded for the runtime
     add_zero_strategies(cg, table, mesh, options.bucket_bytes)
     apply_constraints(cg, table, mesh, options)
     layers = remat_candidates(cg) if options.remat else []
@@ -94,7 +93,7 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
                   comm_seconds=sum(c.seconds for c in collectives), memory_bytes=sol.memory,
                   fingerprint=cg.fingerprint(), options=options.to_dict() | {"memory_budget": budget if math.isfinite(budget) else None},
                   stats=stats, grad_sync=grad_sync, bucket_bytes=options.bucket_bytes,
-                  loss_reduction=loss_reduction or LossReduction("mean", None),
+                  loss_reduction=reduction,
                   zero_stages=zero_stages(cg, nodes), captured=cg,
                   remat=remat,
                   solver_limits=solver_limits("intra-op", sol),

@@ -44,22 +44,23 @@ _SHAPE_ONLY = {aten.zeros_like.default, aten.ones_like.default, aten.empty_like.
                aten.sym_size.int}
 
 
-def loss_reduction(cg) -> LossReduction:
+def loss_reduction(cg, table: dict | None = None) -> LossReduction:
     """Read how ``cg``'s loss reduces over the batch (module docstring).
 
     Args:
         cg: a ``CapturedGraph``.
+        table: ``build_strategies`` of ``cg`` on any mesh, for the batch dim of each node (the
+            same on every mesh); None: one is built on a 1x1 mesh.
 
     Returns:
         the ``LossReduction``; a loss with no batch leaf (or only problems) is ``"mean"``.
     """
-    return _Reader(cg).result()
+    return _Reader(cg, table if table is not None else build_strategies(cg, LogicalMesh((1, 1)))).result()
 
 
 class _Reader:
-    def __init__(self, cg):
+    def __init__(self, cg, table):
         self.cg = cg
-        table = build_strategies(cg, LogicalMesh((1, 1)))
         self.batch = {n: ns.batch_dims[0] for n, ns in table.items()}  # the dim of per-sample rows
         self.depends: dict[str, bool] = {}  # depends on the batch's values
         self.mixed: dict[str, str | None] = {}  # first op upstream that combines samples (a message)

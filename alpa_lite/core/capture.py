@@ -33,6 +33,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind, TensorArgument
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 
 class CaptureError(RuntimeError):
@@ -310,9 +311,11 @@ def _capture(model, example_inputs, loss_fn, targets, example_kwargs, compute_dt
 
     def export(stack_traces: bool) -> torch.export.ExportedProgram:
         # each node's stack trace costs a traceback while tracing (~0.2 s of GPT-3 2.6B's 1.5 s);
-        # only the refusal of a construct reads it (``_where``)
-        with _reentrant_checkpoint_as_function(), mock.patch.object(torch.fx.config, "do_not_emit_stack_traces",
-                                                                    not stack_traces):
+        # only the refusal of a construct reads it (``_where``). Export's intermediate graph
+        # modules write their code only when run (lazy graph modules): it wrote GPT-3 2.6B's
+        # whole graph as Python five times, ~0.15 s
+        with _reentrant_checkpoint_as_function(), _use_lazy_graph_module(True), \
+                mock.patch.object(torch.fx.config, "do_not_emit_stack_traces", not stack_traces):
             return _export_any_batch(wrapper, args, kwargs, batch) if any_batch else _export(wrapper, args, kwargs)
 
     ep = export(stack_traces=False)
@@ -339,6 +342,7 @@ def _capture(model, example_inputs, loss_fn, targets, example_kwargs, compute_dt
         raise CaptureError("the model writes buffers in place: functionalizing retraces the graph at the example's "
                            "shapes, so it is not for any batch size")
     if mutated:  # export's training IR writes buffers in place: functionalize
+        ep.graph_module.recompile()  # it runs the module's code: written for the graph the passes above edited
         ep = ep.run_decompositions({})  # (keeps the ops; mutations become outputs, ``buffers_to_mutate``)
         tracked = None  # another graph: its tracked nodes are found below
     gm = ep.graph_module
@@ -390,6 +394,7 @@ def _capture(model, example_inputs, loss_fn, targets, example_kwargs, compute_dt
     else:  # the graph the fake run saw, less the layout copies dropped since (their users are tracked alike) and
         # the placeholders of tied names, which feed nothing now
         tracked = {n.name for n in gm.graph.nodes if n.name in tracked and (n.op != "placeholder" or n.name in param_fqns)}
+    gm.recompile()  # the code of the final graph, written once (the passes above edit the graph only)
     return (CapturedGraph(gm, param_fqns, buffer_fqns, input_names, loss.name, tied, mutations, param_mutations,
                           tracked, constants, ep.call_spec.in_spec, static), batched, batches)
 
@@ -765,7 +770,6 @@ def _cast_per_use(gm: torch.fx.GraphModule) -> None:
                 user.replace_input_with(node, cast)
             graph.erase_node(node)
     graph.lint()
-    gm.recompile()
 
 
 def _one_placeholder_per_tensor(gm: torch.fx.GraphModule, model: torch.nn.Module, param_fqns: dict[str, str],
@@ -805,7 +809,6 @@ def _parameters_read_in_place(gm: torch.fx.GraphModule, mutated: dict[str, str],
         node, ph = nodes[node_name], nodes[placeholder_of[strip(target)]]
         node.replace_all_uses_with(ph, delete_user_cb=lambda user: user.op != "output")
         out[node_name] = ph.name
-    gm.recompile()
     return out
 
 
@@ -891,7 +894,6 @@ def _inline_regions(gm: torch.fx.GraphModule) -> None:
         if sub.op == "get_attr" and not sub.users:
             gm.graph.erase_node(sub)
     gm.graph.lint()
-    gm.recompile()
 
 
 def _drop_layout_copies(gm: torch.fx.GraphModule) -> None:
@@ -904,7 +906,6 @@ def _drop_layout_copies(gm: torch.fx.GraphModule) -> None:
         if node.target is torch.ops.aten.contiguous.default:
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
-    gm.recompile()
 
 
 def _name_outputs(ep: torch.export.ExportedProgram) -> None:
