@@ -416,8 +416,8 @@ def _stage_plan(cg, costs: GraphStageCosts, layers, st: StageChoice, ranks, budg
         limits = []
         for j in range(st.start, st.end):
             part = costs.subset(j, j + 1)
-            sol = solve_stage(cg, part, mesh, layer_budget(st.option.payload[2], j - st.start), scale, costs.table(shape, j, j + 1), options,
-                              fixed=dict(fixed), sync_weight=costs.sync_weight,
+            sol = solve_stage(cg, part, mesh, layer_budget(st.option.payload[2], j - st.start), scale,
+                              costs.table(shape, j, j + 1), options, fixed=dict(fixed), sync_weight=costs.sync_weight,
                               remat=[layers[j].nodes] if j - st.start in st.option.remat else [])
             compute += sol.compute_seconds
             update += sol.update_seconds

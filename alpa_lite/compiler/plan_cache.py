@@ -43,7 +43,7 @@ from pathlib import Path
 
 from ..core.capture import AnyBatchGraph, CaptureError, CapturedGraph, batch_size, capture, capture_any_batch, capture_key
 
-VERSION = 13  # 2: stage ILPs offer ZeRO-1/2 (their answers of version 1 are of other ILPs); 3: answers name the
+VERSION = 14  # 2: stage ILPs offer ZeRO-1/2 (their answers of version 1 are of other ILPs); 3: answers name the
 # layers recomputed (remat="auto" in stages); 4: answers carry the solver limits they reached; 5: stage ILPs
 # price what backward hides (ilp.Pool) and stage times leave the optimizer update out of backward; 6: entries stored
 # with their sha256; 7: a stage's optimizer update is paid once per step (in once_seconds, weighed 1 / B in its
@@ -51,7 +51,8 @@ VERSION = 13  # 2: stage ILPs offer ZeRO-1/2 (their answers of version 1 are of 
 # is bucketed (CapturedGraph.param_lookups); 10: one ILP over every layer using a tied weight may put it in ZeRO-1/2;
 # 11: plans mark the loss all-reduce the SPMD runtime defers (Collective.deferred), hidden behind backward
 # 12: a sum over both mesh axes is one all-reduce over the whole mesh (listed once, deferred as a loss);
-# 13: a pipeline's last stage defers its loss's all-reduce too (its ILP and listing price it hidden)
+# 13: a pipeline's last stage defers its loss's all-reduce too (its ILP and listing price it hidden); 14: blocks
+# numbered inside numbered blocks share ILP variables (a Wide-ResNet's stages.i.j: other ILPs, other answers)
 
 
 class CacheFile:
