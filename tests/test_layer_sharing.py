@@ -3,8 +3,9 @@ at the outermost level of numbered modules where copies with the same strategies
 ``blocks.i``, and Wide-ResNet's ``stages.i.j`` blocks inside a stage (whose stages differ)."""
 from __future__ import annotations
 
-import torch.nn as nn
 import pytest
+import torch
+import torch.nn as nn
 
 from alpa_lite import LogicalMesh, plan
 from alpa_lite.compiler.cost_graph import build_cost_graph
@@ -72,7 +73,6 @@ def test_nested_lists_share_the_outer_blocks():
     """Experts numbered inside numbered blocks: expert k of every block is one variable (the
     outer level), as the blocks are identical; the experts of one block are too small to be
     blocks of their own (``MIN_SHARED_LAYER_NODES``)."""
-    import torch
     model = _Nested()
     example = (torch.randn(8, 16), torch.randn(8, 16))
     (var, _), _ = variables(model, example)
