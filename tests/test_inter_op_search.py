@@ -16,18 +16,19 @@ def test_default_microbatch_candidates_hold_one_and_two():
     assert {1, 2} <= set(PipelineOptions().microbatch_candidates)
 
 
-def test_pipeline_search_is_never_worse_than_no_pipeline_gpt3_2_6b():
-    """GPT-3 2.6B on a 2x4 A100 description, batch 32 (plan only). Two layers and B = 1 keep the
-    test short: the one-stage option is what is tested (with more B the search only adds
-    options)."""
-    model, example = build_model("gpt3-2.6b", 32, device="meta")
-    mesh = LogicalMesh((2, 4), cluster="a100")
+@pytest.mark.parametrize("name, shape", [("gpt3-2.6b", (2, 4)), ("gpt3-39b", (8, 8))])
+def test_pipeline_search_is_never_worse_than_no_pipeline(name, shape):
+    """GPT-3 2.6B on a 2x4 and 39B on an 8x8 A100 description, batch 32 (plan only), the issue's
+    two cases. Two layers and B = 1 keep the test short: the one-stage option is what is tested
+    (with more B the search only adds options)."""
+    model, example = build_model(name, 32, device="meta")
+    mesh = LogicalMesh(shape, cluster="a100")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         spmd = plan(model, example, mesh)
         piped = plan(model, example, mesh, pipeline=PipelineOptions(num_layers=2, microbatch_candidates=(1,)))
     # the answer is the plan without pipelining: one stage, one microbatch, on every device
-    assert (len(piped.stages), piped.num_microbatches, piped.stages[0].submesh) == (1, 1, (2, 4))
+    assert (len(piped.stages), piped.num_microbatches, piped.stages[0].submesh) == (1, 1, shape)
     # stage options are priced from their listings as SPMD plans are (docs/planner.md, "One price"):
     # the one-stage B = 1 option on the SPMD plan's logical mesh is that plan
     assert piped.step_seconds <= spmd.step_seconds * (1 + 1e-9)
