@@ -530,3 +530,33 @@ def test_chain_gives_each_layer_its_least_memory_before_one_ilp(monkeypatch):
     exact = costs._solve_cached(costs._signature(costs.subset(0, 3)), costs.subset(0, 3), (2, 2), 1, 0, 3, (2, 2))
     best = min(o.seconds + o.once_seconds for o in chained) - costs.transfer_seconds(0, (2, 2))
     assert exact.seconds + exact.once_seconds <= best * (1 + 1e-9)
+
+
+def test_no_stage_ilp_for_more_microbatches_in_flight_than_the_range_can_hold(monkeypatch):
+    """gpt-tiny's layers 0-1 on a 1x2 submesh of 2x2 hold up to 3 microbatches in flight (1F1B).
+    With the memory at their least weights and 1.5x their least activations, one microbatch may
+    fit and two cannot (``least_weight_bytes + 2 least_act_bytes`` is above it), though each layer
+    alone can: no ILP is solved for two in flight (each layer's ILP under the whole memory was),
+    and the options are those of the search that solved them."""
+    from alpa_lite.compiler import stage_costs
+
+    key = (0, 2, (1, 2))
+    probe = _tiny_stage_costs()
+    w, a = probe.least_weight_bytes(*key), probe.least_act_bytes(*key)
+    assert probe.in_flight_need(*key) == 3
+    solve_stage = stage_costs.solve_stage
+
+    def options(prune: bool):
+        costs = _tiny_stage_costs()
+        costs.memory_bytes = w + 1.5 * a
+        if not prune:  # every scale tried, as before the bound
+            monkeypatch.setattr(costs, "_may_fit", lambda *k: True)
+        scales = []
+        monkeypatch.setattr(stage_costs, "solve_stage", lambda *args, **kw: scales.append(args[4]) or solve_stage(*args, **kw))
+        return costs(*key), scales
+
+    pruned, scales = options(True)
+    full, full_scales = options(False)
+    assert pruned and set(scales) == {1}
+    assert max(full_scales) > 1  # the ILPs the bound saves
+    assert pruned == full

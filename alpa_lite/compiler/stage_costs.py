@@ -38,8 +38,9 @@ Planning time. The memory sweeps above re-ask the same per-layer ILP under other
 optimum too, and an infeasible one stays infeasible, so those are reused (``_solve``). The
 options of different submeshes share no ILP (their logical shapes differ): ``prefetch`` computes
 them in forked worker processes, one submesh per task. No ILP is built for a range whose least
-weights and activations exceed the memory (``_may_fit``), nor for a stage ILP whose nodes' least
-memory exceeds its row (``_check_memory``); ``lower_bound`` bounds every option's time for the
+weights and ``s`` times its least activations exceed the memory (``_may_fit``: no options for ``s``
+or more microbatches in flight, though each layer alone may fit), nor for a stage ILP whose
+nodes' least memory exceeds its row (``_check_memory``); ``lower_bound`` bounds every option's time for the
 pipeline search's floors (``inter_op._pipeline_floors``). Figures: docs/plan_time.md.
 """
 from __future__ import annotations
@@ -154,7 +155,7 @@ class GraphStageCosts:
         self._least: dict[tuple, float] = {}  # (node, logical shape) -> least_compute_seconds, ("act", node, devices)
         # -> least_activation_bytes, ("compute", start, end, logical shape) -> _range_compute
         self._bounds: dict[tuple, float] = {}  # (start, end, submesh) -> lower_bound
-        self._fit: dict[tuple, float] = {}  # (start, end, submesh) -> _may_fit; the least bytes (kind first)
+        self._fit: dict[tuple, float] = {}  # (start, end, submesh, in flight) -> _may_fit; the least bytes (kind first)
         self.stats = {"ilp_solves": 0, "cache_hits": 0, "disk_hits": 0, "ilp_s": 0.0, "memory_skips": 0}
         self._disk = cache and cache.file("stage", cg.fingerprint(), cluster, self.options.to_dict(), memory_bytes,
                                           self.sync_weight)
@@ -261,12 +262,13 @@ class GraphStageCosts:
             self._least[key] = least_activation_bytes(self.cg, self.cg.node(name), devices)
         return self._least[key]
 
-    def _may_fit(self, start: int, end: int, submesh: tuple[int, int]) -> bool:
-        """Whether an option of the range can fit one microbatch in flight by the bounds above
-        (every option the ILPs give meets ``weight + act <= memory_bytes``: ``_options``)."""
-        key = (start, end, submesh)
+    def _may_fit(self, start: int, end: int, submesh: tuple[int, int], in_flight: int = 1) -> bool:
+        """Whether an option of the range can fit ``in_flight`` microbatches by the bounds above
+        (every option the ILPs give for ``s`` in flight meets ``weight + s act <= memory_bytes``:
+        ``_options``)."""
+        key = (start, end, submesh, in_flight)
         if key not in self._fit:
-            least = self.least_weight_bytes(*key) + self.least_act_bytes(*key)
+            least = self.least_weight_bytes(*key[:3]) + in_flight * self.least_act_bytes(*key[:3])
             self._fit[key] = least <= self.memory_bytes * (1 + 1e-9)
         return self._fit[key]
 
@@ -324,7 +326,7 @@ class GraphStageCosts:
         transfer = self.transfer_seconds(start, submesh)
         options: list[StageOption] = []
         scale = 1
-        while True:
+        while scale == 1 or self._may_fit(start, end, submesh, scale):  # (scale 1: ``__call__`` checked)
             best = None
             found = []
             for shape in self.shapes(submesh):
