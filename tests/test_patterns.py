@@ -13,7 +13,9 @@ in ``forward`` and a ``kl_div(reduction="batchmean")`` loss (``nograd``; the pip
 double the loss: the microbatch's ``sum / 4`` was read as a sum); bool and integer inputs with an
 sdpa ``attn_mask``, ``masked_fill``, ``torch.where``, ``gather`` and ``index_select`` (``masks``);
 a ``reduction="none"`` loss averaged over a mask whose count differs per row, returned in a dict
-(``masked_loss``).
+(``masked_loss``); raw weights read through ``x @ w``, ``einsum`` and ``F.linear(h, w.t())``, and a
+transposed (non-contiguous) view between layers (``views``: the pipeline used to die in backward,
+"input tensor has to be contiguous": its gradient's receive buffer kept the sent view's strides).
 """
 import json
 from pathlib import Path
@@ -23,7 +25,7 @@ import pytest
 from alpa_lite.runtime.launch import torchrun
 
 WORKER = str(Path(__file__).parent / "workers" / "verify_cases.py")
-PATTERNS = ("tied", "buffers", "inplace", "nograd", "masks", "masked_loss")
+PATTERNS = ("tied", "buffers", "inplace", "nograd", "masks", "masked_loss", "views")
 PLANS = {"dp": {"force_data_parallel": True}, "auto": {},
          "megatron": {"batch_axis": 0, "param_specs": {"fc1.weight": "S1R", "fc2.weight": "RS1"}},
          "pipe": {"pipeline": 2, "num_microbatches": 2, "num_layers": 2}}

@@ -495,7 +495,9 @@ class PipelineTrainer(Trainer):
     def _recv_grads(self, mb: int, sent: list[torch.Tensor]) -> list[torch.Tensor | None]:
         nxt = self.plan.stages[self.stage + 1]
         src = nxt.ranks[self.index % len(nxt.ranks)]
-        bufs = [torch.empty_like(t) if t.requires_grad else None for t in sent]
+        # contiguous buffers: a sent value may be a view (``x.transpose(1, 2)``), whose strides
+        # ``empty_like`` would keep, and a receive needs a contiguous tensor
+        bufs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) if t.requires_grad else None for t in sent]
         ops, k = [], 0
         for n, b in zip(self.sp.send, bufs):
             if b is not None:

@@ -122,6 +122,24 @@ class MaskedLoss(_Base):
         return {"loss": (per_token * mask).sum() / mask.sum(), "logits": logits}
 
 
+class Views(_Base):
+    """Raw weights read through ``x @ w``, an ``einsum`` and ``F.linear(h, w.t())`` (one of them
+    twice), and a non-contiguous view (``transpose``) between layers: a 2-stage pipeline sends it
+    (its gradient's receive buffer used to keep the view's strides, and gloo's ``irecv`` refused it:
+    "input tensor has to be contiguous")."""
+
+    def __init__(self):
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(HIDDEN, HIDDEN) * 0.2)
+        self.w_out = nn.Parameter(torch.randn(HIDDEN, HIDDEN) * 0.2)
+
+    def forward(self, x, y):
+        h = torch.einsum("btd,de->bte", torch.tanh(x @ self.w_in), self.w_out)
+        h = h.transpose(1, 2).reshape(h.shape[0], -1).view(h.shape[0], HIDDEN, -1).transpose(1, 2)
+        h = h + self.fc2(F.relu(self.fc1(h)))
+        return F.mse_loss(F.linear(h, self.w_out.t()), y)
+
+
 def _build(cls, seed):
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -168,3 +186,7 @@ def masked_loss(batch, seq=None, device="cpu", seed=0):
     g, seq = _seeded(seed + 1), seq or 8
     return _build(MaskedLoss, seed), (torch.randint(0, VOCAB, (batch, seq), generator=g),
                                       torch.randint(0, VOCAB, (batch, seq), generator=g), _keep(batch, seq).float())
+
+
+def views(batch, seq=None, device="cpu", seed=0):
+    return _regression(Views, batch, seq, seed)
