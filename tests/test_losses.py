@@ -104,6 +104,16 @@ READS = {
     "square of a mean": (lambda o, y: o.mean() ** 2, "mean", None, 1),
     "load balancing": (_aux, "ratio", "cross_entropy_loss", 1),
     "centered": (lambda o, y: (o - o.mean(0)).pow(2).mean(), "mean", None, 1),
+    # a sum over the number of its elements is a mean: export bakes y.numel() (B x T) in as the
+    # number of a microbatch's graph, as it does x.size(0) (these were read as sums: K microbatches
+    # or accumulated steps gave K times the loss)
+    "sum over numel": (lambda o, y: _ce(o, y, reduction="sum") / y.numel(), "mean", None, 0),
+    "sum over B x T": (lambda o, y: _ce(o, y, reduction="none").sum() / (y.shape[0] * y.shape[1]), "mean", None, 0),
+    "row sums over numel": (lambda o, y: 2 * _ce(o, y, reduction="none").view(4, 6).sum(-1).sum() / y.numel(),
+                            "mean", None, 0),
+    "mse sum over numel": (lambda o, y: F.mse_loss(o, torch.zeros_like(o), reduction="sum") / o.numel(), "mean",
+                           None, 0),
+    "sum over another number": (lambda o, y: _ce(o, y, reduction="sum") / 7, "sum", None, 0),
 }
 
 
@@ -233,8 +243,23 @@ def test_compiled_deferred_losses_equal_single_process(tmp_path):
         assert r["deferred"] == [[0, 1] if name.startswith("dp_2x2") else [1]], name
 
 
+def test_sum_over_numel_over_microbatches_equals_single_process(tmp_path):
+    """``loss.sum() / y.numel()`` (export bakes in the microbatch's ``B x T``): 2 and 4 pipeline
+    microbatches (2 stages x 2 devices) and 2 accumulated microbatches (data parallel) give the
+    whole batch's mean. It was read as a sum, and the losses and gradients came out K times
+    larger (the loss 2x at K = 2)."""
+    pipe = {"num_stages": 2, "num_layers": 2, "param_specs": MEGATRON}
+    setups = {"gpipe_b2": pipe | {"schedule": "gpipe", "num_microbatches": 2},
+              "1f1b_b4": pipe | {"schedule": "1f1b", "num_microbatches": 4},
+              "dp_k2": {"force_data_parallel": True, "accumulate": 2}}
+    res = _run(tmp_path, {f"{k}_sum_numel_sgd": {"loss": "sum_numel", "optimizer": "sgd", "options": o}
+                          for k, o in setups.items()})
+    _check(res)
+    _check_kinds(res)
+
+
 def _check_kinds(res: dict) -> None:
     kinds = {"ce_ignore": "ratio", "nll_ignore": "ratio", "ce_sum": "sum", "masked_mean": "ratio",
-             "plain_mean": "mean"}
+             "plain_mean": "mean", "sum_numel": "mean"}
     for name, r in res.items():
         assert r["loss_reduction"] == next(v for k, v in kinds.items() if k in name), name

@@ -6,6 +6,8 @@ mean, a loss op, or a quotient of two batch sums (a hand-written masked token me
 ``(x * m).sum() / m.sum()``). A batch sum divided by the number the batch's rows had at capture
 is a batch mean: export bakes ``x.size(0)`` into the graph as that number (``kl_div``'s
 ``"batchmean"``, ``loss.sum() / len(x)``), and a microbatch's graph holds the microbatch's size.
+So is one batch sum divided by the number of elements it adds up (``loss.sum() / y.numel()``,
+``/ (B * T)``: the microbatch's ``B x T`` in its graph).
 Their kinds fix how microbatch losses combine:
 ``sum`` (add them), ``mean`` (average them) or ``ratio`` (weigh each by its denominator).
 What cannot be combined exactly (a nonlinear function of a batch statistic such as an MoE
@@ -13,6 +15,8 @@ load-balancing loss, batch-norm statistics, terms of different kinds) is reporte
 ``LossReduction.problems``; the planner warns with them when it cuts microbatches.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.fx
@@ -150,14 +154,39 @@ class _Reader:
     def _quotient(self, node, a, b) -> list:
         if not self._depends(b):
             num = self._terms(a)
-            if b == self.rows and num and all(leaf == ("sum", None) for leaf in num):
-                return [("mean", None)]  # sum / x.size(0): a batch mean
+            if num and all(leaf == ("sum", None) for leaf in num) and (
+                    b == self.rows or len(num) == 1 and b == self._summed_elements(a)):
+                return [("mean", None)]  # sum / x.size(0), sum / x.numel(): a batch mean
             return num
         num, den = self._terms(a), self._terms(b)
         if (len(den) == 1 and den[0] != "const" and den[0][0] in ("sum", "mean") and b.name not in self.cg.requires_grad
                 and all(leaf != "const" and leaf[0] == den[0][0] for leaf in num)):
             return [("ratio", b.name)]
         return self._nonlinear(node)
+
+    def _summed_elements(self, node) -> int | None:
+        """How many per-sample elements the one batch sum of the affine expression ``node`` adds
+        up, or None: ``x.sum()`` (also ``x.sum(-1).sum()``) of ``x.numel()``, a loss op's
+        ``reduction="sum"`` of one per target (``cross_entropy``, ``nll``) or per element (``mse``
+        ...). Divided by that number it is a mean over every element: export bakes
+        ``x.numel()`` (``B * T``) in as the number a microbatch's graph holds, as ``x.size(0)``."""
+        while isinstance(node, torch.fx.Node) and self._depends(node) and not self._rows(node):
+            t, args = node.target, node.args
+            x = args[0] if args else None
+            if isinstance(x, torch.fx.Node) and self._rows(x) and (t in _REDUCTIONS or t in RATIO_OPS
+                                                                    or t in _MEAN_OPS):
+                if t in RATIO_OPS:
+                    x = bind_args(t, node.args, node.kwargs)["target"]
+                while x.target in (aten.sum.dim_IntList, aten.sum.default) and self._rows(x.args[0]):
+                    x = x.args[0]
+                shape = shape_of(x)
+                return None if shape is None else math.prod(shape)
+            if t in _LINEAR or t in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar) and \
+                    len(args) > 1 and not self._depends(args[1]):
+                node = x
+                continue
+            return None
+        return None
 
     def _rows(self, x) -> bool:
         return self.batch.get(x.name) is not None

@@ -1,6 +1,6 @@
 """Run on every rank by torchrun: losses that are not a plain mean over equal parts (a token mean
 with ignore_index and uneven valid targets per shard / microbatch, reduction="sum", a masked
-token mean written by hand, a plain mean) trained under SPMD and pipelined plans vs one process.
+token mean written by hand, a plain mean, a sum divided by ``y.numel()``) trained under SPMD and pipelined plans vs one process.
 Rank 0 writes one JSON record per case: losses, first-step gradient and final parameter errors."""
 import argparse
 import copy
@@ -50,6 +50,8 @@ LOSSES = {
     "ce_sum": lambda o, y: F.cross_entropy(o.reshape(-1, V), y.reshape(-1), ignore_index=IGNORE, reduction="sum"),
     "masked_mean": _masked_mean,
     "plain_mean": lambda o, y: _per_token(o, y).mean(),
+    "sum_numel": lambda o, y: F.cross_entropy(o.reshape(-1, V), y.reshape(-1), ignore_index=IGNORE,
+                                              reduction="sum") / y.numel(),
 }
 OPTIMIZERS = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1), "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2)}
 
