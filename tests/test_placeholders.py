@@ -143,6 +143,21 @@ def test_refused_constructs_are_named_at_capture():
     assert "test_placeholders.py" in str(refused.value) and "torch.cond(h.sum() > 0" in str(refused.value)
     with pytest.raises(CaptureError, match="writes its input"):
         capture(_WritesInput(), (x,))
+    # a boolean-mask index (its shape depends on the values): a CaptureError naming the op (it was
+    # torch's DynamicOutputShapeException, raised from alpa-lite's shape propagation)
+    with pytest.raises(CaptureError, match=r"cannot capture _MaskIndex: DynamicOutputShapeException: "
+                                           r"aten\.nonzero.*torch\.where"):
+        capture(_MaskIndex(), (x,))
+
+
+class _MaskIndex(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h[h > 0].sum()
 
 
 def _run_captured(cg, model, x):

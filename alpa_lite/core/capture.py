@@ -334,8 +334,13 @@ def _capture(model, example_inputs, loss_fn, targets, example_kwargs, compute_dt
     frozen = {n for n, p in wrapper.named_parameters(remove_duplicate=False) if not p.requires_grad}
     trainable = {spec.arg.name for spec in ep.graph_signature.input_specs
                  if spec.kind is InputKind.PARAMETER and spec.target not in frozen}
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
     try:
         tracked, mutated = _fake_run(ep.graph, trainable, store=any_batch)
+    except (DynamicOutputShapeException, DataDependentOutputException) as e:  # export let it through
+        raise CaptureError(f"cannot capture {type(wrapper.model).__name__}: {_first_line(e)}: a result whose shape "
+                           "depends on the values (x[mask], nonzero, unique, masked_select): alpa-lite plans fixed "
+                           "shapes; use torch.where, masked_fill or a multiplied mask") from e
     except RuntimeError:  # a parameter written in place (a leaf that requires grad): look for writes without grad
         tracked, mutated = None, _fake_run(ep.graph, set(), store=any_batch)[1]
     if mutated and any_batch:
