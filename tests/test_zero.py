@@ -173,6 +173,10 @@ CASES = {f"{name}-{opt}": {"mesh": mesh, "optimizer": opt, "options": options}
                                                             "param_specs": {f"layers.{i}.weight": "RS0"
                                                                             for i in range(4)}}),
                                      ("zero2-tp", (2, 2), {"batch_axis": 0, "zero_stage": 2, "param_specs": TP}))}
+# parameter groups chosen by shape (nanoGPT: weight decay for dim >= 2 only): the optimizer factory
+# sees each parameter's shard, not the ZeRO-1/2 flat slice (it used to: no weight was decayed)
+CASES |= {f"{name}-adamw_groups": CASES[f"{name}-adamw"] | {"optimizer": "adamw_groups"}
+          for name in ("zero1", "zero2", "zero2-tp")}
 
 
 @pytest.fixture(scope="module")

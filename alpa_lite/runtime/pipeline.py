@@ -66,6 +66,7 @@ from .executor import DeferredLoss
 from .init import store_buffer_mutations
 from .program import StageProgram
 from .trainer import Trainer
+from .zero import build_optimizer
 
 _CHUNK_STATE = ("stage", "sp", "index", "groups", "view", "_written", "executor", "constants", "buckets", "zero",
                 "_placeholders", "bucket_sync", "program")
@@ -185,8 +186,8 @@ class PipelineTrainer(Trainer):
             buffers |= self.buffers
             self.chunks.append({k: getattr(self, k) for k in _CHUNK_STATE})
         self.params, self.buffers = params, buffers
-        slices = [p for zero in self._zero_partitions() for p in zero.optimizer_params()]
-        self.optimizer = optimizer(slices) if params else None  # none on a stage with nothing to train
+        # none on a stage with nothing to train
+        self.optimizer = build_optimizer(optimizer, self._zero_partitions()) if params else None
         self.tied_groups = self._tied_groups()
         self.peak_activation_bytes = 0
         self.busy_seconds = self.schedule_seconds = 0.0

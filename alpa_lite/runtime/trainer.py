@@ -36,7 +36,7 @@ from .launch import default_device, job_timeout
 from .precision import LossScaler
 from .program import RankProgram
 from .report import REPORT_JSON_ENV, StepTimer, print_report, write_record
-from .zero import ZeroPartition
+from .zero import ZeroPartition, build_optimizer
 
 
 def device_mesh(mesh, world_size: int | None = None):
@@ -115,7 +115,7 @@ class Trainer:
         self.bucket_sync = BucketSync(self.buckets, {ph: self.params[fqn] for ph, fqn in self.view.param_fqns.items()},
                                       self.groups, self.reduce_dtype, self.zero, self.view.param_fqns,
                                       in_program=self.buckets_in_program)
-        self.optimizer = optimizer(self.zero.optimizer_params()) if self.params else None
+        self.optimizer = build_optimizer(optimizer, [self.zero]) if self.params else None
         self._placeholders = {fqn: ph for ph, fqn in {**self.view.param_fqns, **self.view.buffer_fqns}.items()}
 
     def _local_plan(self) -> Plan:

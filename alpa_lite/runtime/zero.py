@@ -141,3 +141,18 @@ class ZeroPartition:
                 g = self.slices[fqn].grad
                 out[fqn] = self.unslice(fqn, g if g is not None else torch.zeros_like(self.slices[fqn]))
         return out
+
+
+def build_optimizer(factory, partitions: list[ZeroPartition]) -> torch.optim.Optimizer:
+    """``factory(params)`` on the parameters as this rank holds them (each shard, of its shape),
+    then every ZeRO-1/2 one replaced in the optimizer's parameter groups by its flat slice
+    (``ZeroPartition.optimizer_params``). The factory sees the same tensors, shapes and order
+    under every plan, so the groups it makes by shape or identity hold (nanoGPT's weight decay
+    for ``p.dim() >= 2`` only: given the 1-D slices, it decayed no ZeRO-1/2 weight)."""
+    params = [p for z in partitions for p in z.params.values()]
+    optimizer = factory(params)
+    swap = {id(z.params[fqn]): s for z in partitions for fqn, s in z.slices.items()}
+    if swap:
+        for group in optimizer.param_groups:
+            group["params"] = [swap.get(id(p), p) for p in group["params"]]
+    return optimizer

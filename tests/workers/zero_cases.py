@@ -23,7 +23,16 @@ from alpa_lite.runtime.launch import init_distributed
 from single_process import finish, reference
 
 STEPS, LR, HIDDEN, LAYERS, BATCH = 3, 1e-2, 64, 4, 16
-OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
+
+
+def adamw_groups(params, lr):
+    """nanoGPT's ``configure_optimizers``: weight decay for the matrices (``dim() >= 2``) only."""
+    params = list(params)
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.5},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=lr)
+
+
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW, "adamw_groups": adamw_groups}
 
 
 class MLP(torch.nn.Module):
