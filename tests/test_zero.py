@@ -159,6 +159,29 @@ def test_zero_stage_needs_data_parallel_axes():
         plan(MLP(8), (torch.zeros(4, 8), torch.zeros(4, 8)), MESH, zero_stage=2)
 
 
+class _ReadThroughOps(torch.nn.Module):
+    """Parameters read through an op before the batch-split one: ``w.t()`` and CLIP's
+    ``logit_scale.exp()`` (their gradients arrive complete, all-reduced at the op's output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+        self.logit_scale = torch.nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(torch.nn.functional.linear(x, self.w.t()) * self.logit_scale.exp(), y)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_without_a_plan_names_the_parameters_and_ops(stage):
+    """Forced ZeRO-1/2 where such a read leaves the ILP no choice: the error names each parameter
+    and op (it said "the only strategy of an ILP variable is forbidden (8 variables)")."""
+    with pytest.raises(RuntimeError, match=rf"zero_stage={stage} has no plan: parameter w is read by t \(aten\.t"
+                                           r".*parameter logit_scale is read by exp .*use zero_stage=3"):
+        plan(_ReadThroughOps(), (torch.zeros(4, 8), torch.zeros(4, 8)), MESH, force_data_parallel=True,
+             zero_stage=stage)
+
+
 CASES = {f"{name}-{opt}": {"mesh": mesh, "optimizer": opt, "options": options}
          for opt in ("sgd", "adamw")
          for name, mesh, options in (("zero1", (1, 4), {"batch_axis": 1, "zero_stage": 1}),

@@ -159,3 +159,24 @@ def _force_zero_stage(cg, table: dict[str, NodeStrategies], stage: int, axes: tu
                              "layer uses); drop zero_stage or its forced spec")
         if ph in table:
             restrict(table[ph], keep)
+
+
+def zero_stage_blockers(cg, table: dict[str, NodeStrategies], mesh, options: PlanOptions) -> list[str]:
+    """Why ``options.zero_stage`` 1 or 2 leaves the ILP no choice, one line per parameter use: a
+    ZeRO-1/2 parameter's gradient must reach it as a partial sum over exactly its zero axes (its
+    reduce-scatter or all-reduce then runs once per step, ``ReshardCosts``), but an op such as
+    ``w.t()``, ``w.pow(2)`` or ``scale.exp()`` between the parameter and the batch-split op
+    receives a complete gradient (the all-reduce runs at its own output). Empty when nothing
+    blocks (or no ZeRO-1/2 stage is asked for)."""
+    axes = data_parallel_axes(options, mesh.shape)
+    if options.zero_stage not in (1, 2) or not axes:
+        return []
+    out = []
+    for name, ns in table.items():
+        for i, src in enumerate(ns.inputs):
+            if src in cg.param_fqns and src in table and not any(
+                    len(s.grad_partial) > i and s.grad_partial[i] is not None
+                    and tuple(sorted(s.grad_partial[i])) == axes for s in ns.strategies):
+                out.append(f"parameter {cg.param_fqns[src]} is read by {name} ({cg.node(name).target}), which "
+                           f"takes its gradient complete, not partial over mesh axes {list(axes)}")
+    return out

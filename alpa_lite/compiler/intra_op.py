@@ -12,9 +12,9 @@ from ..core.mesh import LogicalMesh
 from ..core.options import PlanOptions
 from ..core.plan import Plan
 from .clustering import cluster_layers
-from .constraints import apply_constraints
+from .constraints import apply_constraints, zero_stage_blockers
 from .cost_graph import build_cost_graph
-from .ilp import solve, solver_limits
+from .ilp import SolverError, solve, solver_limits
 from .loss_reduction import loss_reduction
 from .plan_cache import solve_cached
 from .strategies import BACKWARD_FLOPS_FACTOR, build_strategies
@@ -73,8 +73,16 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
     t2 = time.perf_counter()
     say("ilp")
     budget = mesh.memory_bytes if options.memory_budget is None else options.memory_budget
-    sol, hit = solve_cached(cache, graph, budget, solve, time_limit=options.time_limit, solver=options.solver,
-                            switches=tuple(options.restrictions()), node_limit=options.node_limit)
+    try:
+        sol, hit = solve_cached(cache, graph, budget, solve, time_limit=options.time_limit, solver=options.solver,
+                                switches=tuple(options.restrictions()), node_limit=options.node_limit)
+    except SolverError as e:
+        blockers = zero_stage_blockers(cg, table, mesh, options)
+        if not blockers:
+            raise
+        raise SolverError(f"zero_stage={options.zero_stage} has no plan: {'; '.join(blockers)}. ZeRO-1/2 needs "
+                          "each use of a parameter to take its gradient partial over the data-parallel axes: use "
+                          f"zero_stage=3 or leave zero_stage out ({e})") from e
     stats["disk_hits"] = int(hit)
     stats["ilp_s"] = time.perf_counter() - t2
     stats["ilp_objective"] = sol.objective
