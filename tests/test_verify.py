@@ -127,6 +127,10 @@ def test_judge_flags_missing_and_unexpected_gradients():
     trained = _trace([1.0], {"w": torch.ones(2), "frozen": torch.ones(2)}, w0, dict(w0))
     rows = _judge(ref, trained, "p").differing
     assert [(r.kind, r.name, r.note) for r in rows] == [("grad", "frozen", "only the parallel run has it")]
+    # a parameter no op uses: one process leaves its gradient None, the trainer reports zeros
+    # (Trainer.gradients): equal (it was "only the parallel run has it")
+    unused = _trace([1.0], {"w": torch.ones(2), "frozen": torch.zeros(2)}, w0, dict(w0))
+    assert _judge(ref, unused, "p").equal
     lost = _trace([1.0], {}, w0, {"w": w0["w"]})
     notes = {(r.kind, r.name): r.note for r in _judge(ref, lost, "p").differing}
     assert notes == {("grad", "w"): "absent from the parallel run", ("param", "frozen"): "absent from the parallel run"}
