@@ -15,7 +15,9 @@ sdpa ``attn_mask``, ``masked_fill``, ``torch.where``, ``gather`` and ``index_sel
 a ``reduction="none"`` loss averaged over a mask whose count differs per row, returned in a dict
 (``masked_loss``); raw weights read through ``x @ w``, ``einsum`` and ``F.linear(h, w.t())``, and a
 transposed (non-contiguous) view between layers (``views``: the pipeline used to die in backward,
-"input tensor has to be contiguous": its gradient's receive buffer kept the sent view's strides).
+"input tensor has to be contiguous": its gradient's receive buffer kept the sent view's strides);
+a layer never called and a buffer never read (``unused``: the pipeline dropped them from
+``state_dict()``, and verify flagged the zero gradients the trainer reports for them).
 """
 import json
 from pathlib import Path
@@ -25,7 +27,7 @@ import pytest
 from alpa_lite.runtime.launch import torchrun
 
 WORKER = str(Path(__file__).parent / "workers" / "verify_cases.py")
-PATTERNS = ("tied", "buffers", "inplace", "nograd", "masks", "masked_loss", "views")
+PATTERNS = ("tied", "buffers", "inplace", "nograd", "masks", "masked_loss", "views", "unused")
 PLANS = {"dp": {"force_data_parallel": True}, "auto": {},
          "megatron": {"batch_axis": 0, "param_specs": {"fc1.weight": "S1R", "fc2.weight": "RS1"}},
          "pipe": {"pipeline": 2, "num_microbatches": 2, "num_layers": 2}}
@@ -48,6 +50,7 @@ def test_pattern_trains_equal_to_one_process(results, name):
     assert r["verdict"] == "equal", bad[:5]
     assert {x["kind"] for x in r["rows"]} >= {"loss", "grad", "param"}
     if name.endswith("-megatron"):
-        assert "3 of" in r["plan"], r["plan"]  # fc1.weight, fc1.bias, fc2.weight split
+        # fc1.weight, fc1.bias, fc2.weight split (and unused's spare layer: no op reads it)
+        assert ("5 of" if name.startswith("unused") else "3 of") in r["plan"], r["plan"]
     if name.endswith("-pipe"):
         assert r["plan"].startswith("2 stages (stage 0: 1x2; stage 1: 1x2)"), r["plan"]

@@ -130,6 +130,14 @@ def cluster_layers(cg, num_layers: int | None = None, max_layers: int = 16) -> l
                     ph.append(inp.name)
         layers.append(Layer(tuple(n.name for n in group), tuple(ph), float(prefix[z] - prefix[a]),
                             tuple(dict.fromkeys(k for k in keys[a:z] if k))))
+    # a parameter or buffer no op reads (a layer built but not called) goes with the first layer:
+    # a pipeline stage then holds it, so that the trainer's state_dict, save_full and checkpoints
+    # keep it (no stage did: they dropped it)
+    unread = tuple(n.name for n in cg.graph.nodes if n.op == "placeholder" and not n.users
+                   and (n.name in cg.param_fqns or n.name in cg.buffer_fqns))
+    if unread and layers:
+        first = layers[0]
+        layers[0] = Layer(first.nodes, first.placeholders + unread, first.flops, first.modules)
     return layers
 
 

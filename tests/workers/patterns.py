@@ -140,6 +140,20 @@ class Views(_Base):
         return F.mse_loss(F.linear(h, self.w_out.t()), y)
 
 
+class Unused(_Base):
+    """A layer built but never called and a buffer never read (DDP's ``find_unused_parameters``
+    case): one process leaves the layer's gradients None. A pipeline used to drop both from
+    ``state_dict()`` (no stage held them), and ``verify`` flagged the zeros ``gradients()`` reports."""
+
+    def __init__(self):
+        super().__init__()
+        self.spare = nn.Linear(HIDDEN, HIDDEN)
+        self.register_buffer("spare_stat", torch.linspace(0, 1, HIDDEN))
+
+    def forward(self, x, y):
+        return F.mse_loss(self.fc2(F.relu(self.fc1(x))), y)
+
+
 def _build(cls, seed):
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -190,3 +204,7 @@ def masked_loss(batch, seq=None, device="cpu", seed=0):
 
 def views(batch, seq=None, device="cpu", seed=0):
     return _regression(Views, batch, seq, seed)
+
+
+def unused(batch, seq=None, device="cpu", seed=0):
+    return _regression(Unused, batch, seq, seed)
