@@ -172,6 +172,26 @@ class _ReadThroughOps(torch.nn.Module):
         return torch.nn.functional.mse_loss(torch.nn.functional.linear(x, self.w.t()) * self.logit_scale.exp(), y)
 
 
+class _Spare(torch.nn.Module):
+    """A layer built but never called (DDP's find_unused_parameters case)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.spare = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.fc(x), y)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_forced_zero_skips_a_parameter_no_op_reads(stage):
+    """No gradient, no optimizer state: it keeps its storage and the others take the stage (it
+    was a ValueError for ZeRO-1/2: spare.weight "has no strategy partitioned over mesh axes [1]")."""
+    p = plan(_Spare(), (torch.zeros(4, 8), torch.zeros(4, 8)), MESH, force_data_parallel=True, zero_stage=stage)
+    assert p.zero_stages["spare.weight"] == p.zero_stages["spare.bias"] == (0, ())
+    assert p.zero_stages["fc.weight"] == (stage, (1,))
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero12_without_a_plan_names_the_parameters_and_ops(stage):
     """Forced ZeRO-1/2 where such a read leaves the ILP no choice: the error names each parameter

@@ -151,6 +151,8 @@ def _force_zero_stage(cg, table: dict[str, NodeStrategies], stage: int, axes: tu
     else:
         keep = lambda s: s.zero_stage == stage and s.zero_axes == axes  # noqa: E731
     for ph, fqn in cg.param_fqns.items():
+        if not cg.node(ph).users:  # no op reads it: no gradient, no optimizer state to partition
+            continue
         if ph in table and not any(keep(s) for s in table[ph].strategies):
             shape = tuple(cg.node(ph).meta["val"].shape)
             raise ValueError(f"zero_stage={stage}: parameter {fqn} (shape {shape}) has no strategy partitioned over "
