@@ -76,6 +76,11 @@ def test_forced_plans():
         mlp_plan(32, 64, param_specs={"nope.weight": "S1R"})
     with pytest.raises(ValueError, match="batch dim"):
         mlp_plan(32, 6, force_data_parallel=True)
+    # an input spec that keeps the batch whole against batch_axis: the spec is named (the error
+    # said the batch of 64 "does not divide over mesh axes [1]")
+    with pytest.raises(ValueError, match=r"input_specs gives input args_0 \(shape \(64, 32\)\) the spec RS1, which "
+                                         r"does not split its batch dim 0 along mesh axes \[1\] as batch_axis asks"):
+        mlp_plan(32, 64, batch_axis=1, input_specs={"0": "RS1"})
 
 
 def test_memory_budget_error_names_minimum():

@@ -133,6 +133,13 @@ def apply_constraints(cg, table: dict[str, NodeStrategies], mesh, options: PlanO
             ns.strategies[:] = ok
         elif name in cg.input_names:
             shape = tuple(cg.node(name).meta["val"].shape)
+            index = str(cg.input_names.index(name))
+            given = options.input_specs.get(name, options.input_specs.get(index))
+            if given is not None:  # the forced spec, not the size, leaves no strategy
+                raise ValueError(f"input_specs gives input {name} (shape {shape}) the spec {given}, which does not "
+                                 f"split its batch dim {d} along mesh axes {list(want)} as "
+                                 f"{'force_data_parallel' if options.force_data_parallel else 'batch_axis'} asks: "
+                                 "split that dim there too, or drop one of the two")
             raise ValueError(f"batch dim of input {name} (shape {shape}) does not divide over mesh axes "
                              f"{list(want)} of mesh {mesh.shape}")
 
