@@ -114,6 +114,10 @@ READS = {
     "mse sum over numel": (lambda o, y: F.mse_loss(o, torch.zeros_like(o), reduction="sum") / o.numel(), "mean",
                            None, 0),
     "sum over another number": (lambda o, y: _ce(o, y, reduction="sum") / 7, "sum", None, 0),
+    # in-batch negatives (CLIP, InfoNCE): logits between every pair of samples; per microbatch only
+    # the microbatch's pairs (it was read as a plain token mean, no problem reported)
+    "in-batch negatives": (lambda o, y: F.cross_entropy(o.mean(1) @ o.mean(1).t(), torch.arange(4)), "ratio",
+                           "cross_entropy_loss", 1),
 }
 
 

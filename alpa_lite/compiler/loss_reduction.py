@@ -90,10 +90,15 @@ class _Reader:
         if self.batch.get(node.name) is None:
             return (f"{what} reduces over the batch" if sig is not None else
                     f"{what} has no sharding rule, so alpa-lite cannot tell whether it combines samples")
+        at_rows = set()  # the labels of the operands' batch dims
         for labels, i in zip(sig.inputs if sig is not None else (), node.all_input_nodes):
             b = self.batch.get(i.name)
             if b is not None and b < len(labels) and labels[b] in sig.fixed:
                 return f"{what} combines the samples of the batch"
+            if b is not None and b < len(labels) and self.depends[i.name]:
+                at_rows.add(labels[b])
+        if len(at_rows) > 1:  # a @ b.T over the batch: in-batch negatives, a Gram matrix of the samples
+            return f"{what} pairs the samples of the batch with each other"
         return None
 
     def result(self) -> LossReduction:
