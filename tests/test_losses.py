@@ -262,6 +262,20 @@ def test_sum_over_numel_over_microbatches_equals_single_process(tmp_path):
     _check_kinds(res)
 
 
+def test_accumulation_warns_when_microbatches_change_the_loss(tmp_path):
+    """``accumulate=K`` warns when its K microbatches change the loss: in-batch negatives (read as
+    a plain token mean before, trained silently) and a square of the batch mean; a token mean does
+    not warn."""
+    out = tmp_path / "warnings.json"
+    assert torchrun([str(Path(WORKER).parent / "accumulate_warning.py"), "--out", str(out)], nproc=1,
+                    timeout_s=300) == 0
+    caught = json.loads(out.read_text())
+    assert len(caught["Pairs"]) == 1 and caught["Pairs"][0].startswith("accumulating 2 microbatches changes the loss")
+    assert "pairs the samples of the batch" in caught["Pairs"][0]
+    assert len(caught["MeanSquared"]) == 1 and "nonlinear function of the batch" in caught["MeanSquared"][0]
+    assert caught["TokenMean"] == []
+
+
 def _check_kinds(res: dict) -> None:
     kinds = {"ce_ignore": "ratio", "nll_ignore": "ratio", "ce_sum": "sum", "masked_mean": "ratio",
              "plain_mean": "mean", "sum_numel": "mean"}

@@ -1,0 +1,61 @@
+"""Run by torchrun (1 rank): ``parallelize(..., accumulate=K)`` of losses that K microbatches change
+(in-batch negatives, a square of the batch mean) and of one they do not (a token mean); rank 0
+writes the warnings each gave."""
+import argparse
+import json
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from alpa_lite import parallelize
+from alpa_lite.runtime.launch import init_distributed
+from single_process import finish
+
+
+class Pairs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return F.cross_entropy(h @ x.t(), torch.arange(x.shape[0]))
+
+
+class MeanSquared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x).mean() ** 2
+
+
+class TokenMean(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x).pow(2).mean()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    init_distributed(60)
+    x = torch.randn(8, 8)
+    out = {}
+    for model in (Pairs(), MeanSquared(), TokenMean()):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            parallelize(model, (1, 1), (x,), force_data_parallel=True, accumulate=2)
+        out[type(model).__name__] = [str(w.message) for w in caught if "microbatches" in str(w.message)]
+    finish(out, args.out)
+
+
+if __name__ == "__main__":
+    main()
