@@ -289,6 +289,8 @@ PIPELINED = {f"pp-zero{z}-{schedule}-{opt}": {
     "options": {"force_data_parallel": True, "zero_stage": z, "num_stages": 2, "num_microbatches": 2,
                 "num_layers": 4, "schedule": schedule}}
     for z in (1, 2) for schedule in ("gpipe", "1f1b") for opt in ("sgd", "adamw")}
+# groups by shape inside the stages (the factory sees each stage's shards, zero.build_optimizer)
+PIPELINED["pp-zero2-1f1b-adamw_groups"] = PIPELINED["pp-zero2-1f1b-sgd"] | {"optimizer": "adamw_groups"}
 
 
 @pytest.fixture(scope="module")

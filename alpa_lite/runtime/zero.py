@@ -152,7 +152,7 @@ def build_optimizer(factory, partitions: list[ZeroPartition]) -> torch.optim.Opt
     params = [p for z in partitions for p in z.params.values()]
     optimizer = factory(params)
     swap = {id(z.params[fqn]): s for z in partitions for fqn, s in z.slices.items()}
-    if swap:
+    if swap and optimizer is not None:  # None: a pipeline chunk's placeholder factory (``lambda _: None``)
         for group in optimizer.param_groups:
             group["params"] = [swap.get(id(p), p) for p in group["params"]]
     return optimizer
