@@ -220,6 +220,8 @@ CASES = {f"{name}-{opt}": {"mesh": mesh, "optimizer": opt, "options": options}
 # sees each parameter's shard, not the ZeRO-1/2 flat slice (it used to: no weight was decayed)
 CASES |= {f"{name}-adamw_groups": CASES[f"{name}-adamw"] | {"optimizer": "adamw_groups"}
           for name in ("zero1", "zero2", "zero2-tp")}
+# an optimizer that makes its state when built: the state follows each shard to its slice
+CASES |= {f"{name}-adagrad": CASES[f"{name}-adamw"] | {"optimizer": "adagrad"} for name in ("zero1", "zero2")}
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +241,14 @@ def test_zero_trains_equal_to_one_process(trained, case):
     stage = CASES[case]["options"]["zero_stage"]
     axes = [CASES[case]["options"]["batch_axis"]]
     assert all(z == [stage, axes] for z in r["zero_stages"].values())
+
+
+@pytest.mark.parametrize("case", ["zero1-adagrad", "zero2-adagrad"])
+def test_state_made_when_the_optimizer_is_built_is_sliced(trained, case):
+    """Adagrad's ``sum`` (made when built, on the shards the factory sees) moves to the slices:
+    one state per element held, half of AdamW's two (the shard's whole ``sum`` stayed before)."""
+    adamw = trained[case.replace("adagrad", "adamw")]["held"]["optimizer"]
+    assert trained[case]["held"]["optimizer"] * 2 == adamw > 0
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith("zero3")])

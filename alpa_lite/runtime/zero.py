@@ -146,13 +146,21 @@ class ZeroPartition:
 def build_optimizer(factory, partitions: list[ZeroPartition]) -> torch.optim.Optimizer:
     """``factory(params)`` on the parameters as this rank holds them (each shard, of its shape),
     then every ZeRO-1/2 one replaced in the optimizer's parameter groups by its flat slice
-    (``ZeroPartition.optimizer_params``). The factory sees the same tensors, shapes and order
+    (``ZeroPartition.optimizer_params``), with any state the optimizer made when built (Adagrad's
+    ``sum``) sliced the same way. The factory sees the same tensors, shapes and order
     under every plan, so the groups it makes by shape or identity hold (nanoGPT's weight decay
     for ``p.dim() >= 2`` only: given the 1-D slices, it decayed no ZeRO-1/2 weight)."""
     params = [p for z in partitions for p in z.params.values()]
     optimizer = factory(params)
-    swap = {id(z.params[fqn]): s for z in partitions for fqn, s in z.slices.items()}
-    if swap and optimizer is not None:  # None: a pipeline chunk's placeholder factory (``lambda _: None``)
-        for group in optimizer.param_groups:
-            group["params"] = [swap.get(id(p), p) for p in group["params"]]
+    if optimizer is None:  # a pipeline chunk's placeholder factory (``lambda _: None``)
+        return None
+    swap = {id(z.params[fqn]): (z, fqn) for z in partitions for fqn in z.slices}
+    for group in optimizer.param_groups:
+        for i, p in enumerate(group["params"]):
+            if id(p) in swap:
+                z, fqn = swap[id(p)]
+                group["params"][i] = z.slices[fqn]
+                if p in optimizer.state:  # the shard's state would stay, unused, at the shard's size
+                    optimizer.state[z.slices[fqn]] = {k: z.slice(fqn, v) if torch.is_tensor(v) and v.shape == p.shape
+                                                      else v for k, v in optimizer.state.pop(p).items()}
     return optimizer

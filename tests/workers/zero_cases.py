@@ -32,7 +32,9 @@ def adamw_groups(params, lr):
                               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=lr)
 
 
-OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW, "adamw_groups": adamw_groups}
+# Adagrad makes its state (``sum``) when built, on the parameters it is given
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW, "adamw_groups": adamw_groups,
+              "adagrad": torch.optim.Adagrad}
 
 
 class MLP(torch.nn.Module):
