@@ -2,6 +2,7 @@
 HiGHS (in-process), and both solvers plan Alpa's MLP regimes alike."""
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,8 +11,8 @@ import torch.nn.functional as F
 
 from alpa_lite import LogicalMesh, load_plan, plan
 from alpa_lite.compiler import intra_op
-from alpa_lite.compiler.ilp import (CostGraph, MemoryBudgetError, SolverError, brute_force, highs_available, solve,
-                                    solver_limits)
+from alpa_lite.compiler.ilp import (CostGraph, MemoryBudgetError, SolverError, _drop_strategies_over_budget, brute_force,
+                                    highs_available, solve, solver_limits)
 from alpa_lite.tools.explain import summary_table
 
 needs_highs = pytest.mark.skipif(not highs_available(), reason="highspy is not installed (alpa-lite[highs])")
@@ -58,15 +59,29 @@ def test_ilp_with_equal_rows_and_columns_matches_brute_force(seed):
         assert sol.objective == pytest.approx(exact.objective, rel=1e-6, abs=1e-6)
 
 
+@pytest.mark.parametrize("solver", ["cbc", pytest.param("highs", marks=needs_highs)])
+@pytest.mark.parametrize("tight", [0.02, 0.1, 0.3])
 @pytest.mark.parametrize("seed", range(5))
-def test_ilp_matches_brute_force_under_memory_budget(seed):
+def test_ilp_matches_brute_force_under_memory_budget(seed, tight, solver):
+    """Budgets from just above the least memory (where most strategies cannot fit and are fixed
+    off before the solver runs) to a third of the way to the most."""
     g = random_graph(100 + seed)
     lo, hi = g.min_memory(), sum(max(m) for m in g.memory)
-    budget = lo + 0.3 * (hi - lo)
+    budget = lo + tight * (hi - lo)
     exact = brute_force(g, budget)
-    sol = solve(g, budget)
+    sol = solve(g, budget, solver=solver)
     assert sol.memory <= budget + 1e-9
     assert sol.objective == pytest.approx(exact.objective, rel=1e-6, abs=1e-6)
+
+
+def test_strategies_over_the_memory_slack_are_fixed_off():
+    """The least memory is 1 + 2 = 3 bytes; under a budget of 3.6 a strategy more than 0.6 above
+    its variable's least cannot fit whatever the others choose."""
+    g = CostGraph(costs=[[1.0, 0.0, 0.5], [1.0, 2.0]], memory=[[1.0, 3.0, 1.5], [2.0, 2.5]])
+    s = [[SimpleNamespace(upBound=1) for _ in mem] for mem in g.memory]
+    _drop_strategies_over_budget(g, s, 3.6)
+    assert [[x.upBound for x in xs] for xs in s] == [[1, 0, 1], [1, 1]]
+    assert solve(g, 3.6).choice == brute_force(g, 3.6).choice == [2, 0]
 
 
 def test_budget_below_minimum_names_the_minimum():

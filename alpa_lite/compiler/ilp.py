@@ -465,6 +465,8 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
     # s[v]: the strategy variables of v, None when v has a single strategy (always chosen)
     s = [None if len(costs) == 1 else [prob.add_variable(f"s_{v}_{p}", cat=pulp.LpBinary) for p in range(len(costs))]
          for v, costs in enumerate(graph.costs)]
+    if math.isfinite(memory_budget):
+        _drop_strategies_over_budget(graph, s, memory_budget)
     objective: dict = {}
     constant = 0.0
     per = _seconds_unit(graph)
@@ -555,6 +557,25 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
         gap = float(model.getInfo().mip_gap) if model is not None else math.inf
         stopped = "NodeLimit" if engine.stopped == "nodes" else "TimeLimit"
     return Solution(choice, graph.objective(choice, remat), graph.memory_of(choice, remat), stopped, remat, gap)
+
+
+def _drop_strategies_over_budget(graph: CostGraph, s, memory_budget: float) -> None:
+    """Fix to 0 each strategy ``p`` of a variable ``v`` that alone leaves no room in the memory
+    row: with every other variable at its least memory, an assignment choosing it needs at least
+    ``m_v[p] - min m_v + graph.min_memory()`` bytes (memory has no edge terms; a remat group
+    holds at least its least either way), so ``m_v[p] - min m_v`` above the row's slack
+    ``M - min_memory`` cannot fit. The solver cannot see this itself: its presolve bounds the
+    row's activity binary by binary, without the one-strategy-per-variable rows. Near the least
+    memory (a stage's per-layer rows in a memory split) most strategies go, and with them most
+    of the branch and bound. A margin of ``1e-6 M`` keeps every strategy the solver's own
+    feasibility tolerance would admit, so the optimum is the same."""
+    slack = memory_budget - graph.min_memory() + 1e-6 * max(memory_budget, 1.0)
+    for mem, xs in zip(graph.memory, s):
+        if xs is not None:
+            least = min(mem)
+            for m, x in zip(mem, xs):
+                if m - least > slack:
+                    x.upBound = 0
 
 
 def _seconds_unit(graph: CostGraph) -> float:
