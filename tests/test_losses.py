@@ -135,6 +135,31 @@ def test_batch_norm_is_a_problem_for_microbatches():
     assert r.kind == "ratio" and len(r.problems) == 1 and "batch_norm" in r.problems[0]
 
 
+class _Counted(nn.Module):
+    """Two layers and a step counter written in forward (``self.steps += 1``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.steps += 1
+        return self.fc2(torch.relu(self.fc1(x))).pow(2).mean()
+
+
+def test_a_buffer_written_in_forward_is_a_problem_for_microbatches():
+    """A counter in forward is written once per microbatch: K times a step (2 SGD steps of K = 2
+    microbatches left ``steps`` at 4, one process at 2, without a warning before)."""
+    r = loss_reduction(capture(_Counted(), (torch.randn(8, 8),)))
+    assert r.kind == "mean" and len(r.problems) == 1 and "buffer 'steps' is written in forward" in r.problems[0]
+    with pytest.warns(UserWarning, match=r"2 microbatches change the loss: buffer 'steps' is written in forward"):
+        plan(_Counted(), (torch.randn(8, 8),), LogicalMesh((1, 2)), num_stages=2, num_microbatches=2, num_layers=2)
+    # batch-norm statistics stay one problem (their op's), not two
+    x, y = torch.randint(0, 11, (4, 6)), torch.randint(0, 11, (4, 6))
+    assert len(loss_reduction(capture(_Net(bn=True), (x,), lambda o, y: _ce(o, y), (y,))).problems) == 1
+
+
 def test_pipeline_plan_warns_when_microbatches_change_the_loss():
     x, y = torch.randint(0, 11, (4, 6)), torch.randint(0, 11, (4, 6))
     mesh = LogicalMesh((1, 2))
@@ -274,6 +299,7 @@ def test_accumulation_warns_when_microbatches_change_the_loss(tmp_path):
     assert "pairs the samples of the batch" in caught["Pairs"][0]
     assert len(caught["MeanSquared"]) == 1 and "nonlinear function of the batch" in caught["MeanSquared"][0]
     assert caught["TokenMean"] == []
+    assert len(caught["Counter"]) == 1 and "buffer 'steps' is written in forward" in caught["Counter"][0]
 
 
 def _check_kinds(res: dict) -> None:

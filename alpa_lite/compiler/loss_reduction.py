@@ -11,12 +11,14 @@ So is one batch sum divided by the number of elements it adds up (``loss.sum() /
 Their kinds fix how microbatch losses combine:
 ``sum`` (add them), ``mean`` (average them) or ``ratio`` (weigh each by its denominator).
 What cannot be combined exactly (a nonlinear function of a batch statistic such as an MoE
-load-balancing loss, batch-norm statistics, terms of different kinds) is reported in
+load-balancing loss, batch-norm statistics, terms of different kinds, a buffer the forward
+writes such as a step counter: K writes per step) is reported in
 ``LossReduction.problems``; the planner warns with them when it cuts microbatches.
 """
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.fx
@@ -102,6 +104,7 @@ class _Reader:
         return None
 
     def result(self) -> LossReduction:
+        self._buffer_writes()
         leaves = self._terms(self.cg.node(self.cg.loss_name))
         kinds = {leaf for leaf in leaves if leaf != "const"}
         if len(kinds) > 1:
@@ -112,6 +115,21 @@ class _Reader:
             self.problems.append("the summed loss has a term that does not depend on the batch: it would count "
                                  "once per microbatch")
         return LossReduction(kind[0], kind[1], tuple(self.problems))
+
+    def _buffer_writes(self) -> None:
+        """A buffer the forward writes (a step counter ``self.steps += 1``, an EMA) is written once
+        per microbatch: K times per step. Batch-norm statistics are reported by their op."""
+        writers = {}
+        for name, fqn in sorted(self.cg.buffer_mutations.items()):
+            node = self.cg.node(name)
+            while node.target is operator.getitem:
+                node = node.args[0]
+            writers[fqn] = (name, node)
+        norms = {fqn.rpartition(".")[0] for fqn, (_, node) in writers.items() if node.target in _BATCH_NORMS}
+        for fqn, (name, node) in writers.items():  # a batch norm's num_batches_tracked is its own too
+            if fqn.rpartition(".")[0] not in norms:
+                self.problems.append(f"buffer {fqn!r} is written in forward ({name}, {node.target}): once per "
+                                     "microbatch, so several times per step")
 
     def _terms(self, node) -> list:
         """The leaves of the affine expression ``node``: ``(kind, denominator)`` or ``"const"``."""

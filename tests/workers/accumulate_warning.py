@@ -1,5 +1,5 @@
 """Run by torchrun (1 rank): ``parallelize(..., accumulate=K)`` of losses that K microbatches change
-(in-batch negatives, a square of the batch mean) and of one they do not (a token mean); rank 0
+(in-batch negatives, a square of the batch mean, a step counter written in forward) and of one they do not (a token mean); rank 0
 writes the warnings each gave."""
 import argparse
 import json
@@ -42,6 +42,17 @@ class TokenMean(nn.Module):
         return self.fc(x).pow(2).mean()
 
 
+class Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.steps += 1
+        return self.fc(x).pow(2).mean()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -49,7 +60,7 @@ def main():
     init_distributed(60)
     x = torch.randn(8, 8)
     out = {}
-    for model in (Pairs(), MeanSquared(), TokenMean()):
+    for model in (Pairs(), MeanSquared(), TokenMean(), Counter()):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             parallelize(model, (1, 1), (x,), force_data_parallel=True, accumulate=2)
