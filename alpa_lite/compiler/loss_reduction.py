@@ -44,6 +44,10 @@ _LINEAR = {aten.neg.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype
            aten.expand.default, aten.type_as.default}
 _BATCH_NORMS = {aten.batch_norm.default, aten._native_batch_norm_legit_functional.default,
                 aten.native_batch_norm.default, aten._native_batch_norm_legit.default}
+_ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+# an index into the batch's rows is right per microbatch
+_INDEX_OPS = {aten.index.Tensor, aten._unsafe_index.Tensor, aten.index_select.default, aten.gather.default,
+              aten.index_put.default, aten.index_put_.default, aten.scatter.src, aten.scatter_add.default}
 # ops whose result depends on an operand's shape only, not on its values
 _SHAPE_ONLY = {aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
                aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default,
@@ -70,6 +74,8 @@ class _Reader:
         self.batch = {n: ns.batch_dims[0] for n, ns in table.items()}  # the dim of per-sample rows
         self.depends: dict[str, bool] = {}  # depends on the batch's values
         self.mixed: dict[str, str | None] = {}  # first op upstream that combines samples (a message)
+        self.counts: dict[str, bool] = {}  # an integer arange over the batch's rows (an index)
+        self.counted: dict[str, bool] = {}  # values made from one (an embedding of it, a float cast)
         self.problems: list[str] = []
         rows = {shape_of(cg.node(n))[self.batch[n]] for n in cg.input_names if self.batch.get(n) is not None}
         self.rows = rows.pop() if len(rows) == 1 else None  # the batch size the graph was captured at
@@ -78,8 +84,34 @@ class _Reader:
             self.depends[node.name] = node.name in cg.input_names or (
                 node.target not in _SHAPE_ONLY and any(self.depends[i.name] for i in ins))
             upstream = next((self.mixed[i.name] for i in ins if self.mixed[i.name]), None)
-            self.mixed[node.name] = upstream or self._mixes(node, signature(node) if node.op == "call_function"
-                                                            else None)
+            sig = signature(node) if node.op == "call_function" else None
+            self.mixed[node.name] = upstream or self._mixes(node, sig)
+            self.counts[node.name] = not self.depends[node.name] and (
+                node.target in _ARANGES and shape_of(node) == (self.rows,) or node.target in _LINEAR
+                and bool(ins) and self.counts[ins[0].name] and not _floating(node))
+            self.counted[node.name] = not self.depends[node.name] and (
+                any(self.counted[i.name] for i in ins) or bool(ins) and (
+                    node.target is aten.embedding.default and self.counts[node.args[1].name]
+                    or node.target in _LINEAR and self.counts[ins[0].name] and _floating(node)))
+            self._row_positions(node, sig)
+
+    def _row_positions(self, node, sig) -> None:
+        """A value made without the batch (``torch.arange(x.shape[0])``, an embedding of it) meeting
+        the batch's rows along their dim numbers the rows of the microbatch: each microbatch
+        restarts it. As an index into the batch (``x[torch.arange(B), i]``) it stays right."""
+        if sig is None or node.target in _INDEX_OPS or node.target in RATIO_OPS or not self.rows or self.rows < 2:
+            return
+        rows = {labels[self.batch[i.name]] for labels, i in zip(sig.inputs, node.all_input_nodes)
+                if self.depends[i.name] and self.batch.get(i.name) is not None and self.batch[i.name] < len(labels)}
+        for labels, i in zip(sig.inputs, node.all_input_nodes):
+            shape = shape_of(i)
+            if self.depends[i.name] or not self.counted[i.name] or shape is None:
+                continue
+            if any(lab in rows and d < len(shape) and shape[d] == self.rows for d, lab in enumerate(labels)):
+                self.problems.append(f"{i.name} ({i.target}) numbers the rows of the batch (torch.arange over "
+                                     f"the batch) and {node.name} ({node.target}) meets it with the batch's rows: "
+                                     "each microbatch numbers its own rows from 0")
+                self.counted[i.name] = False  # once
 
     def _mixes(self, node, sig) -> str | None:
         """Why ``node`` combines samples of the batch (a message), or None."""
@@ -221,6 +253,11 @@ class _Reader:
         self.problems.append(f"{node.name} ({node.target}) is not a sum, mean or ratio of batch reductions: "
                              "the loss is a nonlinear function of the batch")
         return []
+
+
+def _floating(node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
 
 
 def _names(kinds) -> str:
