@@ -61,10 +61,6 @@ class ZeroPartition:
         part = flat[j * c:(j + 1) * c]
         return torch.cat([part, part.new_zeros(c - part.numel())]) if part.numel() < c else part
 
-    def optimizer_params(self) -> list[torch.nn.Parameter]:
-        """What the optimizer updates: each parameter's shard, or its slice for ZeRO-1/2 ones."""
-        return [self.slices.get(fqn, p) for fqn, p in self.params.items()]
-
     def start_reduce_scatter(self, fqns: list[str], axes: tuple[int, ...]):
         """ZeRO-2: start the one reduce-scatter of the gradients of the bucket ``fqns``
         (``async_op=True``): row ``j`` of the flat input holds every parameter's chunk ``j``,
@@ -146,7 +142,7 @@ class ZeroPartition:
 def build_optimizer(factory, partitions: list[ZeroPartition]) -> torch.optim.Optimizer:
     """``factory(params)`` on the parameters as this rank holds them (each shard, of its shape),
     then every ZeRO-1/2 one replaced in the optimizer's parameter groups by its flat slice
-    (``ZeroPartition.optimizer_params``), with any state the optimizer made when built (Adagrad's
+    (``ZeroPartition.slices``), with any state the optimizer made when built (Adagrad's
     ``sum``) sliced the same way. The factory sees the same tensors, shapes and order
     under every plan, so the groups it makes by shape or identity hold (nanoGPT's weight decay
     for ``p.dim() >= 2`` only: given the 1-D slices, it decayed no ZeRO-1/2 weight)."""
