@@ -566,7 +566,7 @@ def _drop_strategies_over_budget(graph: CostGraph, s, memory_budget: float) -> N
     holds at least its least either way), so ``m_v[p] - min m_v`` above the row's slack
     ``M - min_memory`` cannot fit. The solver cannot see this itself: its presolve bounds the
     row's activity binary by binary, without the one-strategy-per-variable rows. Near the least
-    memory (a stage's per-layer rows in a memory split) most strategies go, and with them most
+    memory (a stage's per-layer rows in a memory split) many strategies go, and with them much
     of the branch and bound. A margin of ``1e-6 M`` keeps every strategy the solver's own
     feasibility tolerance would admit, so the optimum is the same."""
     slack = memory_budget - graph.min_memory() + 1e-6 * max(memory_budget, 1.0)
