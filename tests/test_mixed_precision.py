@@ -23,7 +23,12 @@ PLANS = {"dp": {"mixed_precision": "bf16", "force_data_parallel": True},
          "dp-fp32-reduce": {"mixed_precision": "bf16", "force_data_parallel": True, "reduce_dtype": "fp32"},
          "megatron": {"mixed_precision": "bf16", **MEGATRON},
          "megatron-fp16": {"mixed_precision": "fp16", **MEGATRON},
-         "pipeline": {"mixed_precision": "bf16", "pipeline": 2, "num_microbatches": 2}}
+         "pipeline": {"mixed_precision": "bf16", "pipeline": 2, "num_microbatches": 2},
+         # the casts pass a ZeRO-1/2 parameter's partial gradient through to its reduce-scatter (all-reduce)
+         "dp-zero1": {"mixed_precision": "bf16", "force_data_parallel": True, "zero_stage": 1},
+         "megatron-zero2": {"mixed_precision": "bf16", **MEGATRON, "zero_stage": 2},
+         "pipeline-zero2": {"mixed_precision": "bf16", "force_data_parallel": True, "zero_stage": 2,
+                            "num_stages": 2, "num_microbatches": 2, "untied": True}}
 
 
 def test_capture_casts_each_parameter_use_and_keeps_fp32_placeholders():
@@ -100,12 +105,24 @@ def test_bf16_training_equals_one_process_under_autocast(results):
     bounds = {"loss_rel": 1e-2, "grad_rel": 2e-2, "param_err": 1e-3}
     measured = {"recipe_vs_autocast": results["recipe_vs_autocast"]}
     measured |= {name: results[name]["vs_autocast"] for name, o in PLANS.items() if o["mixed_precision"] == "bf16"}
-    assert len(measured) == 5
+    assert len(measured) == 1 + sum(o["mixed_precision"] == "bf16" for o in PLANS.values())
     for name, d in measured.items():
         for key, bound in bounds.items():
             assert d[key] <= bound, (name, key, d[key])
     # the loss of the recipe is rounded to bf16 (8 significant bits), autocast's is not: they differ
     assert results["recipe_vs_autocast"]["loss_rel"] > 2**-12
+
+
+def test_zero_stages_under_mixed_precision_partition_the_optimizer_states(results):
+    # every parameter of the ZeRO plans in its stage over the data-parallel axis; the momentum buffers
+    # (one per parameter element, fp32) partitioned over it: a 1/2 slice on every rank of the 2x2 mesh
+    assert results["dp-zero1"]["zero_stages"] == ["(1, (0, 1))"]
+    assert results["megatron-zero2"]["zero_stages"] == ["(2, (0,))"]
+    assert results["pipeline-zero2"]["zero_stages"] == ["(2, (1,))"]  # this rank's stage: a 1x2 row of the mesh
+    for name in ("dp-zero1", "megatron-zero2", "pipeline-zero2"):
+        r = results[name]
+        assert r["state_numel"] < r["param_numel"] * 0.6, name
+    assert results["dp"]["state_numel"] == results["dp"]["param_numel"]
 
 
 def test_gradients_are_reduced_in_the_chosen_dtype(results):

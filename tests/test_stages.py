@@ -560,3 +560,33 @@ def test_no_stage_ilp_for_more_microbatches_in_flight_than_the_range_can_hold(mo
     assert pruned and set(scales) == {1}
     assert max(full_scales) > 1  # the ILPs the bound saves
     assert pruned == full
+
+
+def test_stage_ilp_weighs_a_cast_parameters_gradient_sync_once_per_step():
+    """Under mixed precision a weight's uses read its bf16 cast; their data-parallel gradient
+    syncs run once per step (bucketed after the last microbatch) as an fp32 weight's do, so the
+    stage ILP weighs every one of them ``1 / B`` (before, only the syncs on a parameter's own
+    edges were: none under bf16)."""
+    import torch
+
+    from alpa_lite.compiler import stage_costs
+    from alpa_lite.compiler.cost_graph import build_cost_graph
+    from alpa_lite.compiler.strategies import build_strategies
+    from alpa_lite.core.capture import capture
+    from alpa_lite.core.resharding import reshard_costs
+
+    model, example = build_model("gpt-tiny", 8, 16, device="meta")
+    mesh = LogicalMesh((1, 4), cluster="cpu-gloo")
+    discounted = {}
+    for dtype in (None, torch.bfloat16):
+        cg = capture(model, example, compute_dtype=dtype)
+        table = build_strategies(cg, mesh)
+        names = list(table)
+        graph, where = build_cost_graph(cg, table, mesh, nodes=set(names))
+        added = []
+        graph.add_edge = lambda u, v, m: added.append(min(map(min, m)))  # noqa: B023 - used at once
+        stage_costs._discount_gradient_sync(cg, table, where, graph, names, reshard_costs(mesh), 0.25)
+        discounted[dtype] = len(added)
+        assert all(c < 0 for c in added)
+    uses = sum(len(cg.node(ph).users) for ph in cg.param_fqns)  # the bf16 graph: one cast per use
+    assert discounted[None] == discounted[torch.bfloat16] == uses

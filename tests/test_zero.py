@@ -192,14 +192,30 @@ def test_forced_zero_skips_a_parameter_no_op_reads(stage):
     assert p.zero_stages["fc.weight"] == (stage, (1,))
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_zero12_without_a_plan_names_the_parameters_and_ops(stage):
+@pytest.mark.parametrize("stage,mixed_precision", [(1, None), (2, None), (2, "bf16")])
+def test_zero12_without_a_plan_names_the_parameters_and_ops(stage, mixed_precision):
     """Forced ZeRO-1/2 where such a read leaves the ILP no choice: the error names each parameter
-    and op (it said "the only strategy of an ILP variable is forbidden (8 variables)")."""
+    and op (it said "the only strategy of an ILP variable is forbidden (8 variables)"); under
+    mixed precision the same ops, not the casts before them (which pass a partial gradient on)."""
     with pytest.raises(RuntimeError, match=rf"zero_stage={stage} has no plan: parameter w is read by t \(aten\.t"
-                                           r".*parameter logit_scale is read by exp .*use zero_stage=3"):
+                                           r".*parameter logit_scale is read by exp .*use zero_stage=3") as e:
         plan(_ReadThroughOps(), (torch.zeros(4, 8), torch.zeros(4, 8)), MESH, force_data_parallel=True,
-             zero_stage=stage)
+             zero_stage=stage, mixed_precision=mixed_precision)
+    assert "aten.to" not in str(e.value) and "_to_copy" not in str(e.value)
+
+
+@pytest.mark.parametrize("mixed_precision", [None, "bf16"])
+def test_pipelined_zero12_of_a_weight_two_stages_hold_names_it(mixed_precision):
+    """GPT's tied embedding and lm_head in two stages: ZeRO-1/2 is not offered for it; the search's
+    error says so (it said only that no pipeline fits the memory)."""
+    from alpa_lite.compiler.stage_dp import PipelinePlanError
+    from alpa_lite.zoo.models import build_model
+
+    model, example = build_model("gpt-tiny", 8, 16, device="meta")
+    with pytest.raises(PipelinePlanError, match=r"no stage plan under these options: zero_stage=2: parameter "
+                                                r"lm_head\.weight .*several layers use it"):
+        plan(model, example, LogicalMesh((2, 2), cluster="cpu-gloo"), force_data_parallel=True, zero_stage=2,
+             num_stages=2, num_microbatches=2, mixed_precision=mixed_precision)
 
 
 CASES = {f"{name}-{opt}": {"mesh": mesh, "optimizer": opt, "options": options}

@@ -180,12 +180,14 @@ def zero_stage_blockers(cg, table: dict[str, NodeStrategies], mesh, options: Pla
     axes = data_parallel_axes(options, mesh.shape)
     if options.zero_stage not in (1, 2) or not axes:
         return []
+    casts = cg.param_casts  # a cast passes the gradient through: its readers are its parameter's uses
     out = []
     for name, ns in table.items():
         for i, src in enumerate(ns.inputs):
-            if src in cg.param_fqns and src in table and not any(
+            ph = casts.get(src, src)
+            if name not in casts and ph in cg.param_fqns and ph in table and not any(
                     len(s.grad_partial) > i and s.grad_partial[i] is not None
                     and tuple(sorted(s.grad_partial[i])) == axes for s in ns.strategies):
-                out.append(f"parameter {cg.param_fqns[src]} is read by {name} ({cg.node(name).target}), which "
+                out.append(f"parameter {cg.param_fqns[ph]} is read by {name} ({cg.node(name).target}), which "
                            f"takes its gradient complete, not partial over mesh axes {list(axes)}")
     return out

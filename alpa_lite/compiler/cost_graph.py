@@ -239,6 +239,8 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         for i, (src_name, r) in enumerate(zip(ns.inputs, ns.input_results)):
             if src_name in where:  # else produced outside ``nodes``
                 ins = tuple((ns.strategies[q].in_specs[i], ns.strategies[q].grad_partial[i]) for q in placed.index)
+                if node.name != src_name and carried_parameter(cg, table, where, node.name) == src_name:
+                    continue  # a read that costs nothing (no move, no sync): not an edge
                 readers.setdefault((src_name, r), []).append((placed.var, ins))
                 scopes.setdefault((src_name, r), []).append(layer_of[node.name] if remat_forced and group is not None else None)
                 if group is not None:
@@ -248,7 +250,7 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
         val = cg.node(src_name).meta["val"]
         val = val[r] if isinstance(val, (tuple, list)) else val
         outs = tuple(src_ns.strategies[p].out_specs[r] for p in src.index)
-        zeros = tuple((src_ns.strategies[p].zero_stage, src_ns.strategies[p].zero_axes) for p in src.index)
+        zeros = value_zeros(cg, table, where, src_name)
         reduced = tuple(_reduced_in_op(src_ns, p, r) for p in src.index) if prefer_rs else None
         parameter = src_name in cg.param_fqns or src_name in casts
         weight = lookups.get(src_name)  # a lookup's output: its gradient sync is its weight's, bucketed
@@ -272,6 +274,35 @@ def build_cost_graph(cg: CapturedGraph, table: dict[str, NodeStrategies], mesh: 
                  for t, c in zip(ins, row)] for o, row in zip(outs, matrix)])
     sums.flush()
     return graph, where
+
+
+def carried_parameter(cg: CapturedGraph, table: dict[str, NodeStrategies], where: dict[str, Var],
+                      name: str) -> str | None:
+    """The parameter whose ZeRO-1/2 requirement (each use a gradient sync over its axes,
+    ``compiler.zero``) value ``name`` carries to its readers: a parameter's own; a cast's of a
+    parameter (``CapturedGraph.param_casts``: mixed precision's low-precision copy) on the
+    parameter's variable that reads it as stored, without a gradient sync, under every strategy
+    (the cast is linear, so a partial gradient passes through it to the parameter: its readers are
+    the parameter's uses, as ``training_step.defer_gradient_sync`` treats them); else None."""
+    if name in cg.param_fqns:
+        return name
+    ph = cg.param_casts.get(name)
+    if ph is None or ph not in where or name not in where or where[ph].var != where[name].var:
+        return None
+    strategies = [table[name].strategies[q] for q in where[name].index]
+    if all(s.in_specs[0] == s.out_specs[0] and not s.grad_partial[0] for s in strategies):
+        return ph
+    return None
+
+
+def value_zeros(cg: CapturedGraph, table: dict[str, NodeStrategies], where: dict[str, Var], name: str) -> tuple:
+    """Per strategy of ``name``'s variable, the ZeRO ``(stage, axes)`` its value's readers must
+    meet: those of the parameter it carries (``carried_parameter``), else ``(0, ())``."""
+    owner = carried_parameter(cg, table, where, name)
+    if owner is None:
+        return ((0, ()),) * len(where[name].index)
+    return tuple((table[owner].strategies[p].zero_stage, table[owner].strategies[p].zero_axes)
+                 for p in where[owner].index)
 
 
 def _price_value(graph: CostGraph, sums: _EdgeSums, reshard: ReshardCosts, u: int, outs: tuple, zeros: tuple,

@@ -119,6 +119,7 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
     tried = {}
     disk_hits = 0
     pricing_limits: list[dict] = []  # every B's: the choice among them was made on their figures
+    refusals: dict[str, None] = {}  # every B's ``GraphStageCosts.refusals``
     for b in candidates:
         say(f"capture (microbatch {batch // b}, B={b})")
         cg = capture_rows(batch // b)
@@ -183,13 +184,15 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
         costs.save_cache()
         disk_hits += costs.stats["disk_hits"]
         pricing_limits += costs.limits
+        refusals |= costs.refusals
         if res is None:
             continue
         tried[b] = res.objective
         if best is None or res.objective < best[0].objective:
             best = (res, cg, layers, costs)
     if best is None:
-        raise PipelinePlanError("no pipeline plan: " + "; ".join(f"B={k}: {v}" for k, v in tried.items()))
+        refused = f"; some layer ranges have no stage plan under these options: {' | '.join(refusals)}" if refusals else ""
+        raise PipelinePlanError("no pipeline plan: " + "; ".join(f"B={k}: {v}" for k, v in tried.items()) + refused)
     res, cg, layers, costs = best
     reduction = loss_reduction(cg)
     if res.num_microbatches > 1 and reduction.problems:

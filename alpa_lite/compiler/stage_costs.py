@@ -65,7 +65,7 @@ from ..core.resharding import reshard_costs
 from ..core.spec import ShardingSpec
 from .clustering import crossing_values
 from .constraints import apply_constraints, restrict
-from .cost_graph import build_cost_graph
+from .cost_graph import build_cost_graph, value_zeros
 from .ilp import MemoryBudgetError, SolverError, solve, solver_limits
 from .intra_op import recomputable
 from .stage_dp import StageOption
@@ -121,6 +121,10 @@ class GraphStageCosts:
     A range whose weights alone, split over all the submesh's devices, exceed ``memory_bytes``
     (``least_weight_bytes``) gets no options and no ILP.
 
+    ``refusals``: the reasons (in the order met, each once) a range got no options because the
+    plan's options leave one of its nodes no strategy there, e.g. ZeRO-1/2 asked of a weight that
+    two stages hold; a pipeline search that finds no plan names them.
+
     ``limits``: every stage-pricing ILP whose solver stopped at a limit before proving its optimum
     (solved here or read from the cache; ``"gap": None`` when it stopped before finding any feasible
     assignment, which then counts as no answer), in the order solved: ``{"ilp", "layers": [first, last],
@@ -137,6 +141,7 @@ class GraphStageCosts:
         self.sync_weight = 1.0 / num_microbatches
         self.num_microbatches = num_microbatches
         self.limits: list[dict] = []
+        self.refusals: dict[str, None] = {}
         self.schedules = (schedule,) if isinstance(schedule, str) else tuple(schedule)
         self._chains: dict[tuple, dict] = {}
         self.memory_bytes, self.max_in_flight = memory_bytes, max_in_flight
@@ -546,6 +551,8 @@ class GraphStageCosts:
                 answer = solve()
             except _Infeasible as e:  # a stop before any feasible answer is listed as a limit reached
                 answer = None, (0.0, 0.0), [{"ilp": "", "limit": e.limit, "gap": None}] if e.limit else []
+                if e.refused:
+                    self.refusals.setdefault(str(e))
             self.stats["ilp_solves"] += 1
             self.stats["ilp_s"] += time.perf_counter() - t0
             if self._disk is not None:
@@ -637,12 +644,13 @@ def _dominates(a: StageOption, b: StageOption) -> bool:
 
 
 class _Infeasible(Exception):
-    """No answer: nothing fits, or (``limit``: ``"nodes"`` / ``"time"``) the solver stopped at a
-    limit before it found a feasible assignment."""
+    """No answer: nothing fits, (``limit``: ``"nodes"`` / ``"time"``) the solver stopped at a
+    limit before it found a feasible assignment, or (``refused``) the plan's options leave a node
+    of the range no strategy (a forced spec or ZeRO stage it cannot take there)."""
 
-    def __init__(self, message: str, limit: str | None = None):
+    def __init__(self, message: str, limit: str | None = None, refused: bool = False):
         super().__init__(message)
-        self.limit = limit
+        self.limit, self.refused = limit, refused
 
 
 def _node_signature(node, cg) -> tuple:
@@ -752,7 +760,7 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
             if n in fixed and n in table:
                 restrict(table[n], lambda s, spec=fixed[n][0]: s.out_spec == spec)
     except ValueError as e:
-        raise _Infeasible(str(e)) from None
+        raise _Infeasible(str(e), refused=True) from None
     graph, where = build_cost_graph(cg, table, mesh, share_layers=options.share_layers, nodes=subset,
                                     remat=list(remat), remat_forced=remat_forced, options=options)
     reshard = reshard_costs(mesh, options)
@@ -823,20 +831,21 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
 
 
 def _discount_gradient_sync(cg, table, where, graph, names, reshard, weight: float) -> None:
-    """Scale the gradient-sync part of every parameter edge of the cost graph by ``weight``."""
+    """Scale the gradient-sync part of every parameter edge of the cost graph (a parameter's read,
+    or its low-precision cast's) by ``weight``."""
     for n in names:
         if n not in where or n not in table:
             continue
         ns = table[n]
         for i, src in enumerate(ns.inputs):
-            if src not in where or src not in cg.param_fqns:
+            if src not in where or src not in cg.param_fqns and src not in cg.param_casts:
                 continue
             val = cg.node(src).meta["val"]
             sv, dv = where[src], where[n]
             outs = tuple(table[src].strategies[p].out_specs[0] for p in sv.index)
             ins = tuple((ns.strategies[q].in_specs[i], ns.strategies[q].grad_partial[i]) for q in dv.index)
-            zeros = tuple((table[src].strategies[p].zero_stage, table[src].strategies[p].zero_axes) for p in sv.index)
-            sync = reshard.sync_matrix(outs, ins, tuple(val.shape), val.element_size(), zeros)
+            sync = reshard.sync_matrix(outs, ins, tuple(val.shape), val.element_size(),
+                                       value_zeros(cg, table, where, src))
             if any(any(row) for row in sync):
                 graph.add_edge(sv.var, dv.var, [[-(1 - weight) * c for c in row] for row in sync])
 

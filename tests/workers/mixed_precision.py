@@ -93,11 +93,19 @@ def main():
     model, example = build_model("gpt-tiny", 8, 16, device="cpu")
     batches = [build_model("gpt-tiny", 8, 16, device="cpu", seed=100 + s)[1] for s in range(STEPS)]
     seen = recording_all_reduce()
-    autocast = autocast_reference(model, batches)
-    bf16 = reference(model, batches, torch.bfloat16)
-    results = {"recipe_vs_autocast": differences(*bf16, autocast)}  # the same recipe, one process
+    # a plan with "untied": the model with lm_head a parameter of its own (a copy of the embedding),
+    # which pipelined ZeRO-1/2 needs (a weight two stages hold is not offered ZeRO-1/2)
+    untied = copy.deepcopy(model)
+    untied.lm_head.weight = torch.nn.Parameter(model.wte.weight.detach().clone())
+    nets = {False: model, True: untied}
+    autocast = {k: autocast_reference(m, batches) for k, m in nets.items()}
+    bf16 = {k: reference(m, batches, torch.bfloat16) for k, m in nets.items()}
+    results = {"recipe_vs_autocast": differences(*bf16[False], autocast[False])}  # the same recipe, one process
     for name, options in json.loads(args.plans).items():
-        trainer = parallelize(copy.deepcopy(model), (2, 2), example, optimizer=OPTIMIZER,
+        options = dict(options)
+        untie = options.pop("untied", False)
+        net = nets[untie]
+        trainer = parallelize(copy.deepcopy(net), (2, 2), example, optimizer=OPTIMIZER,
                               **options)
         dtype = LOW[options["mixed_precision"]]
         r = {}
@@ -128,15 +136,19 @@ def main():
         local = trainer.sp.plan if hasattr(trainer, "sp") else trainer.plan  # this rank's SPMD plan (its stage's)
         r["bucket_bytes_plan"] = sum(c.nbytes for c in local.collectives if c.node.startswith("gradient bucket"))
         r["param_bytes"] = sum(4 * trainer.params[trainer.view.param_fqns[ph]].numel() for ph in local.grad_sync)
-        ref_losses, ref_grads, ref_params = bf16 if dtype is torch.bfloat16 else reference(model, batches, dtype)
+        ref_losses, ref_grads, ref_params = bf16[untie] if dtype is torch.bfloat16 else reference(net, batches, dtype)
         r["grad_err"] = max(float((first[k] - v).abs().max()) for k, v in ref_grads.items())
         r["grad_scale"] = max(float(v.abs().max()) for v in ref_grads.values())
         got = trainer.state_dict()
         r["losses"], r["ref_losses"] = losses, ref_losses
         r["param_err"] = max(float((got[k] - v).abs().max()) for k, v in ref_params.items())
         if dtype is torch.bfloat16:
-            r["vs_autocast"] = differences(losses, first, got, autocast)
+            r["vs_autocast"] = differences(losses, first, got, autocast[untie])
         r["master_dtypes"] = sorted({str(p.dtype) for p in trainer.params.values()})
+        r["zero_stages"] = sorted({str(z) for z in local.zero_stages.values()})
+        r["state_numel"] = sum(v.numel() for s in trainer.optimizer.state.values() for v in s.values()
+                               if torch.is_tensor(v) and v.dim() > 0)
+        r["param_numel"] = sum(p.numel() for p in trainer.params.values())
         r["state_dtypes"] = sorted({str(v.dtype) for s in trainer.optimizer.state.values() for v in s.values()
                                    if torch.is_tensor(v) and v.dim() > 0})
         results[name] = r
