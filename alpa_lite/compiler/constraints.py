@@ -152,13 +152,23 @@ def data_parallel_axes(options: PlanOptions, mesh_shape: tuple[int, int]) -> tup
 
 
 def _force_zero_stage(cg, table: dict[str, NodeStrategies], stage: int, axes: tuple[int, ...]) -> None:
-    """Keep the strategies of ZeRO ``stage`` over ``axes`` of every trainable parameter in ``table``."""
+    """Keep the strategies of ZeRO ``stage`` over ``axes`` of every trainable parameter in ``table``.
+
+    ZeRO-3 stores a parameter split along a dim over ``axes``; one that no dim of splits evenly
+    there (a 0-dim temperature, odd sizes) takes ZeRO-2 over them instead (its gradient and
+    optimizer states in flat slices, which need no dim: DeepSpeed's flat partitions hold any
+    parameter), as ``Plan.zero_stages`` then says."""
+    zero2 = lambda s: s.zero_stage == 2 and s.zero_axes == axes  # noqa: E731
     if stage == 3:
         keep = lambda s: not s.zero_stage and set(axes) <= s.out_spec.axes()  # noqa: E731
     else:
         keep = lambda s: s.zero_stage == stage and s.zero_axes == axes  # noqa: E731
     for ph, fqn in cg.param_fqns.items():
         if not cg.node(ph).users:  # no op reads it: no gradient, no optimizer state to partition
+            continue
+        if stage == 3 and ph in table and not any(keep(s) for s in table[ph].strategies) and any(
+                zero2(s) for s in table[ph].strategies):
+            restrict(table[ph], zero2)
             continue
         if ph in table and not any(keep(s) for s in table[ph].strategies):
             shape = tuple(cg.node(ph).meta["val"].shape)

@@ -49,6 +49,17 @@ class MLP(torch.nn.Module):
         return torch.nn.functional.mse_loss(x, y)
 
 
+class TemperatureMLP(MLP):
+    """The MLP with its output scaled by a learned 0-dim temperature (CLIP's ``logit_scale``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.temperature = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x, y):
+        return super().forward(x, y / self.temperature)
+
+
 def held_bytes(trainer) -> dict[str, int]:
     """Bytes of the distinct storages the trainer holds for parameters, gradients and optimizer
     states (a ZeRO slice is a view of its parameter: counted once)."""
@@ -161,17 +172,18 @@ class SavedShapes:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", required=True, help="JSON: name -> {mesh, optimizer, options}")
+    ap.add_argument("--cases", required=True, help="JSON: name -> {mesh, optimizer, options, model (default mlp)}")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     init_distributed(60)
     torch.manual_seed(0)
-    model = MLP()
+    models = {"mlp": MLP(), "temperature": TemperatureMLP()}
     batches = [(torch.randn(BATCH, HIDDEN), torch.randn(BATCH, HIDDEN)) for _ in range(STEPS)]
     results = {}
     saved = SavedShapes()
     for name, case in json.loads(args.cases).items():
         opt = OPTIMIZERS[case["optimizer"]]
+        model = models[case.get("model", "mlp")]
         ref_losses, _, ref_params = reference(model, batches, LR, opt)
         trainer = parallelize(copy.deepcopy(model), tuple(case["mesh"]), batches[0],
                               optimizer=lambda p, opt=opt: opt(p, lr=LR), **case["options"])
