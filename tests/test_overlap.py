@@ -111,6 +111,11 @@ def test_peer_stopped_mid_backward_fails_on_the_timeout_and_is_named(tmp_path, c
     named = re.findall(r"rank (\d): " + NAMED[case] + r" failed \(a peer died, stopped or timed out\)", text)
     stopped = "3" if case.endswith("pipeline") else "1"
     assert named and stopped not in named, text[-3000:]  # a survivor names itself; the stopped rank says nothing
+    # and, by the ranks' heartbeats, the rank that stopped (a pipeline's survivor waits on its own
+    # peer, not on the rank that stopped; a survivor that exited first may be silent too)
+    silent = re.findall(r"failed \(a peer died, stopped or timed out\); silent \(died or stopped\): ranks? "
+                        r"(\d(?:, \d)*):", text)
+    assert silent and all(stopped in s.split(", ") for s in silent), text[-3000:]
 
 
 def test_predicted_overlap_hides_all_buckets_but_the_first_up_to_backward():

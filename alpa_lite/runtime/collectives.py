@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ..core.resharding import Step, backward_steps, forward_steps
+from . import launch
 from ..core.spec import ShardingSpec
 
 COUNTS: Counter = Counter()
@@ -105,8 +106,11 @@ def _issued(kind: str, phase: str, axes: tuple[int, ...] | None = None, what: st
 
 
 def failed(what: str, error: Exception) -> RuntimeError:
-    """The error of a collective ``what`` that failed with ``error``: it names this rank."""
-    return RuntimeError(f"rank {dist.get_rank()}: {what} failed (a peer died, stopped or timed out): {error}")
+    """The error of a collective ``what`` that failed with ``error``: it names this rank and, by
+    their heartbeats (``launch.silent_ranks``, a few seconds), the ranks that died or stopped."""
+    silent = launch.silent_ranks()
+    who = f"; silent (died or stopped): rank{'s'[:len(silent) > 1]} {', '.join(map(str, silent))}" if silent else ""
+    return RuntimeError(f"rank {dist.get_rank()}: {what} failed (a peer died, stopped or timed out){who}: {error}")
 
 
 @contextmanager

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import IO
@@ -69,6 +70,68 @@ def init_distributed(timeout_s: float = 120.0) -> None:
         torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
     atexit.register(_shut_down)
+    _start_heartbeat()
+
+
+HEARTBEAT_S = 1.0
+"""Seconds between two beats of a rank's heartbeat (``init_distributed``)."""
+_heartbeat_store = None  # this rank's reader of the job's heartbeats, once ``init_distributed`` started its own
+
+
+def _heartbeat_client():
+    """A client of the job's key-value store (torchrun's, at ``MASTER_ADDR:MASTER_PORT``), under
+    the heartbeat keys."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=10))
+    return dist.PrefixStore("alpa_lite/heartbeat", store)
+
+
+def _start_heartbeat() -> None:
+    """Count this rank's heartbeat in the job's store every ``HEARTBEAT_S`` seconds, from a
+    daemon thread, until the store goes (the job ends): ``silent_ranks`` tells from it which
+    ranks died or stopped when a collective fails."""
+    import torch.distributed as dist
+
+    global _heartbeat_store
+    key, beats = str(dist.get_rank()), _heartbeat_client()
+
+    def beat():
+        n = 0
+        while True:
+            n += 1
+            try:
+                beats.set(key, str(n))
+            except Exception:  # the store is gone: the job is ending
+                return
+            time.sleep(HEARTBEAT_S)
+
+    threading.Thread(target=beat, name="alpa-lite heartbeat", daemon=True).start()
+    _heartbeat_store = _heartbeat_client()
+
+
+def silent_ranks(wait_s: float = 2.5 * HEARTBEAT_S) -> list[int] | None:
+    """The ranks of the job whose heartbeat (``init_distributed``) did not advance in ``wait_s``
+    seconds: dead (exited, killed) or stopped, where a live rank's daemon thread beats every
+    ``HEARTBEAT_S`` even while it waits in a collective. Takes ``wait_s`` seconds; None when
+    unknown (this rank started no heartbeat, or the store is gone)."""
+    import torch.distributed as dist
+
+    if _heartbeat_store is None:
+        return None
+    keys = [str(r) for r in range(dist.get_world_size())]
+
+    def read():
+        return {k: _heartbeat_store.get(k) if _heartbeat_store.check([k]) else None for k in keys}
+
+    try:
+        before = read()
+        time.sleep(wait_s)
+        after = read()
+    except Exception:  # the store is gone
+        return None
+    return [int(k) for k in keys if before[k] == after[k]]
 
 
 def _shut_down() -> None:
