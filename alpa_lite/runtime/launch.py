@@ -95,7 +95,10 @@ def _start_heartbeat() -> None:
     import torch.distributed as dist
 
     global _heartbeat_store
-    key, beats = str(dist.get_rank()), _heartbeat_client()
+    try:
+        key, beats, reader = str(dist.get_rank()), _heartbeat_client(), _heartbeat_client()
+    except Exception:  # no store to reach (not torchrun's): no heartbeat, and failures name no silent rank
+        return
 
     def beat():
         n = 0
@@ -108,7 +111,7 @@ def _start_heartbeat() -> None:
             time.sleep(HEARTBEAT_S)
 
     threading.Thread(target=beat, name="alpa-lite heartbeat", daemon=True).start()
-    _heartbeat_store = _heartbeat_client()
+    _heartbeat_store = reader
 
 
 def silent_ranks(wait_s: float = 2.5 * HEARTBEAT_S) -> list[int] | None:
