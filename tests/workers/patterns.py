@@ -208,3 +208,684 @@ def views(batch, seq=None, device="cpu", seed=0):
 
 def unused(batch, seq=None, device="cpu", seed=0):
     return _regression(Unused, batch, seq, seed)
+
+
+# --- sweep 3: losses whose count depends on the data, batch statistics, shared blocks, outputs ---
+
+def _padded_targets(targets: torch.Tensor, seed: int) -> torch.Tensor:
+    """``targets`` with ``-100`` (ignore_index) at a random ~40% of the positions, row 3 all
+    padding: the count of valid tokens differs per row, per rank and per microbatch."""
+    g = _seeded(seed + 7)
+    pad = torch.rand(targets.shape, generator=g) < 0.4
+    pad[3 % targets.shape[0]] = True
+    return targets.masked_fill(pad, -100)
+
+
+class _LM(_Base):
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def logits(self, ids):
+        h = self.tok(ids)
+        return self.head(h + self.fc2(F.gelu(self.fc1(h))))
+
+
+class CEIgnore(_LM):
+    """Token cross-entropy with ``ignore_index=-100``: the mean over the valid tokens of the whole
+    batch (a mean of per-rank means is wrong: the counts differ)."""
+
+    def forward(self, ids, targets):
+        return F.cross_entropy(self.logits(ids).flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
+class CEWeight(_LM):
+    """Cross-entropy with class ``weight=`` (a buffer) and ignored tokens: the mean divides by the
+    sum of the selected weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("class_w", torch.linspace(0.25, 2.0, VOCAB))
+
+    def forward(self, ids, targets):
+        return F.cross_entropy(self.logits(ids).flatten(0, 1), targets.flatten(), weight=self.class_w)
+
+
+class CESmooth(_LM):
+    """Cross-entropy with ``label_smoothing=0.1`` and ignored tokens."""
+
+    def forward(self, ids, targets):
+        return F.cross_entropy(self.logits(ids).flatten(0, 1), targets.flatten(), label_smoothing=0.1)
+
+
+class CEWeightSmooth(CEWeight):
+    """Class weights and label smoothing together."""
+
+    def forward(self, ids, targets):
+        return F.cross_entropy(self.logits(ids).flatten(0, 1), targets.flatten(), weight=self.class_w,
+                               label_smoothing=0.1)
+
+
+class CE3d(_LM):
+    """Cross-entropy on ``(B, C, T)`` logits (the class dim 1), ignored tokens."""
+
+    def forward(self, ids, targets):
+        return F.cross_entropy(self.logits(ids).transpose(1, 2), targets)
+
+
+class NLL(_LM):
+    """``F.nll_loss`` after ``log_softmax``, ignored tokens."""
+
+    def forward(self, ids, targets):
+        return F.nll_loss(F.log_softmax(self.logits(ids), -1).flatten(0, 1), targets.flatten())
+
+
+class BN1d(_Base):
+    """``BatchNorm1d`` in training mode on ``(B, C, T)``: statistics over the whole batch, running
+    buffers updated."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4 * HIDDEN)
+
+    def forward(self, x, y):
+        h = self.bn(self.fc1(x).transpose(1, 2)).transpose(1, 2)
+        return F.mse_loss(self.fc2(F.relu(h)), y)
+
+
+class BN2d(_Base):
+    """``BatchNorm2d`` in training mode on ``(B, C, 2, T / 2)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm2d(4 * HIDDEN)
+
+    def forward(self, x, y):
+        b, t, _ = x.shape
+        h = self.fc1(x).permute(0, 2, 1).reshape(b, 4 * HIDDEN, 2, t // 2)
+        h = self.bn(h).reshape(b, 4 * HIDDEN, t).permute(0, 2, 1)
+        return F.mse_loss(self.fc2(F.relu(h)), y)
+
+
+class BatchCenter(_Base):
+    """Statistics over the batch dim in forward: ``x - x.mean(0)``."""
+
+    def forward(self, x, y):
+        h = self.fc1(x)
+        h = h - h.mean(0, keepdim=True)
+        return F.mse_loss(self.fc2(F.relu(h)), y)
+
+
+class BatchSoftmax(_Base):
+    """``softmax`` over dim 0 (the batch)."""
+
+    def forward(self, x, y):
+        h = self.fc1(x).softmax(0)
+        return F.mse_loss(self.fc2(h), y)
+
+
+class BatchNormalize(_Base):
+    """``F.normalize`` over dim 0 (the batch)."""
+
+    def forward(self, x, y):
+        h = F.normalize(self.fc1(x), dim=0)
+        return F.mse_loss(self.fc2(F.relu(h)), y)
+
+
+class Norms(_Base):
+    """``LayerNorm(elementwise_affine=False)``, ``Linear(bias=False)``, ``RMSNorm(eps=1e-3)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(HIDDEN, 4 * HIDDEN, bias=False)
+        self.ln = nn.LayerNorm(4 * HIDDEN, elementwise_affine=False, eps=1e-3)
+        self.rms = nn.RMSNorm(HIDDEN, eps=1e-3)
+        self.out = nn.Linear(HIDDEN, HIDDEN, bias=False)
+
+    def forward(self, x, y):
+        h = x + self.fc2(F.silu(self.ln(self.fc1(self.rms(x)))))
+        return F.mse_loss(self.out(h), y)
+
+
+class Albert(_Base):
+    """ALBERT-style sharing: one block (``fc1``, ``fc2``, a LayerNorm) called 3 times."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x, y):
+        h = x
+        for _ in range(3):
+            h = h + self.fc2(F.gelu(self.fc1(self.ln(h))))
+        return F.mse_loss(self.head(h), y)
+
+
+class TupleOut(CEIgnore):
+    """``forward`` returns ``(loss, logits)`` (HF ``return_dict=False``)."""
+
+    def forward(self, ids, targets):
+        logits = self.logits(ids)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()), logits
+
+
+class DictOut(CEIgnore):
+    """``forward`` returns a dict with extra tensors and non-tensors."""
+
+    def forward(self, ids, targets):
+        logits = self.logits(ids)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return {"logits": logits, "loss": loss, "hidden": logits.detach().mean(-1), "n": 3, "past": None}
+
+
+class LeftPad(_LM):
+    """Left padding: position ids from ``attention_mask.cumsum(-1)`` (HF generate style), int32
+    token ids, the padded positions' targets ignored."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Embedding(16, HIDDEN)
+
+    def forward(self, ids, mask, targets):
+        pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        h = self.tok(ids) + self.pos(pos)
+        logits = self.head(h + self.fc2(F.gelu(self.fc1(h))))
+        return F.cross_entropy(logits.flatten(0, 1), targets.masked_fill(mask == 0, -100).flatten())
+
+
+class PadIdx(_LM):
+    """``nn.Embedding(padding_idx=0)`` (its row gets no gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, HIDDEN, padding_idx=0, max_norm=None)
+
+    def forward(self, ids, targets):
+        return F.cross_entropy(self.logits(ids).flatten(0, 1), targets.flatten())
+
+
+class FreqEmb(_LM):
+    """``nn.Embedding(scale_grad_by_freq=True)``: a row's gradient divided by its count in the
+    whole index tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, HIDDEN, scale_grad_by_freq=True)
+
+    def forward(self, ids, targets):
+        return F.cross_entropy(self.logits(ids).flatten(0, 1), targets.flatten())
+
+
+def _lm(cls, batch, seq, seed, pad=True):
+    g, seq = _seeded(seed + 1), seq or 8
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    targets = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    return _build(cls, seed), (ids, _padded_targets(targets, seed) if pad else targets)
+
+
+def ce_ignore(batch, seq=None, device="cpu", seed=0):
+    return _lm(CEIgnore, batch, seq, seed)
+
+
+def ce_weight(batch, seq=None, device="cpu", seed=0):
+    return _lm(CEWeight, batch, seq, seed)
+
+
+def ce_smooth(batch, seq=None, device="cpu", seed=0):
+    return _lm(CESmooth, batch, seq, seed)
+
+
+def ce_weight_smooth(batch, seq=None, device="cpu", seed=0):
+    return _lm(CEWeightSmooth, batch, seq, seed)
+
+
+def ce_3d(batch, seq=None, device="cpu", seed=0):
+    return _lm(CE3d, batch, seq, seed)
+
+
+def nll(batch, seq=None, device="cpu", seed=0):
+    return _lm(NLL, batch, seq, seed)
+
+
+def bn1d(batch, seq=None, device="cpu", seed=0):
+    return _regression(BN1d, batch, seq, seed)
+
+
+def bn2d(batch, seq=None, device="cpu", seed=0):
+    return _regression(BN2d, batch, seq, seed)
+
+
+def batch_center(batch, seq=None, device="cpu", seed=0):
+    return _regression(BatchCenter, batch, seq, seed)
+
+
+def batch_softmax(batch, seq=None, device="cpu", seed=0):
+    return _regression(BatchSoftmax, batch, seq, seed)
+
+
+def batch_normalize(batch, seq=None, device="cpu", seed=0):
+    return _regression(BatchNormalize, batch, seq, seed)
+
+
+def norms(batch, seq=None, device="cpu", seed=0):
+    return _regression(Norms, batch, seq, seed)
+
+
+def albert(batch, seq=None, device="cpu", seed=0):
+    return _regression(Albert, batch, seq, seed)
+
+
+def tuple_out(batch, seq=None, device="cpu", seed=0):
+    return _lm(TupleOut, batch, seq, seed)
+
+
+def dict_out(batch, seq=None, device="cpu", seed=0):
+    return _lm(DictOut, batch, seq, seed)
+
+
+def left_pad(batch, seq=None, device="cpu", seed=0):
+    g, seq = _seeded(seed + 1), seq or 8
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=g, dtype=torch.int32)
+    start = torch.randint(0, seq - 1, (batch,), generator=g)  # row i: its first start[i] positions pad
+    mask = (torch.arange(seq)[None, :] >= start[:, None]).long()
+    return _build(LeftPad, seed), (ids, mask, torch.randint(0, VOCAB, (batch, seq), generator=g))
+
+
+def pad_idx(batch, seq=None, device="cpu", seed=0):
+    model, (ids, targets) = _lm(PadIdx, batch, seq, seed, pad=False)
+    return model, (ids.masked_fill(targets % 3 == 0, 0), targets)
+
+
+def freq_emb(batch, seq=None, device="cpu", seed=0):
+    model, (ids, targets) = _lm(FreqEmb, batch, seq, seed, pad=False)
+    return model, (ids % 6, targets)  # few distinct ids: counts > 1, and differ per shard
+
+
+# --- ops over the dim a column-parallel fc1 splits (its output's last dim, 4 hidden) ---
+
+class SwiGLU(_Base):
+    """A fused gate/up projection split with ``chunk(2, -1)`` (LLaMA / Megatron SwiGLU): a
+    column-parallel ``fc1`` must not chunk its local shard."""
+
+    def forward(self, x, y):
+        a, b = self.fc1(x).chunk(2, -1)
+        h = F.silu(a) * b
+        return F.mse_loss(self.fc2(torch.cat([h, b], -1)), y)
+
+
+class SplitUneven(_Base):
+    """``torch.split`` of ``fc1``'s output into unequal parts ``[16, 16, 32]``."""
+
+    def forward(self, x, y):
+        q, k, v = self.fc1(x).split([16, 16, 32], -1)
+        h = torch.cat([torch.tanh(q * k), v, q], -1)
+        return F.mse_loss(self.fc2(h), y)
+
+
+class HandNorm(_Base):
+    """A hand-written norm over ``fc1``'s output: ``mean``, ``var(unbiased)``, ``std``, ``amax``,
+    ``logsumexp`` over the last dim."""
+
+    def forward(self, x, y):
+        h = self.fc1(x)
+        h = (h - h.mean(-1, keepdim=True)) / torch.sqrt(h.var(-1, keepdim=True) + 1e-5)
+        h = h + 0.1 * h.std(-1, keepdim=True) - 0.1 * h.amax(-1, keepdim=True)
+        h = h - 0.5 * torch.logsumexp(h, -1, keepdim=True)
+        return F.mse_loss(self.fc2(h), y)
+
+
+class Cumsum(_Base):
+    """``cumsum``, ``flip`` and ``roll`` along ``fc1``'s output dim."""
+
+    def forward(self, x, y):
+        h = self.fc1(x)
+        h = h.cumsum(-1) * 0.1 + h.flip(-1) - torch.roll(h, 3, -1)
+        return F.mse_loss(self.fc2(torch.tanh(h)), y)
+
+
+class TopK(_Base):
+    """Keep the top 8 of ``fc1``'s 64 outputs per token (``topk`` then a mask; a sort too)."""
+
+    def forward(self, x, y):
+        h = self.fc1(x)
+        kth = h.topk(8, -1).values[..., -1:]
+        h = h * (h >= kth) + 0.01 * h.sort(-1).values
+        return F.mse_loss(self.fc2(h), y)
+
+
+class ReshapeMix(_Base):
+    """Reshapes that cut across ``fc1``'s output dim: ``(B, T, 64) -> (B, 4 T, 16)`` and back,
+    ``flatten(1)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.mix = nn.Linear(16, 16)
+
+    def forward(self, x, y):
+        b, t, _ = x.shape
+        h = self.fc1(x)
+        h = self.mix(h.reshape(b, 4 * t, 16)).reshape(b, t, 64)
+        h = h.flatten(1).softmax(-1).view(b, t, 64) * 64
+        return F.mse_loss(self.fc2(h), y)
+
+
+class PartialNorm(_Base):
+    """Norms of a row-parallel ``fc2``'s output (a pending partial sum): ``F.normalize``,
+    ``torch.linalg.vector_norm``, ``abs().max()``."""
+
+    def forward(self, x, y):
+        h = self.fc2(F.relu(self.fc1(x)))
+        h = F.normalize(h, dim=-1) + 0.1 * torch.linalg.vector_norm(h, dim=-1, keepdim=True)
+        return F.mse_loss(h, y) + 0.01 * h.abs().amax()
+
+
+ODD_HIDDEN, ODD_VOCAB = 27, 31
+
+
+class OddDims(nn.Module):
+    """Sizes no mesh axis divides: ``fc1`` 16 -> 27, vocab 31 (Megatron-LM #1754)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(ODD_VOCAB, HIDDEN)
+        self.fc1 = nn.Linear(HIDDEN, ODD_HIDDEN)
+        self.fc2 = nn.Linear(ODD_HIDDEN, HIDDEN)
+        self.head = nn.Linear(HIDDEN, ODD_VOCAB)
+
+    def forward(self, ids, targets):
+        h = self.tok(ids)
+        h = h + self.fc2(F.gelu(self.fc1(h)))
+        return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
+def swiglu(batch, seq=None, device="cpu", seed=0):
+    return _regression(SwiGLU, batch, seq, seed)
+
+
+def split_uneven(batch, seq=None, device="cpu", seed=0):
+    return _regression(SplitUneven, batch, seq, seed)
+
+
+def hand_norm(batch, seq=None, device="cpu", seed=0):
+    return _regression(HandNorm, batch, seq, seed)
+
+
+def cumsum(batch, seq=None, device="cpu", seed=0):
+    return _regression(Cumsum, batch, seq, seed)
+
+
+def topk(batch, seq=None, device="cpu", seed=0):
+    return _regression(TopK, batch, seq, seed)
+
+
+def reshape_mix(batch, seq=None, device="cpu", seed=0):
+    return _regression(ReshapeMix, batch, seq, seed)
+
+
+def partial_norm(batch, seq=None, device="cpu", seed=0):
+    return _regression(PartialNorm, batch, seq, seed)
+
+
+def odd_dims(batch, seq=None, device="cpu", seed=0):
+    g, seq = _seeded(seed + 1), seq or 8
+    targets = torch.randint(0, ODD_VOCAB, (batch, seq), generator=g)
+    return _build(OddDims, seed), (torch.randint(0, ODD_VOCAB, (batch, seq), generator=g),
+                                   _padded_targets(targets, seed))
+
+
+# --- more losses and normalizations ---
+
+class NumItems(_LM):
+    """HF's gradient-accumulation fix: ``cross_entropy(reduction="sum") / num_items_in_batch``,
+    the count a 0-dim tensor input computed over the whole batch outside the model."""
+
+    def forward(self, ids, targets, num_items):
+        return F.cross_entropy(self.logits(ids).flatten(0, 1), targets.flatten(), reduction="sum") / num_items
+
+
+class MaskedSelect(_LM):
+    """An MLM loss over the selected positions only: ``logits[targets != -100]`` (a
+    data-dependent shape)."""
+
+    def forward(self, ids, targets):
+        keep = targets != -100
+        return F.cross_entropy(self.logits(ids)[keep], targets[keep])
+
+
+class TwoLosses(_LM):
+    """A token cross-entropy with ignored tokens plus an auxiliary per-element MSE (mean)."""
+
+    def forward(self, ids, targets):
+        h = self.tok(ids)
+        z = self.fc2(F.gelu(self.fc1(h)))
+        ce = F.cross_entropy(self.head(h + z).flatten(0, 1), targets.flatten())
+        return ce + 0.5 * F.mse_loss(z, h.detach())
+
+
+class Ckpt(_Base):
+    """``torch.utils.checkpoint`` (non-reentrant) around the MLP block."""
+
+    def forward(self, x, y):
+        h = torch.utils.checkpoint.checkpoint(lambda t: self.fc2(F.gelu(self.fc1(t))), x, use_reentrant=False)
+        return F.mse_loss(x + h, y)
+
+
+class GroupInstNorm(_Base):
+    """``GroupNorm(8, 64)`` and ``InstanceNorm1d(64, affine=True)`` on ``(B, C, T)`` (instance norm
+    runs as a batch norm over a ``(1, B*C, T)`` view)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gn = nn.GroupNorm(8, 4 * HIDDEN)
+        self.inorm = nn.InstanceNorm1d(4 * HIDDEN, affine=True)
+
+    def forward(self, x, y):
+        h = self.fc1(x).transpose(1, 2)
+        h = self.inorm(self.gn(h)).transpose(1, 2)
+        return F.mse_loss(self.fc2(F.relu(h)), y)
+
+
+class InstRunning(_Base):
+    """``InstanceNorm1d(track_running_stats=True)``: the running buffers average the instances'
+    statistics over the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.inorm = nn.InstanceNorm1d(4 * HIDDEN, track_running_stats=True)
+
+    def forward(self, x, y):
+        h = self.inorm(self.fc1(x).transpose(1, 2)).transpose(1, 2)
+        return F.mse_loss(self.fc2(F.relu(h)), y)
+
+
+class BNCumulative(_Base):
+    """``BatchNorm1d(momentum=None)``: a cumulative average, the factor ``1 / num_batches_tracked``."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4 * HIDDEN, momentum=None)
+
+    def forward(self, x, y):
+        h = self.bn(self.fc1(x).transpose(1, 2)).transpose(1, 2)
+        return F.mse_loss(self.fc2(F.relu(h)), y)
+
+
+class BNNoStats(_Base):
+    """``BatchNorm1d(track_running_stats=False)``: batch statistics, no buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4 * HIDDEN, track_running_stats=False)
+
+    def forward(self, x, y):
+        h = self.bn(self.fc1(x).transpose(1, 2)).transpose(1, 2)
+        return F.mse_loss(self.fc2(F.relu(h)), y)
+
+
+class BNEval(BN1d):
+    """A batch norm in evaluation mode (frozen statistics, as when fine-tuning a backbone)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn.running_mean.uniform_(-0.5, 0.5)
+        self.bn.running_var.uniform_(0.5, 1.5)
+        self.bn.eval()
+
+
+class SyncBNConv(nn.Module):
+    """``Conv2d`` + ``BatchNorm2d`` + ``ReLU`` (a ResNet stem) on images, ``fc1`` / ``fc2`` after the
+    pooling."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc1 = nn.Linear(8, 4 * HIDDEN)
+        self.fc2 = nn.Linear(4 * HIDDEN, 10)
+
+    def forward(self, img, labels):
+        h = F.relu(self.bn(self.conv(img))).mean((2, 3))
+        return F.cross_entropy(self.fc2(F.relu(self.fc1(h))), labels)
+
+
+def num_items(batch, seq=None, device="cpu", seed=0):
+    model, (ids, targets) = _lm(NumItems, batch, seq, seed)
+    return model, (ids, targets, (targets != -100).sum().float())
+
+
+def masked_select(batch, seq=None, device="cpu", seed=0):
+    return _lm(MaskedSelect, batch, seq, seed)
+
+
+def two_losses(batch, seq=None, device="cpu", seed=0):
+    return _lm(TwoLosses, batch, seq, seed)
+
+
+def ckpt(batch, seq=None, device="cpu", seed=0):
+    return _regression(Ckpt, batch, seq, seed)
+
+
+def group_inst_norm(batch, seq=None, device="cpu", seed=0):
+    return _regression(GroupInstNorm, batch, seq, seed)
+
+
+def inst_running(batch, seq=None, device="cpu", seed=0):
+    return _regression(InstRunning, batch, seq, seed)
+
+
+def bn_cumulative(batch, seq=None, device="cpu", seed=0):
+    return _regression(BNCumulative, batch, seq, seed)
+
+
+def bn_no_stats(batch, seq=None, device="cpu", seed=0):
+    return _regression(BNNoStats, batch, seq, seed)
+
+
+def bn_eval(batch, seq=None, device="cpu", seed=0):
+    return _regression(BNEval, batch, seq, seed)
+
+
+def syncbn_conv(batch, seq=None, device="cpu", seed=0):
+    g = _seeded(seed + 1)
+    return _build(SyncBNConv, seed), (torch.randn(batch, 3, 6, 6, generator=g), torch.randint(0, 10, (batch,), generator=g))
+
+
+# --- inputs that are not split by rows ---
+
+class SeqFirst(_Base):
+    """Sequence-first inputs ``(T, B, H)`` (``nn.MultiheadAttention``'s and ``nn.Transformer``'s
+    default ``batch_first=False``): attention over dim 0, the batch on dim 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
+
+    def forward(self, x, y):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        att = torch.einsum("tbd,sbd->bts", q, k).softmax(-1)
+        h = x + torch.einsum("bts,sbd->tbd", att, v)
+        return F.mse_loss(h + self.fc2(F.relu(self.fc1(h))), y)
+
+
+class SeqFirstLocal(_Base):
+    """Sequence-first ``(T, B, H)`` with a causal running mean over time (``cumsum`` on dim 0)."""
+
+    def forward(self, x, y):
+        t = x.shape[0]
+        h = x.cumsum(0) / torch.arange(1, t + 1, dtype=x.dtype)[:, None, None]
+        return F.mse_loss(self.fc2(F.relu(self.fc1(h))), y)
+
+
+class SharedMask(Masks):
+    """One ``(T, T)`` attention mask for the whole batch, passed as an input."""
+
+    def forward(self, x, mask):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, HIDDEN // 2).permute(2, 0, 3, 1, 4)
+        h = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, t, HIDDEN)
+        h = self.fc2(F.relu(self.fc1(self.proj(h))))
+        return (h ** 2).mean()
+
+
+class WeightInput(_LM):
+    """Class weights passed as an input (``forward(ids, targets, class_w)``), not a buffer."""
+
+    def forward(self, ids, targets, class_w):
+        return F.cross_entropy(self.logits(ids).flatten(0, 1), targets.flatten(), weight=class_w)
+
+
+class ScalarFirst(_Base):
+    """A 0-dim input first: ``forward(scale, x, y)`` (a temperature, a loss scale)."""
+
+    def forward(self, scale, x, y):
+        return F.mse_loss(self.fc2(F.relu(self.fc1(x))) * scale, y)
+
+
+def seq_first(batch, seq=None, device="cpu", seed=0):
+    g, seq = _seeded(seed + 1), seq or 8
+    return _build(SeqFirst, seed), (torch.randn(seq, batch, HIDDEN, generator=g),
+                                    torch.randn(seq, batch, HIDDEN, generator=g))
+
+
+def seq_first_local(batch, seq=None, device="cpu", seed=0):
+    g, seq = _seeded(seed + 1), seq or 8
+    return _build(SeqFirstLocal, seed), (torch.randn(seq, batch, HIDDEN, generator=g),
+                                         torch.randn(seq, batch, HIDDEN, generator=g))
+
+
+def shared_mask(batch, seq=None, device="cpu", seed=0):
+    g, seq = _seeded(seed + 1), seq or 8
+    return _build(SharedMask, seed), (torch.randn(batch, seq, HIDDEN, generator=g),
+                                      torch.ones(seq, seq, dtype=torch.bool).tril())
+
+
+def weight_input(batch, seq=None, device="cpu", seed=0):
+    model, (ids, targets) = _lm(WeightInput, batch, seq, seed)
+    return model, (ids, targets, torch.linspace(0.25, 2.0, VOCAB))
+
+
+def scalar_first(batch, seq=None, device="cpu", seed=0):
+    model, (x, y) = _regression(ScalarFirst, batch, seq, seed)
+    return model, (torch.tensor(1.5 + seed % 3), x, y)
+
+
+class PosReuse(_LM):
+    """A position embedding of ``arange(T)`` (replicated under a split batch) added at the input and
+    again before the head: with 2 stages its lookup's output is read in both."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Embedding(16, HIDDEN)
+
+    def forward(self, ids, targets):
+        pos = self.pos(torch.arange(ids.shape[1]))
+        h = self.tok(ids) + pos
+        h = h + self.fc2(F.gelu(self.fc1(h)))
+        h = h + self.fc2(F.gelu(self.fc1(h)))
+        return F.cross_entropy(self.head(h + pos).flatten(0, 1), targets.flatten())
+
+
+def pos_reuse(batch, seq=None, device="cpu", seed=0):
+    return _lm(PosReuse, batch, seq, seed)
