@@ -129,6 +129,17 @@ def test_loss_reduction_reads_the_graph(case):
     assert (r.kind, r.denominator, len(r.problems)) == (kind, den, problems), r
 
 
+def test_a_sum_over_a_count_input_is_a_sum():
+    """HF's gradient-accumulation loss: ``cross_entropy(reduction="sum") / num_items_in_batch``,
+    the count a 0-dim input computed over the whole batch, passed whole to every microbatch: the
+    microbatches' losses add. The input was read as depending on the batch and the loss as
+    nonlinear (a problem, kind "mean"), so 2 accumulated microbatches averaged them: half the loss."""
+    x, y = torch.randint(0, 11, (4, 6)), torch.randint(0, 11, (4, 6))
+    n = (y != 0).sum().float()
+    r = loss_reduction(capture(_Net(), (x,), lambda o, y, n: _ce(o, y, ignore_index=0, reduction="sum") / n, (y, n)))
+    assert (r.kind, r.denominator, r.problems) == ("sum", None, ()), r
+
+
 def test_batch_norm_is_a_problem_for_microbatches():
     x, y = torch.randint(0, 11, (4, 6)), torch.randint(0, 11, (4, 6))
     r = loss_reduction(capture(_Net(bn=True), (x,), lambda o, y: _ce(o, y), (y,)))

@@ -18,6 +18,12 @@ transposed (non-contiguous) view between layers (``views``: the pipeline used to
 "input tensor has to be contiguous": its gradient's receive buffer kept the sent view's strides);
 a layer never called and a buffer never read (``unused``: the pipeline dropped them from
 ``state_dict()``, and verify flagged the zero gradients the trainer reports for them).
+
+More cases (:data:`EXTRA`): a 0-dim tensor input (``num_items``: HF's ``reduction="sum"`` loss over
+a ``num_items_in_batch`` input, and ``scalar_first``: a 0-dim input in first place) under the
+pipeline (it died slicing the 0-dim input into microbatches, and rank 0 waited 120 s for the dead
+rank) and under 2 accumulated microbatches (the count input was read as depending on the batch,
+the loss as nonlinear, and the microbatches' losses were averaged: half the loss).
 """
 import json
 from pathlib import Path
@@ -32,6 +38,11 @@ PLANS = {"dp": {"force_data_parallel": True}, "auto": {},
          "megatron": {"batch_axis": 0, "param_specs": {"fc1.weight": "S1R", "fc2.weight": "RS1"}},
          "pipe": {"pipeline": 2, "num_microbatches": 2, "num_layers": 2}}
 CASES = {f"{p}-{k}": {"model": f"patterns:{p}", "seq": 8, "options": o} for p in PATTERNS for k, o in PLANS.items()}
+ACCUMULATE = {"force_data_parallel": True, "accumulate": 2}
+EXTRA = {"num_items-accumulate": ("num_items", ACCUMULATE),
+         "scalar_first-accumulate": ("scalar_first", ACCUMULATE), "num_items-pipe": ("num_items", PLANS["pipe"]),
+         "scalar_first-pipe": ("scalar_first", PLANS["pipe"])}
+CASES |= {name: {"model": f"patterns:{p}", "seq": 8, "options": o} for name, (p, o) in EXTRA.items()}
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """How a captured loss reduces over the batch (``LossReduction``), read from its graph.
 
 The captured graph is read back from the loss node through affine scalar ops (add, sub, mul
-or div by a value that does not depend on the batch, neg, casts) to its *leaves*, the nodes that reduce a per-sample tensor over the batch: a sum, a
+or div by a value that does not depend on the batch, such as a 0-dim input, neg, casts) to its *leaves*, the nodes that reduce a per-sample tensor over the batch: a sum, a
 mean, a loss op, or a quotient of two batch sums (a hand-written masked token mean
 ``(x * m).sum() / m.sum()``). A batch sum divided by the number the batch's rows had at capture
 is a batch mean: export bakes ``x.size(0)`` into the graph as that number (``kl_div``'s
@@ -72,7 +72,9 @@ class _Reader:
     def __init__(self, cg, table):
         self.cg = cg
         self.batch = {n: ns.batch_dims[0] for n, ns in table.items()}  # the dim of per-sample rows
-        self.depends: dict[str, bool] = {}  # depends on the batch's values
+        # depends on the batch's values; an input without a batch dim (a 0-dim count such as HF's
+        # ``num_items_in_batch``, a temperature) is passed whole to every microbatch: a constant here
+        self.depends: dict[str, bool] = {}
         self.mixed: dict[str, str | None] = {}  # first op upstream that combines samples (a message)
         self.counts: dict[str, bool] = {}  # an integer arange over the batch's rows (an index)
         self.counted: dict[str, bool] = {}  # values made from one (an embedding of it, a float cast)
@@ -81,7 +83,7 @@ class _Reader:
         self.rows = rows.pop() if len(rows) == 1 else None  # the batch size the graph was captured at
         for node in cg.graph.nodes:
             ins = node.all_input_nodes
-            self.depends[node.name] = node.name in cg.input_names or (
+            self.depends[node.name] = (node.name in cg.input_names and self.batch.get(node.name) is not None) or (
                 node.target not in _SHAPE_ONLY and any(self.depends[i.name] for i in ins))
             upstream = next((self.mixed[i.name] for i in ins if self.mixed[i.name]), None)
             sig = signature(node) if node.op == "call_function" else None

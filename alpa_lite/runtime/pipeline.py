@@ -348,16 +348,14 @@ class PipelineTrainer(Trainer):
         """Run the stage's nodes on microbatch ``mb`` of the flat ``batch`` (``input_names`` order),
         its ZeRO-3 parameter copies recorded in ``gathered`` (``LocalExecutor.gathered_parameters``);
         returns (values sent, the microbatch's weighted loss ``w_m L_m`` on the last stage, else None)."""
-        size = batch[0].shape[0] // self.num_microbatches
         self.executor.calls += 1  # every microbatch draws new random numbers (dropout masks)
         values: dict[str, object] = {}
         values |= {ph: self.params[fqn] for ph, fqn in self.view.param_fqns.items()}
         values |= {ph: self.buffers[fqn] for ph, fqn in self.view.buffer_fqns.items()}
         values |= self.constants
-        for name, x in zip(self.cg.input_names, batch):
+        for name, part in zip(self.cg.input_names, self._microbatch(batch, mb)):  # a 0-dim input whole
             if name in self.view.input_names:
-                part = x[mb * size:(mb + 1) * size].to(self.device)
-                values[name] = local_slice(part, self.sp.plan.input_specs[name], self.groups)
+                values[name] = local_slice(part.to(self.device), self.sp.plan.input_specs[name], self.groups)
         # a received activation is an autograd leaf, which no op may write in place (relu_, +=):
         # the stage's in-place ops write a copy of it
         values |= {n: t.clone() if n in self._written else t for n, t in received.items()}
