@@ -19,8 +19,12 @@ transposed (non-contiguous) view between layers (``views``: the pipeline used to
 a layer never called and a buffer never read (``unused``: the pipeline dropped them from
 ``state_dict()``, and verify flagged the zero gradients the trainer reports for them).
 
-More cases (:data:`EXTRA`): a 0-dim tensor input (``num_items``: HF's ``reduction="sum"`` loss over
-a ``num_items_in_batch`` input, and ``scalar_first``: a 0-dim input in first place) under the
+More cases (:data:`EXTRA`): a token embedding whose output feeds a column-parallel ``fc1`` in the
+first stage and, through a residual, the second stage (``ce_ignore`` under a 2-stage pipeline with
+``fc1`` / ``fc2`` Megatron-split inside the stages: the embedding's gradient sync was deferred to
+its weight as if ``fc1`` were its only reader, and the all-reduce doubled the gradient received
+from stage 1); a 0-dim tensor input (``num_items``: HF's ``reduction="sum"`` loss over a
+``num_items_in_batch`` input, and ``scalar_first``: a 0-dim input in first place) under the
 pipeline (it died slicing the 0-dim input into microbatches, and rank 0 waited 120 s for the dead
 rank) and under 2 accumulated microbatches (the count input was read as depending on the batch,
 the loss as nonlinear, and the microbatches' losses were averaged: half the loss).
@@ -38,8 +42,9 @@ PLANS = {"dp": {"force_data_parallel": True}, "auto": {},
          "megatron": {"batch_axis": 0, "param_specs": {"fc1.weight": "S1R", "fc2.weight": "RS1"}},
          "pipe": {"pipeline": 2, "num_microbatches": 2, "num_layers": 2}}
 CASES = {f"{p}-{k}": {"model": f"patterns:{p}", "seq": 8, "options": o} for p in PATTERNS for k, o in PLANS.items()}
+PIPE_TP = PLANS["pipe"] | {"param_specs": PLANS["megatron"]["param_specs"]}
 ACCUMULATE = {"force_data_parallel": True, "accumulate": 2}
-EXTRA = {"num_items-accumulate": ("num_items", ACCUMULATE),
+EXTRA = {"ce_ignore-pipe_tp": ("ce_ignore", PIPE_TP), "num_items-accumulate": ("num_items", ACCUMULATE),
          "scalar_first-accumulate": ("scalar_first", ACCUMULATE), "num_items-pipe": ("num_items", PLANS["pipe"]),
          "scalar_first-pipe": ("scalar_first", PLANS["pipe"])}
 CASES |= {name: {"model": f"patterns:{p}", "seq": 8, "options": o} for name, (p, o) in EXTRA.items()}
@@ -63,5 +68,5 @@ def test_pattern_trains_equal_to_one_process(results, name):
     if name.endswith("-megatron"):
         # fc1.weight, fc1.bias, fc2.weight split (and unused's spare layer: no op reads it)
         assert ("5 of" if name.startswith("unused") else "3 of") in r["plan"], r["plan"]
-    if name.endswith("-pipe"):
+    if name.endswith(("-pipe", "-pipe_tp")):
         assert r["plan"].startswith("2 stages (stage 0: 1x2; stage 1: 1x2)"), r["plan"]

@@ -37,7 +37,10 @@ def defer_gradient_sync(cg: CapturedGraph, nodes: dict[str, NodePlan]
     lookup's readers: when each of them syncs the lookup's output gradient over the same axes
     (the output replicated under a split batch), the lookup back-propagates that partial sum
     unsynchronized, its backward being linear, and the weight's local gradient, a partial sum
-    over those axes, is reduced in a bucket instead (as DDP buckets the weight's gradient).
+    over those axes, is reduced in a bucket instead (as DDP buckets the weight's gradient). A
+    lookup whose output is also read outside ``nodes`` (sent to a later pipeline stage, whose
+    gradient arrives complete, the same on every device) keeps its readers' syncs: the bucket
+    would add that gradient once per device.
 
     Returns:
         ``(nodes with those uses' grad_partial emptied, parameter placeholder -> axes)``.
@@ -47,11 +50,13 @@ def defer_gradient_sync(cg: CapturedGraph, nodes: dict[str, NodePlan]
     through = {c: ph for c, ph in casts.items() if c in nodes and nodes[c].in_specs[0] == nodes[c].out_specs[0]
                and not nodes[c].grad_partial[0]}
     spec = {ph: nodes[ph].out_specs[0] for ph in uses if ph in nodes}
-    # a lookup that reads its weight as stored: its readers' edges are the weight's uses, in the lookup's output spec
+    # a lookup that reads its weight as stored: its readers' edges are the weight's uses, in the lookup's output spec;
+    # not when a reader is outside ``nodes`` (a later pipeline stage, its gradient received complete: it is no sync)
     for e, ph in cg.param_lookups.items():
         read = nodes[e].inputs[0] if e in nodes else None  # the parameter, or its cast
         if (ph in nodes and (read == ph or read in through) and nodes[e].in_specs[0] == spec[ph]
-                and not nodes[e].grad_partial[0] and not nodes[e].partial_axes):
+                and not nodes[e].grad_partial[0] and not nodes[e].partial_axes
+                and all(u.name in nodes for u in cg.node(e).users if u.op == "call_function")):
             through[e], spec[ph] = ph, nodes[e].out_specs[0]
     for name, np_ in nodes.items():
         for i, src in enumerate(np_.inputs):
