@@ -20,7 +20,7 @@ from .compiler.inter_op import plan_pipeline
 from .compiler.intra_op import plan_intra_op
 from .compiler.plan_cache import PlanCache, capture_cached
 from .compiler.stage_dp import PipelinePlanError
-from .core.capture import CaptureError, CapturedGraph, batch_size, capture, rows
+from .core.capture import CaptureError, CapturedGraph, batch_size, capture, check_microbatch_rows, rows
 from .core.mesh import LogicalMesh
 from .core.options import PipelineOptions, PlanOptions, compute_dtype_of, split_options
 from .core.plan import PipelinePlan, Plan, PlanError, load_plan
@@ -87,7 +87,8 @@ def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None
         CaptureError: the model could not be captured (the message names the construct or op).
         TypeError: an unknown option keyword (the message lists the fields).
         ValueError: an option out of range, or naming something the model does not have (a forced
-            spec that does not divide its tensor, an input spec for no input ...).
+            spec that does not divide its tensor, an input spec for no input ...); with a pipeline, a
+            tensor input whose dim 0 is not the batch (``check_microbatch_rows``).
         MemoryBudgetError / PipelinePlanError: nothing fits (the message gives the minimum needed
             or the limits).
     """
@@ -97,6 +98,7 @@ def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     targets = tuple(targets)
     if pipe is not None:
+        check_microbatch_rows(inputs, targets, example_kwargs, "a pipeline's microbatches")
         batch = batch_size((inputs, example_kwargs))
         result = plan_pipeline(lambda n: _capture_rows(model, inputs, loss_fn, targets, example_kwargs, n,
                                                        options.compute_dtype, cache), batch, mesh,
@@ -164,7 +166,8 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
 
     Raises:
         ValueError: the mesh does not match the world size, or an option is invalid (``accumulate``
-            with a pipelined plan, or one that does not divide the batch; ``compile`` with the
+            with a pipelined plan, or one that does not divide the batch, or microbatches with a
+            tensor input whose dim 0 is not the batch: ``check_microbatch_rows``; ``compile`` with the
             ZB-H1 schedule, or a plan with in-place writes to stored tensors).
         PlanError: the plan is corrupt or was made for another model or mesh.
     """
@@ -186,6 +189,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
     optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
     compute_dtype = compute_dtype_of(plan.options)  # what the plan was captured with
     if isinstance(plan, PipelinePlan):
+        check_microbatch_rows(inputs, targets, example_kwargs, "a pipeline's microbatches")
         batch = batch_size((inputs, example_kwargs))
         if batch % plan.num_microbatches:
             raise PlanError(f"the plan splits the batch into {plan.num_microbatches} microbatches; the example "
@@ -207,14 +211,15 @@ def _accumulation_rows(inputs: tuple, targets: tuple, example_kwargs, accumulate
     accumulation over ``accumulate`` microbatches.
 
     Raises:
-        ValueError: ``accumulate`` is not a positive integer dividing the batch, or the plan is
-            pipelined (given, or asked for by ``pipe``).
+        ValueError: ``accumulate`` is not a positive integer dividing the batch, the plan is
+            pipelined (given, or asked for by ``pipe``), or a tensor input's dim 0 is not the batch.
     """
     if not isinstance(accumulate, int) or accumulate < 1:
         raise ValueError(f"accumulate must be a positive number of microbatches, got {accumulate!r}")
     if isinstance(plan, PipelinePlan) or pipe is not None:
         raise ValueError("accumulate applies to SPMD plans; a pipelined plan already accumulates gradients over "
                          "its microbatches: raise num_microbatches instead")
+    check_microbatch_rows(inputs, targets, example_kwargs, f"accumulate={accumulate}")
     batch = batch_size((inputs, example_kwargs))
     if batch % accumulate:
         raise ValueError(f"accumulate={accumulate} does not divide the example batch of {batch}")

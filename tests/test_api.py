@@ -3,15 +3,20 @@ of a pipelined plan), the two plan kinds round-trip through JSON, and a planning
 the model once per shape it plans."""
 import dataclasses
 import json
+import re
+import sys
+from pathlib import Path
 
 import pytest
 
 import alpa_lite
 from alpa_lite import LogicalMesh, PipelineOptions, PipelinePlan, Plan, PlanError, PlanOptions, load_plan, plan
+from alpa_lite.api import _accumulation_rows
 from alpa_lite.core.mesh import get_cluster
 from alpa_lite.zoo.models import build_model
 
 MLP = dict(hidden=32, num_layers=4)
+sys.path.insert(0, str(Path(__file__).parent / "workers"))  # patterns:NAME models
 
 
 def mlp(batch=8):
@@ -161,3 +166,18 @@ def test_a_tied_weight_is_one_parameter():
     assert len(held) == 1 and p.captured.tied[held[0]] == [({"wte.weight", "lm_head.weight"} - set(held)).pop()]
     assert p.param_specs["wte.weight"] == p.param_specs["lm_head.weight"]
     assert sum(1 for ph in p.captured.param_fqns if ph in p.grad_sync or ph in p.nodes) == len(p.captured.param_fqns)
+
+
+@pytest.mark.parametrize("pattern, shape", [("weight_input", (32,)), ("shared_mask", (8, 8))])
+def test_an_input_without_the_batch_on_dim_0_is_refused_for_microbatches(pattern, shape):
+    """Microbatches cut dim 0 of every tensor input: class weights (32,) or one (T, T) mask for the
+    whole batch, given as inputs, were cut to the microbatch's rows and its capture died deep in
+    torch ("weight tensor should be defined either for all 32 classes", "Attempting to broadcast a
+    dimension of length 2"). Now the input is named (when its dim 0 is not the batch's size)."""
+    model, example = build_model(f"patterns:{pattern}", 4, 8, device="cpu")
+    mesh = LogicalMesh((2, 2), cluster="unit")
+    with pytest.raises(ValueError, match=rf"microbatches, but input \d has shape {re.escape(str(shape))}, not a "
+                                         r"dim 0 of the batch \(4\)"):
+        plan(model, example, mesh, pipeline=2, num_microbatches=2, num_layers=2)
+    with pytest.raises(ValueError, match=r"accumulate=2 cut dim 0 of every tensor input"):
+        _accumulation_rows(example, (), None, 2, None, None)

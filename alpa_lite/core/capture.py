@@ -180,6 +180,29 @@ def rows(tree, start: int, stop: int):
     return pytree.tree_map(lambda x: x[start:stop] if isinstance(x, torch.Tensor) and x.dim() > 0 else x, tree)
 
 
+def check_microbatch_rows(inputs: tuple, targets: tuple, kwargs: dict | None, what: str) -> None:
+    """Microbatches (a pipeline's, gradient accumulation's) cut dim 0 of every tensor leaf with a
+    dim (``rows``) and pass a 0-dim one whole: refuse a leaf whose dim 0 is not the batch's
+    (``batch_size``), such as class weights or one ``(T, T)`` mask for the whole batch given as
+    an input, which would be cut into pieces that no longer fit the model (an error from deep
+    inside the capture of the microbatch), or silently cut where its size equals the batch's.
+
+    Raises:
+        ValueError: naming the leaf (``input 2``, ``target 0``, ``keyword input 'mask'``, with its
+            path inside a nested one), its shape and the batch, and ``what`` cuts it.
+    """
+    batch = batch_size((inputs, targets, kwargs or {}))
+    for top, tree in (("input", inputs), ("target", targets), ("keyword input", kwargs or {})):
+        for path, x in pytree.tree_flatten_with_path(tuple(tree) if top != "keyword input" else dict(tree))[0]:
+            if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] != batch:
+                head, rest = path[0], pytree.keystr(path[1:])
+                name = f"{top} {head.key!r}" if top == "keyword input" else f"{top} {head.idx}"
+                raise ValueError(f"{what} cut dim 0 of every tensor input into microbatches, but {name}{rest} has shape "
+                                 f"{tuple(x.shape)}, not a dim 0 of the batch ({batch}): give a tensor shared by the "
+                                 "whole batch (class weights, one mask for every sample) to the model as a buffer "
+                                 "or attribute, or expand it to the batch")
+
+
 def _describe(spec: pytree.TreeSpec) -> str:
     """``spec`` written as the call it flattens: ``(T, {'a': T}), {'labels': T}``."""
     if spec.is_leaf():
