@@ -125,6 +125,35 @@ def test_uncapturable_model_names_the_construct():
         plan(DataDependent(), (torch.randn(2, 4),), LogicalMesh((1, 2)))
 
 
+def test_a_value_read_from_a_tensor_names_the_line_and_what_to_do():
+    """``nn.BatchNorm1d(momentum=None)`` takes ``1 / float(num_batches_tracked)`` in Python: export
+    stopped with "Could not extract specialized integer from data-dependent expression u0" and
+    nothing else; the message now names the model's line and the fix."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6, momentum=None))
+    with pytest.raises(CaptureError, match=r"taken from a tensor's values .* at File .*, line \d+, in forward: .*"
+                                           r"BatchNorm with momentum=None .* give it a momentum"):
+        plan(model, (torch.randn(4, 4),), LogicalMesh((1, 2)), loss_fn=lambda out: out.pow(2).mean())
+
+
+def test_a_tuple_output_says_how_to_pick_the_loss():
+    """A ``(loss, logits)`` tuple (HF's ``return_dict=False``) was refused with "the model returned
+    2 outputs" only; the message says how to pick the loss, and ``loss_fn=lambda out: out[0]`` plans."""
+    class LossAndLogits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.fc(x)
+            return y.pow(2).mean(), y
+
+    with pytest.raises(CaptureError, match=r"returned 2 outputs: return the loss alone or a dict with a 'loss' entry, or "
+                                           r"pass loss_fn= .*out\[0\]"):
+        plan(LossAndLogits(), (torch.randn(2, 4),), LogicalMesh((1, 2)))
+    p = plan(LossAndLogits(), (torch.randn(2, 4),), LogicalMesh((1, 2)), loss_fn=lambda out: out[0])
+    assert set(p.param_specs) == {"fc.weight", "fc.bias"}
+
+
 def test_non_scalar_output_needs_loss_fn():
     with pytest.raises(CaptureError, match="loss_fn"):
         plan(nn.Linear(4, 4), (torch.randn(2, 4),), LogicalMesh((1, 2)))

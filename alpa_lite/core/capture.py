@@ -24,6 +24,7 @@ import hashlib
 import inspect
 import operator
 import pickle
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -403,7 +404,9 @@ def _capture(model, example_inputs, loss_fn, targets, example_kwargs, compute_dt
             raise CaptureError(f"effectful op {_effectful_op(gm)} (it threads an effect token) is not supported")
     outputs = list(sig.user_outputs)
     if len(outputs) != 1:
-        raise CaptureError(f"the loss must be one scalar tensor, the model returned {len(outputs)} outputs")
+        raise CaptureError(f"the loss must be one scalar tensor, the model returned {len(outputs)} outputs: return the "
+                           "loss alone or a dict with a 'loss' entry, or pass loss_fn= to pick it (loss_fn=lambda "
+                           "out: out[0] for a (loss, logits) tuple)")
     loss = next(n for n in gm.graph.nodes if n.name == outputs[0])
     shape = shape_of(loss)
     if shape is None or len(shape) != 0:
@@ -440,7 +443,24 @@ def _export(wrapper: TrainingLoss, args: tuple, kwargs: dict) -> torch.export.Ex
             traced = torch.fx.symbolic_trace(wrapper)
             return torch.export.export(traced, args, kwargs, strict=False)
         except Exception:  # noqa: BLE001
-            raise CaptureError(f"cannot capture {type(wrapper.model).__name__}: {_first_line(first)}") from first
+            raise CaptureError(f"cannot capture {type(wrapper.model).__name__}: {_first_line(first)}"
+                               f"{_data_dependent_hint(first)}") from first
+
+
+def _data_dependent_hint(e: BaseException) -> str:
+    """What to do about export's ``GuardOnDataDependentSymNode`` (a Python number or branch taken
+    from a tensor's values, which one graph for every step cannot hold), with the model's line
+    export names; '' for another error."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    if not isinstance(e, GuardOnDataDependentSymNode):
+        return ""
+    call = re.search(r"The following call raised this error:\s*\n\s*(File [^\n]+)\n\s*([^\n]+)", str(e))
+    where = f" at {call.group(1)}: {call.group(2).strip()}" if call else ""
+    return (f"; a Python number or branch taken from a tensor's values (float(t), int(t), t.item(), 'if t > 0:'){where}. "
+            "alpa-lite captures one graph for every step, so such a value cannot change from step to step: compute "
+            "with tensors instead (nn.BatchNorm with momentum=None reads its num_batches_tracked this way: give it "
+            "a momentum)")
 
 
 def _export_any_batch(wrapper: TrainingLoss, args: tuple, kwargs: dict, batch: int) -> torch.export.ExportedProgram:
