@@ -114,6 +114,15 @@ READS = {
     "mse sum over numel": (lambda o, y: F.mse_loss(o, torch.zeros_like(o), reduction="sum") / o.numel(), "mean",
                            None, 0),
     "sum over another number": (lambda o, y: _ce(o, y, reduction="sum") / 7, "sum", None, 0),
+    # loss ops with a reduction argument whose mean divides by the samples or elements (these
+    # were read as nonlinear: a plan-time warning that microbatches change the loss, for none)
+    "multi margin": (lambda o, y: F.multi_margin_loss(o.reshape(-1, 11), y.reshape(-1)), "mean", None, 0),
+    "triplet": (lambda o, y: F.triplet_margin_loss(o[:, 0], o[:, 1], o[:, 2]), "mean", None, 0),
+    "cosine embedding": (lambda o, y: F.cosine_embedding_loss(o[:, 0], o[:, 1], (y[:, 0] > 5) * 2.0 - 1), "mean",
+                         None, 0),
+    "margin ranking": (lambda o, y: F.margin_ranking_loss(o[..., 0], o[..., 1], (y > 5) * 2.0 - 1), "mean", None, 0),
+    "hinge embedding": (lambda o, y: F.hinge_embedding_loss(o, torch.ones_like(o)), "mean", None, 0),
+    "poisson nll": (lambda o, y: F.poisson_nll_loss(o, o.detach().exp()), "mean", None, 0),
     # in-batch negatives (CLIP, InfoNCE): logits between every pair of samples; per microbatch only
     # the microbatch's pairs (it was read as a plain token mean, no problem reported)
     "in-batch negatives": (lambda o, y: F.cross_entropy(o.mean(1) @ o.mean(1).t(), torch.arange(4)), "ratio",

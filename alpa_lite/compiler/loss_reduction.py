@@ -31,9 +31,13 @@ from .ops import signature
 from .strategies import build_strategies
 
 aten = torch.ops.aten
+# loss ops whose "mean" divides by a count fixed by the shapes (elements or samples): a mean over equal parts
 _MEAN_OPS = {aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_loss.default, aten.huber_loss.default,
              aten.binary_cross_entropy.default, aten.binary_cross_entropy_with_logits.default,
-             aten.soft_margin_loss.default, aten.kl_div.default}
+             aten.soft_margin_loss.default, aten.kl_div.default, aten.multi_margin_loss.default,
+             aten.multilabel_margin_loss.default, aten.triplet_margin_loss.default,
+             aten.cosine_embedding_loss.default, aten.margin_ranking_loss.default,
+             aten.hinge_embedding_loss.default, aten.poisson_nll_loss.default}
 _REDUCTIONS = {aten.sum.default: "sum", aten.sum.dim_IntList: "sum", aten.mean.default: "mean",
                aten.mean.dim: "mean"}
 # scalar ops that are linear in their (first) operand

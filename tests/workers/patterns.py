@@ -889,3 +889,45 @@ class PosReuse(_LM):
 
 def pos_reuse(batch, seq=None, device="cpu", seed=0):
     return _lm(PosReuse, batch, seq, seed)
+
+
+class MaxNormEmb(_LM):
+    """``nn.Embedding(max_norm=1.0)``: forward renormalizes, in place and without grad, the rows
+    the batch looks up whose norm exceeds 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, HIDDEN, max_norm=1.0)
+
+    def forward(self, ids, targets):
+        return F.cross_entropy(self.logits(ids).flatten(0, 1), targets.flatten())
+
+
+class MiscLosses(_Base):
+    """Losses without a token count: ``binary_cross_entropy_with_logits(pos_weight=)``,
+    ``multi_margin_loss``, ``triplet_margin_loss``, ``cosine_embedding_loss``, ``smooth_l1(beta)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("pos_w", torch.linspace(0.5, 2.0, HIDDEN))
+
+    def forward(self, x, y):
+        h = self.fc2(F.gelu(self.fc1(x)))  # (B, T, H)
+        a, p, n = h[:, 0], h[:, 1], h[:, 2]
+        labels = (y[:, 0] > 0).float()
+        classes = y[:, 0].abs().argmax(-1)
+        sign = torch.where(y[:, 1, 0] > 0, 1.0, -1.0)
+        return (F.binary_cross_entropy_with_logits(h[:, 3], labels, pos_weight=self.pos_w)
+                + F.multi_margin_loss(h[:, 4], classes) + F.triplet_margin_loss(a, p, n)
+                + F.cosine_embedding_loss(a, n, sign) + F.smooth_l1_loss(h, y, beta=0.5))
+
+
+def max_norm_emb(batch, seq=None, device="cpu", seed=0):
+    model, (ids, targets) = _lm(MaxNormEmb, batch, seq, seed, pad=False)
+    with torch.no_grad():
+        model.tok.weight.mul_(2.0)  # most rows above norm 1
+    return model, (ids, targets)
+
+
+def misc_losses(batch, seq=None, device="cpu", seed=0):
+    return _regression(MiscLosses, batch, seq, seed)
