@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..core.options import compute_dtype_of
 from ..core.plan import PipelinePlan
 from ..core.schedules import SCHEDULES
 
@@ -142,8 +143,11 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return _amax(a.double() - b.double())
 
 
-def _compare(kind: str, got: dict, want: dict, scale: dict, step: int = -1) -> list[Row]:
-    """Rows for ``want``'s tensors (by name): ``got`` may lack some (absent) or have extras."""
+def _compare(kind: str, got: dict, want: dict, scale: dict, step: int = -1, compute: torch.dtype | None = None
+             ) -> list[Row]:
+    """Rows for ``want``'s tensors (by name): ``got`` may lack some (absent) or have extras.
+    ``compute``: the dtype both runs computed in (mixed precision), whose tolerance a floating
+    tensor gets when it is the larger."""
     top = max([*scale.values(), 0.0])
     rows = []
     for name, ref in want.items():
@@ -152,7 +156,9 @@ def _compare(kind: str, got: dict, want: dict, scale: dict, step: int = -1) -> l
                             "absent from the parallel run"))
             continue
         s = max(scale[name], FLOOR * top)
-        bound = _rtol(ref.dtype) * s + 4 * _eps(ref.dtype) * _amax(ref)
+        rtol = max(_rtol(ref.dtype), _rtol(compute)) if compute is not None and ref.is_floating_point() else \
+            _rtol(ref.dtype)
+        bound = rtol * s + 4 * _eps(ref.dtype) * _amax(ref)
         rows.append(Row(kind, name, str(ref.dtype).removeprefix("torch."), _diff(got[name].cpu(), ref.cpu()),
                         bound, step))
     for name in sorted(set(got) - set(want)):
@@ -189,14 +195,15 @@ class _Trace:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def _reference(model, batches, loss_fn, num_inputs: int, optimizer: Callable, device) -> _Trace:
-    """Train a copy of ``model`` in this process (the loss exactly as ``capture`` wraps it);
-    ``batches``: ``(args, kwargs)`` pairs."""
+def _reference(model, batches, loss_fn, num_inputs: int, optimizer: Callable, device,
+               compute_dtype: torch.dtype | None = None) -> _Trace:
+    """Train a copy of ``model`` in this process (the loss exactly as ``capture`` wraps it, in
+    ``compute_dtype`` under mixed precision); ``batches``: ``(args, kwargs)`` pairs."""
     import torch.utils._pytree as pytree
 
     from ..core.capture import TrainingLoss
 
-    wrapped = TrainingLoss(copy.deepcopy(model), loss_fn, num_inputs).to(device)
+    wrapped = TrainingLoss(copy.deepcopy(model), loss_fn, num_inputs, compute_dtype).to(device)
     opt = optimizer([p for p in wrapped.parameters() if p.requires_grad])
     trace = _Trace({k: v.detach().cpu().clone() for k, v in model.named_parameters(remove_duplicate=False)})
     for batch in batches:
@@ -234,18 +241,18 @@ def _plan_line(plan) -> str:
     return f"mesh {plan.mesh.shape[0]}x{plan.mesh.shape[1]}, {split} of {len(plan.param_specs)} parameters sharded"
 
 
-def _judge(ref: _Trace, par: _Trace, plan_line: str) -> VerifyReport:
+def _judge(ref: _Trace, par: _Trace, plan_line: str, compute: torch.dtype | None = None) -> VerifyReport:
     rows = []
     for i, (a, b) in enumerate(zip(par.losses, ref.losses)):
         t = torch.tensor(b)
-        rows += _compare("loss", {"loss": torch.tensor(a)}, {"loss": t}, {"loss": abs(b)}, i)
+        rows += _compare("loss", {"loss": torch.tensor(a)}, {"loss": t}, {"loss": abs(b)}, i, compute)
     for i, (got, want) in enumerate(zip(par.grads, ref.grads)):
         if got is not None:
-            rows += _compare("grad", got, want, {k: _amax(v) for k, v in want.items()}, i)
+            rows += _compare("grad", got, want, {k: _amax(v) for k, v in want.items()}, i, compute)
     update = {k: _amax(v - ref.init[k]) if v.is_floating_point() else 0.0 for k, v in ref.params.items()}
-    rows += _compare("param", par.params, ref.params, update)
+    rows += _compare("param", par.params, ref.params, update, compute=compute)
     rows += _compare("buffer", par.buffers, ref.buffers, {k: _amax(v) if v.is_floating_point() else 0.0
-                                                           for k, v in ref.buffers.items()})
+                                                           for k, v in ref.buffers.items()}, compute=compute)
     return VerifyReport(_worst(rows), par.losses, ref.losses, plan_line)
 
 
@@ -303,11 +310,12 @@ def verify(model: torch.nn.Module, inputs, mesh, *, loss_fn: Callable | None = N
         raise ValueError(f"verify needs at least one step, got steps={steps}")
     trainer = parallelize(copy.deepcopy(model), mesh, inputs, loss_fn, targets=tuple(targets),
                           example_kwargs=example_kwargs, optimizer=optimizer, plan=plan, **plan_options)
+    compute = compute_dtype_of(trainer.plan.options)  # mixed precision: the reference computes alike
     ref = None
     if dist.get_rank() == 0:
-        ref = _reference(model, batches, loss_fn, len(inputs), optimizer, default_device())
+        ref = _reference(model, batches, loss_fn, len(inputs), optimizer, default_device(), compute)
     par = _parallel(trainer, batches, {k for k, _ in model.named_parameters(remove_duplicate=False)})
-    box = [_judge(ref, par, _plan_line(trainer.plan)) if ref is not None else None]
+    box = [_judge(ref, par, _plan_line(trainer.plan), compute) if ref is not None else None]
     dist.broadcast_object_list(box, src=0)
     report = box[0]
     if show and dist.get_rank() == 0:
