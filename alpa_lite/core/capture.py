@@ -226,7 +226,10 @@ class TrainingLoss(torch.nn.Module):
     ops of the graph reading the fp32 parameter placeholders, so gradients reach the fp32 master
     parameters), every op computes in the dtype of its operands, and the model's floating outputs
     are cast to fp32 before ``loss_fn`` (a loss the model returns itself is cast after it).
-    Targets and buffers keep their dtypes."""
+    Targets and buffers keep their dtypes, and so do the parameters of batch norms (as FSDP's
+    ``MixedPrecision`` leaves ``_BatchNorm`` modules, and as autocast runs them): torch's batch
+    norm takes a low-precision input with fp32 weights and running statistics, not with weights
+    of the input's dtype ("expected scalar type BFloat16 but found Float")."""
 
     def __init__(self, model: torch.nn.Module, loss_fn, num_inputs: int, compute_dtype: torch.dtype | None = None):
         super().__init__()
@@ -241,7 +244,9 @@ class TrainingLoss(torch.nn.Module):
             out = self.model(*inputs, **kwargs)
         else:
             low = lambda x: _cast_floating(x, self.compute_dtype)  # noqa: E731
-            params = {name: low(p) for name, p in self.model.named_parameters()}
+            norms = {f"{m}.{n}" if m else n for m, mod in self.model.named_modules()
+                     if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm) for n, _ in mod.named_parameters(recurse=False)}
+            params = {name: p if name in norms else low(p) for name, p in self.model.named_parameters()}
             out = torch.func.functional_call(self.model, params, pytree.tree_map(low, inputs),
                                              pytree.tree_map(low, kwargs))
             out = pytree.tree_map(lambda x: _cast_floating(x, torch.float32), out)

@@ -504,13 +504,15 @@ class LocalExecutor:
         """Training batch norm over a batch split along ``np_.in_specs[0].dims[0]``: the mean and
         the biased variance of the whole batch per channel from all-reduced sums (two-pass), the
         running statistics updated with the unbiased variance, as ``_native_batch_norm_legit``
-        returns ``(out, mean, rstd, running_mean, running_var)``."""
+        returns ``(out, mean, rstd, running_mean, running_var)``. A low-precision input (mixed
+        precision) is normalized in fp32, its result cast back, as torch's kernel does."""
         axes = np_.in_specs[0].dims[0]
         dims = [0] + list(range(2, input.dim()))
         count = input.numel() // input.shape[1] * math.prod(self.mesh.shape[a] for a in axes)
         shape = (1, -1) + (1,) * (input.dim() - 2)
-        mean = AllReduceShared.apply(input.sum(dims), axes, self.mesh) / count
-        centered = input - mean.view(shape)
+        dtype, x = input.dtype, input if input.dtype in (torch.float32, torch.float64) else input.float()
+        mean = AllReduceShared.apply(x.sum(dims), axes, self.mesh) / count
+        centered = x - mean.view(shape)
         var = AllReduceShared.apply((centered * centered).sum(dims), axes, self.mesh) / count
         rstd = torch.rsqrt(var + eps)
         out = centered * rstd.view(shape)
@@ -521,7 +523,7 @@ class LocalExecutor:
         with torch.no_grad():
             new_mean = (1 - momentum) * running_mean + momentum * mean
             new_var = (1 - momentum) * running_var + momentum * var * (count / max(count - 1, 1))
-        return out, mean, rstd, new_mean, new_var
+        return out.to(dtype), mean, rstd, new_mean, new_var
 
     def _vocab_parallel_embedding(self, np_: NodePlan, weight, indices, padding_idx, scale_grad_by_freq, sparse):
         """This rank's rows ``[start, start + rows)`` of a vocab-split table: the lookup of its own
