@@ -21,6 +21,20 @@ def test_bad_input_errors(tmp_path):
     assert errors["bad-batch"].startswith("ValueError: input") and "the plan was made for (8, 16)" in errors["bad-batch"]
 
 
+def test_rank_that_raises_ends_the_job_without_waiting_out_the_timeout(tmp_path):
+    # a pipeline stage's rank raises between steps while the others wait in the next step: it
+    # leaves at once (no exit barrier, which waited the whole 15 s collective timeout), and the
+    # launcher ends the others
+    log, raised = tmp_path / "log.txt", tmp_path / "raised"
+    with open(log, "w") as f:
+        code = torchrun([WORKER, "--case", "raising-rank", "--out", str(raised)], nproc=4, timeout_s=240,
+                        stdout=f, stderr=subprocess.STDOUT)
+    ended = time.time()
+    assert code != 0
+    assert "rank 1 fails on purpose" in log.read_text()
+    assert ended - float(raised.read_text()) < 10
+
+
 def test_dead_rank_fails_fast_and_is_named(tmp_path):
     log = tmp_path / "log.txt"
     start = time.monotonic()

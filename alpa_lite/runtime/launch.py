@@ -70,7 +70,20 @@ def init_distributed(timeout_s: float = 120.0) -> None:
         torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
     atexit.register(_shut_down)
+    sys.excepthook = _noting_failure(sys.excepthook)
     _start_heartbeat()
+
+
+_failed = False  # an uncaught exception ends this rank: ``_shut_down`` waits for no peer
+
+
+def _noting_failure(hook):
+    """``hook`` (``sys.excepthook``), noting first that an uncaught exception ends this rank."""
+    def excepthook(*exc_info):
+        global _failed
+        _failed = True
+        hook(*exc_info)
+    return excepthook
 
 
 HEARTBEAT_S = 1.0
@@ -140,12 +153,15 @@ def silent_ranks(wait_s: float = 2.5 * HEARTBEAT_S) -> list[int] | None:
 def _shut_down() -> None:
     """At exit, the group ``init_distributed`` made: a barrier, then destroy it, so that no rank
     leaves while a peer still receives the last collective (gloo's receiving thread then aborts
-    the peer: "terminate called without an active exception")."""
+    the peer: "terminate called without an active exception"). No barrier when an uncaught
+    exception ends the rank: its peers wait in other collectives, so the barrier would hold the
+    rank (and them, and the launcher's teardown) for the whole collective timeout."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         try:
-            dist.barrier()
+            if not _failed:
+                dist.barrier()
         finally:
             dist.destroy_process_group()
 

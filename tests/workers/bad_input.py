@@ -3,6 +3,7 @@ import argparse
 import json
 import os
 import signal
+import time
 
 import torch.distributed as dist
 
@@ -28,6 +29,15 @@ def main():
     init_distributed(timeout_s=15)
     rank = dist.get_rank()
     model, example = build_model("gpt-tiny", 8, 16, device="cpu")
+    if args.case == "raising-rank":  # a pipeline stage raises between steps; its time goes to --out
+        trainer = parallelize(model, (2, 2), example, num_stages=2, num_layers=2, num_microbatches=2)
+        trainer.step(*example)
+        if rank == 1:
+            with open(args.out, "w") as f:
+                f.write(repr(time.time()))
+            raise RuntimeError("rank 1 fails on purpose")
+        trainer.step(*example)
+        return
     if args.case == "dead-rank":
         trainer = parallelize(model, (2, 2), example, force_data_parallel=True)
         trainer.step(*example)
