@@ -89,6 +89,8 @@ def _noting_failure(hook):
 HEARTBEAT_S = 1.0
 """Seconds between two beats of a rank's heartbeat (``init_distributed``)."""
 _heartbeat_store = None  # this rank's reader of the job's heartbeats, once ``init_distributed`` started its own
+_heartbeat_stop = threading.Event()
+_heartbeat_thread: threading.Thread | None = None
 
 
 def _heartbeat_client():
@@ -107,7 +109,7 @@ def _start_heartbeat() -> None:
     ranks died or stopped when a collective fails."""
     import torch.distributed as dist
 
-    global _heartbeat_store
+    global _heartbeat_store, _heartbeat_thread
     try:
         key, beats, reader = str(dist.get_rank()), _heartbeat_client(), _heartbeat_client()
     except Exception:  # no store to reach (not torchrun's): no heartbeat, and failures name no silent rank
@@ -121,9 +123,11 @@ def _start_heartbeat() -> None:
                 beats.set(key, str(n))
             except Exception:  # the store is gone: the job is ending
                 return
-            time.sleep(HEARTBEAT_S)
+            if _heartbeat_stop.wait(HEARTBEAT_S):
+                return
 
-    threading.Thread(target=beat, name="alpa-lite heartbeat", daemon=True).start()
+    _heartbeat_thread = threading.Thread(target=beat, name="alpa-lite heartbeat", daemon=True)
+    _heartbeat_thread.start()
     _heartbeat_store = reader
 
 
@@ -155,9 +159,14 @@ def _shut_down() -> None:
     leaves while a peer still receives the last collective (gloo's receiving thread then aborts
     the peer: "terminate called without an active exception"). No barrier when an uncaught
     exception ends the rank: its peers wait in other collectives, so the barrier would hold the
-    rank (and them, and the launcher's teardown) for the whole collective timeout."""
+    rank (and them, and the launcher's teardown) for the whole collective timeout. The heartbeat
+    stops first: a daemon thread inside the store's client as the process ends aborted it
+    ("terminate called without an active exception", once in a full test run)."""
     import torch.distributed as dist
 
+    if _heartbeat_thread is not None:  # joined: no thread may be inside the store's client as the process ends
+        _heartbeat_stop.set()
+        _heartbeat_thread.join(timeout=15)
     if dist.is_initialized():
         try:
             if not _failed:
