@@ -687,41 +687,29 @@ class GroupInstNorm(_Base):
         return F.mse_loss(self.fc2(F.relu(h)), y)
 
 
-class InstRunning(_Base):
+class InstRunning(BN1d):
     """``InstanceNorm1d(track_running_stats=True)``: the running buffers average the instances'
     statistics over the batch."""
 
     def __init__(self):
         super().__init__()
-        self.inorm = nn.InstanceNorm1d(4 * HIDDEN, track_running_stats=True)
-
-    def forward(self, x, y):
-        h = self.inorm(self.fc1(x).transpose(1, 2)).transpose(1, 2)
-        return F.mse_loss(self.fc2(F.relu(h)), y)
+        self.bn = nn.InstanceNorm1d(4 * HIDDEN, track_running_stats=True)
 
 
-class BNCumulative(_Base):
+class BNCumulative(BN1d):
     """``BatchNorm1d(momentum=None)``: a cumulative average, the factor ``1 / num_batches_tracked``."""
 
     def __init__(self):
         super().__init__()
         self.bn = nn.BatchNorm1d(4 * HIDDEN, momentum=None)
 
-    def forward(self, x, y):
-        h = self.bn(self.fc1(x).transpose(1, 2)).transpose(1, 2)
-        return F.mse_loss(self.fc2(F.relu(h)), y)
 
-
-class BNNoStats(_Base):
+class BNNoStats(BN1d):
     """``BatchNorm1d(track_running_stats=False)``: batch statistics, no buffers."""
 
     def __init__(self):
         super().__init__()
         self.bn = nn.BatchNorm1d(4 * HIDDEN, track_running_stats=False)
-
-    def forward(self, x, y):
-        h = self.bn(self.fc1(x).transpose(1, 2)).transpose(1, 2)
-        return F.mse_loss(self.fc2(F.relu(h)), y)
 
 
 class BNEval(BN1d):
