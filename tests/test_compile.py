@@ -193,3 +193,16 @@ def test_lowering_refuses_in_place_writes_only():
     lowered = executor(None, remat="all")
     assert lowered.plan.remat and any(d.random for d in lowered.dispatch.values())
     assert RankProgram(lowered, None, [], None).graph_module is None  # traced on its first call
+
+
+def test_an_error_raised_in_a_compiled_graph_is_raised_as_itself():
+    # a collective's timeout inside a compiled graph must reach collectives.named as gloo raised
+    # it: compiling the fx module itself turned any error in the graph into dynamo's "Attempt to
+    # trace generator" (torch.fx's wrapper walks the traceback inside the compiled frame)
+    from alpa_lite.runtime.program import _compiled
+
+    graph = torch.fx.symbolic_trace(lambda x, i: torch.index_select(x * 2, 0, i))
+    run = _compiled(graph, "aot_eager")
+    assert run(torch.ones(3), torch.tensor([2])).tolist() == [2.0]
+    with pytest.raises(IndexError, match="out of range"):
+        run(torch.ones(3), torch.tensor([7]))

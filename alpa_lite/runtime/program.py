@@ -138,8 +138,11 @@ class _Seeds:
 
 
 def _compiled(graph_module: torch.fx.GraphModule, backend: str | None) -> Callable:
-    """``graph_module`` under ``torch.compile(backend=backend)`` (one graph), or as is for None."""
-    return torch.compile(graph_module, backend=backend, fullgraph=True) if backend else graph_module
+    """``graph_module`` under ``torch.compile(backend=backend)`` (one graph), or as is for None.
+    Its ``forward`` is compiled, not the module: a module's call (``torch.fx``'s wrapper) walks the
+    traceback of an error raised in the graph (a collective's timeout) inside the compiled frame,
+    and dynamo then raised "Attempt to trace generator" in its place."""
+    return torch.compile(graph_module.forward, backend=backend, fullgraph=True) if backend else graph_module
 
 
 class _Named:

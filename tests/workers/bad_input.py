@@ -1,5 +1,6 @@
 """Bad input to parallelize, on every rank (torchrun): each case's error goes to a JSON file."""
 import argparse
+import datetime
 import json
 import os
 import signal
@@ -21,17 +22,26 @@ def error_of(fn) -> str:
     return "no error"
 
 
+def first_step(trainer, example):
+    """The first step (tracing, compiling: under load one rank may keep its peers waiting longer
+    than 15 s), then every group's collectives time out after 15 s: the failures tested come after."""
+    trainer.step(*example)
+    dist.barrier()
+    for group in dist.distributed_c10d._world.pg_map:
+        group.set_timeout(datetime.timedelta(seconds=15))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    init_distributed(timeout_s=15)
+    init_distributed(timeout_s=120)
     rank = dist.get_rank()
     model, example = build_model("gpt-tiny", 8, 16, device="cpu")
     if args.case == "raising-rank":  # a pipeline stage raises between steps; its time goes to --out
         trainer = parallelize(model, (2, 2), example, num_stages=2, num_layers=2, num_microbatches=2)
-        trainer.step(*example)
+        first_step(trainer, example)
         if rank == 1:
             with open(args.out, "w") as f:
                 f.write(repr(time.time()))
@@ -40,7 +50,7 @@ def main():
         return
     if args.case == "dead-rank":
         trainer = parallelize(model, (2, 2), example, force_data_parallel=True)
-        trainer.step(*example)
+        first_step(trainer, example)
         if rank == 1:
             os._exit(3)  # dies between steps; the others block in the next step's collectives
         trainer.step(*example)
@@ -55,7 +65,7 @@ def main():
     if args.case in stopped:
         who, param, options = stopped[args.case]
         trainer = parallelize(model, (2, 2), example, force_data_parallel=True, bucket_bytes=8192, **options)
-        trainer.step(*example)
+        first_step(trainer, example)
         if rank == who:
             trainer.params[param].register_post_accumulate_grad_hook(lambda p: os.kill(os.getpid(), signal.SIGSTOP))
         trainer.step(*example)
@@ -71,7 +81,7 @@ def main():
     if args.case in in_graph:
         who, options = in_graph[args.case]
         trainer = parallelize(model, (2, 2), example, bucket_bytes=8192, compile="aot_eager", **options)
-        trainer.step(*example)
+        first_step(trainer, example)
         if rank == who:
             program, graph = trainer.program, "_function" if options.get("num_stages") else "_compiled"
             run = getattr(program, graph)
@@ -86,7 +96,7 @@ def main():
         # ZeRO-3 groups on 1x4: rank 1 stops as it starts its first gradient reduce-scatter of the
         # second step's backward, with the next group's all-gather prefetched
         trainer = parallelize(model, (1, 4), example, force_data_parallel=True, zero_stage=3, bucket_bytes=8192)
-        trainer.step(*example)
+        first_step(trainer, example)
         if rank == 1:
             start = dist.reduce_scatter_single
 
