@@ -101,15 +101,16 @@ def test_peer_stopped_mid_backward_fails_on_the_timeout_and_is_named(tmp_path, c
     # down: the others must end on their own collective timeout (15 s after the first step), each naming itself and
     # what it waited on, with no hang on an outstanding async handle (DP: bucket all-reduces in
     # flight, and the loss's deferred all-reduce; ZeRO-3: group reduce-scatters and a prefetched all-gather)
-    log = tmp_path / "log.txt"
-    start = time.monotonic()
+    log, stopped_at = tmp_path / "log.txt", tmp_path / "stopped"
     with open(log, "w") as f:
-        code = torchrun([str(WORKERS / "bad_input.py"), "--case", case, "--out", str(tmp_path / "x")],
+        code = torchrun([str(WORKERS / "bad_input.py"), "--case", case, "--out", str(stopped_at)],
                         nproc=4, timeout_s=240, stdout=f, stderr=subprocess.STDOUT)
-    elapsed = time.monotonic() - start
+    ended = time.time()
     text = log.read_text()
     assert code != 0
-    assert elapsed < 150, elapsed
+    # the 15 s timeout, 2.5 s reading the heartbeats, the launcher's teardown: ~20 s on a quiet
+    # machine; a hang on an async handle runs into the 240 s above
+    assert ended - float(stopped_at.read_text()) < 90
     named = re.findall(r"rank (\d): " + NAMED[case] + r" failed \(a peer died, stopped or timed out\)", text)
     stopped = "3" if case.endswith("pipeline") else "1"
     errors = "\n".join(line for line in text.splitlines() if "Error: " in line)[-3000:]  # the ranks' errors

@@ -23,8 +23,8 @@ def test_bad_input_errors(tmp_path):
 
 def test_rank_that_raises_ends_the_job_without_waiting_out_the_timeout(tmp_path):
     # a pipeline stage's rank raises between steps while the others wait in the next step: it
-    # leaves at once (no exit barrier, which waited the whole 15 s collective timeout), and the
-    # launcher ends the others
+    # leaves at once (no exit barrier, which waited the whole collective timeout, here 120 s), and
+    # the launcher ends the others
     log, raised = tmp_path / "log.txt", tmp_path / "raised"
     with open(log, "w") as f:
         code = torchrun([WORKER, "--case", "raising-rank", "--out", str(raised)], nproc=4, timeout_s=240,
@@ -32,18 +32,17 @@ def test_rank_that_raises_ends_the_job_without_waiting_out_the_timeout(tmp_path)
     ended = time.time()
     assert code != 0
     assert "rank 1 fails on purpose" in log.read_text()
-    assert ended - float(raised.read_text()) < 10
+    assert ended - float(raised.read_text()) < 60  # 14 s measured under a load of 60, < 10 s on a quiet machine
 
 
 def test_dead_rank_fails_fast_and_is_named(tmp_path):
-    log = tmp_path / "log.txt"
-    start = time.monotonic()
+    log, died = tmp_path / "log.txt", tmp_path / "died"
     with open(log, "w") as f:
-        code = torchrun([WORKER, "--case", "dead-rank", "--out", str(tmp_path / "x")], nproc=4, timeout_s=240,
+        code = torchrun([WORKER, "--case", "dead-rank", "--out", str(died)], nproc=4, timeout_s=240,
                         stdout=f, stderr=subprocess.STDOUT)
-    elapsed = time.monotonic() - start
+    ended = time.time()
     text = log.read_text()
     assert code != 0
-    assert elapsed < 120, elapsed  # the collective timeout is 15 s; no hang
+    assert ended - float(died.read_text()) < 60  # the collective timeout is 15 s; no hang
     # torchrun's failure summary names the rank that died and its exit code
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*3", text), text[-3000:]

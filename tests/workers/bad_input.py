@@ -22,6 +22,13 @@ def error_of(fn) -> str:
     return "no error"
 
 
+def stop_here(out: str) -> None:
+    """Write the time to ``out``, then stop this process (SIGSTOP: alive, never answering)."""
+    with open(out, "w") as f:
+        f.write(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
 def first_step(trainer, example):
     """The first step (tracing, compiling: under load one rank may keep its peers waiting longer
     than 15 s), then every group's collectives time out after 15 s: the failures tested come after."""
@@ -41,7 +48,7 @@ def main():
     model, example = build_model("gpt-tiny", 8, 16, device="cpu")
     if args.case == "raising-rank":  # a pipeline stage raises between steps; its time goes to --out
         trainer = parallelize(model, (2, 2), example, num_stages=2, num_layers=2, num_microbatches=2)
-        first_step(trainer, example)
+        trainer.step(*example)  # the collective timeout stays 120 s, which the job must not wait out
         if rank == 1:
             with open(args.out, "w") as f:
                 f.write(repr(time.time()))
@@ -51,8 +58,10 @@ def main():
     if args.case == "dead-rank":
         trainer = parallelize(model, (2, 2), example, force_data_parallel=True)
         first_step(trainer, example)
-        if rank == 1:
-            os._exit(3)  # dies between steps; the others block in the next step's collectives
+        if rank == 1:  # dies between steps; the others block in the next step's collectives
+            with open(args.out, "w") as f:
+                f.write(repr(time.time()))
+            os._exit(3)
         trainer.step(*example)
         return
     # one rank stops (SIGSTOP: alive, never answering) as a parameter's gradient accumulates in
@@ -67,7 +76,7 @@ def main():
         trainer = parallelize(model, (2, 2), example, force_data_parallel=True, bucket_bytes=8192, **options)
         first_step(trainer, example)
         if rank == who:
-            trainer.params[param].register_post_accumulate_grad_hook(lambda p: os.kill(os.getpid(), signal.SIGSTOP))
+            trainer.params[param].register_post_accumulate_grad_hook(lambda p: stop_here(args.out))
         trainer.step(*example)
         return
     # the compiled programs (compile="aot_eager"): a rank stops as its second step's graph starts. DP
@@ -87,7 +96,7 @@ def main():
             run = getattr(program, graph)
 
             def stopping(*a, **kw):
-                os.kill(os.getpid(), signal.SIGSTOP)
+                stop_here(args.out)
                 return run(*a, **kw)
             setattr(program, graph, stopping)
         trainer.step(*example)
@@ -101,7 +110,7 @@ def main():
             start = dist.reduce_scatter_single
 
             def stop(*a, **kw):
-                os.kill(os.getpid(), signal.SIGSTOP)
+                stop_here(args.out)
                 return start(*a, **kw)
             dist.reduce_scatter_single = stop
         trainer.step(*example)
