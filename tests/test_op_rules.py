@@ -69,20 +69,27 @@ def simulate(fn, inputs, target):
             scale = 1 / math.prod(MESH.shape[a] for a in summed) if s.reduce == "mean" else 1
             local = {c: scale * sum(local[p] for p in DEVICES if all(p[a] == c[a] for a in (0, 1) if a not in summed))
                      for c in DEVICES}
-        want = {c: local_slice(full, ShardingSpec(s.out_spec.dims), MeshGroups(MESH.shape, c, (None, None)))
-                for c in DEVICES}
-        out.append((s, local, want))
+        want = {c: [local_slice(f, ShardingSpec(spec.dims), MeshGroups(MESH.shape, c, (None, None)))
+                    for f, spec in zip(_results(full), s.out_specs)] for c in DEVICES}
+        out.append((s, {c: _results(v) for c, v in local.items()}, want))
     return out
 
 
+def _results(value) -> list[torch.Tensor]:
+    return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
 def check(fn, inputs, target, expect_split=(), values=True):
-    """Every strategy equals dense math (only in shape where ``values`` is False: ``empty_like``);
-    ``expect_split``: specs (of the result) some strategy must have (the rule's point)."""
+    """Every strategy equals dense math in every result (only in shape where ``values`` is False:
+    ``empty_like``); ``expect_split``: specs (of the first result) some strategy must have (the
+    rule's point)."""
     results = simulate(fn, inputs, target)
     for s, got, want in results:
         for c in DEVICES:
-            assert got[c].shape == want[c].shape, (s.name, c)
-            assert not values or torch.allclose(got[c].float(), want[c].float(), atol=1e-5), (s.name, c)
+            assert len(got[c]) == len(want[c]), (s.name, c)
+            for g, w in zip(got[c], want[c]):
+                assert g.shape == w.shape, (s.name, c)
+                assert not values or torch.allclose(g.float(), w.float(), atol=1e-5), (s.name, c)
     specs = {str(s.out_spec) for s, _, _ in results}
     assert set(expect_split) <= specs, specs
     return results
@@ -175,3 +182,71 @@ def test_synchronized_batch_norm_splits_the_batch():
     # mean and variance forward, two gradient sums backward: 4 all-reduces of 2 channels (axis 0)
     assert split[0].comm == pytest.approx(4 * MESH.all_reduce_cost(2 * 4, (0,)))
     assert split[0].grad_partial[1] == (0,)  # the weight's gradient sums over the batch shards
+
+
+X = torch.randn(4, 8, 6)
+WHOLE = [  # op, its node, specs some strategy must give, the input dims no strategy splits
+    (lambda x: torch.logsumexp(x, -1), aten.logsumexp.default, {"S0S1", "S01R"}, [2]),
+    (lambda x: torch.special.logsumexp(x, 1, keepdim=True), aten.special_logsumexp.default, {"S0RS1"}, [1]),
+    (lambda x: x.amin(1), aten.amin.default, {"S0S1"}, [1]),
+    (lambda x: x.argmin(-1), aten.argmin.default, {"S0S1"}, [2]),
+    (lambda x: x.min(dim=1).values, aten.min.dim, {"S0S1"}, [1]),
+    (lambda x: x.prod(1), aten.prod.dim_int, {"S0S1"}, [1]),
+    (lambda x: torch.linalg.vector_norm(x, dim=-1), aten.linalg_vector_norm.default, {"S0S1"}, [2]),
+    (lambda x: torch.linalg.vector_norm(x), aten.linalg_vector_norm.default, {""}, [0, 1, 2]),
+    (lambda x: x.cumprod(1), aten.cumprod.default, {"S0RS1"}, [1]),
+    (lambda x: x.logcumsumexp(1), aten.logcumsumexp.default, {"S0RS1"}, [1]),
+    (lambda x: x.flip(1), aten.flip.default, {"S0RS1"}, [1]),
+    (lambda x: x.roll(2, 1), aten.roll.default, {"S0RS1"}, [1]),
+    (lambda x: x.roll(3), aten.roll.default, {"RRR"}, [0, 1, 2]),  # the flattened tensor
+    (lambda x: x.sort(1).values, aten.sort.default, {"S0RS1"}, [1]),
+    (lambda x: x.sort(dim=-1, stable=True).indices, aten.sort.stable, {"S0S1R"}, [2]),
+    (lambda x: x.topk(3, 1).indices, aten.topk.default, {"S0RS1"}, [1]),
+]
+
+
+@pytest.mark.parametrize("fn,target,expect,whole", WHOLE, ids=[
+    "logsumexp", "special_logsumexp", "amin", "argmin", "min_dim", "prod", "vector_norm_dim", "vector_norm_all",
+    "cumprod", "logcumsumexp", "flip", "roll", "roll_flat", "sort", "sort_stable", "topk"])
+def test_reductions_scans_and_sorts_keep_their_dims_whole(fn, target, expect, whole):
+    results = check(fn, (X,), target, expect)
+    assert all(s.in_specs[0].dims[d] == () for s, _, _ in results for d in whole)
+
+
+@pytest.mark.parametrize("groups", [4, 2])
+def test_group_norm_splits_the_batch_and_whole_groups(groups):
+    w, b = torch.randn(8), torch.randn(8)
+    results = check(lambda x, w, b: F.group_norm(x, groups, w, b), (X, w, b), aten.group_norm.default,
+                    {"S0S1R", "RS01R"} if groups == 4 else {"S0S1R"})
+    assert max(s.in_specs[0].shards(1, MESH.shape) for s, _, _ in results) == groups
+    assert all(s.in_specs[0].dims[2] == () for s, _, _ in results)
+
+
+def test_instance_norm_splits_batch_and_channels_without_running_statistics():
+    w, b = torch.randn(8), torch.randn(8)
+    results = check(lambda x, w, b: F.instance_norm(x, weight=w, bias=b), (X, w, b), aten.instance_norm.default,
+                    {"S0S1R", "S01RR", "RS01R"})
+    assert all(s.in_specs[0].dims[2] == () for s, _, _ in results)
+    running = capture(torch.nn.InstanceNorm1d(8, track_running_stats=True), (X,), lambda y: y.sum())
+    node = next(n for n in running.graph.nodes if n.target == aten.instance_norm.default)
+    assert signature(node) is None  # the batch's mean updates the running statistics inside the op
+
+
+@pytest.mark.parametrize("other", [(4, 8, 6), (8, 6)], ids=["same", "broadcast"])
+def test_cosine_similarity_keeps_its_dim_whole(other):
+    results = check(lambda a, b: F.cosine_similarity(a, b, dim=-1), (X, torch.randn(other)),
+                    aten.cosine_similarity.default, {"S0S1", "S01R", "RS01"})
+    assert all(s.in_specs[0].dims[2] == () for s, _, _ in results)
+
+
+def test_cdist_splits_batch_and_rows_of_each_side():
+    results = check(lambda a, b: torch.cdist(a, b), (X, torch.randn(4, 4, 6)), aten.cdist.default,
+                    {"S0S1R", "S0RS1", "RS0S1"})
+    assert all(s.in_specs[0].dims[2] == () == s.in_specs[1].dims[2] for s, _, _ in results)
+    same = _captured(lambda a: torch.cdist(a, a), (X,))
+    assert signature(next(n for n in same.graph.nodes if n.target == aten.cdist.default)) is None
+
+
+def test_expand_as_follows_the_split_of_its_target():
+    check(lambda a, b: a.expand_as(b) * b, (torch.randn(4, 1, 6), torch.randn(4, 8, 6)), aten.expand_as.default,
+          {"S0S1R", "RS01R"})

@@ -1,8 +1,10 @@
 """The rules whose local variants communicate train equal to one process on 4 gloo ranks (2x2
 mesh, 2 SGD steps, ``alpa_lite.tools.verify``; one torchrun launch for every case):
 vocab-parallel cross-entropy (mean with ``ignore_index`` and label smoothing, and sum), a
-synchronized batch norm over a batch split on both axes, and grouped / depthwise convolutions
-split by groups. Each case's plan is checked to use the rule (the planner is deterministic, so
+synchronized batch norm over a batch split on both axes, grouped / depthwise convolutions and a
+group norm split by groups (with an instance norm), and sorts, scans and reductions along a whole
+dim of a batch split over the mesh (top-k, sort, cumprod, flip, roll, logsumexp, vector norm,
+cosine similarity). Each case's plan is checked to use the rule (the planner is deterministic, so
 the ranks run the plan checked here). Models: ``tests/workers/op_models.py``."""
 import json
 import sys
@@ -27,11 +29,15 @@ CASES = {
     "sync-bn": {"model": "op_models:conv_bn", "batch": 8, "options": {"force_data_parallel": True}},
     "groups": {"model": "op_models:conv_bn", "batch": 8,
                "options": {"batch_axis": 0, "param_specs": {"conv.weight": "S1RRR", "dw.weight": "S1RRR"}}},
+    "group-norm": {"model": "op_models:conv_gn", "batch": 8,
+                   "options": {"batch_axis": 0, "param_specs": {"conv.weight": "S1RRR"}}},
+    "sorts": {"model": "op_models:sorts", "batch": 8, "options": {"force_data_parallel": True}},
 }
 # per case: (op, operand, dim) that the plan must split: the rule in use
 USES = {"vocab-mean": (aten.cross_entropy_loss.default, 0, 1), "vocab-sum": (aten.cross_entropy_loss.default, 0, 1),
         "sync-bn": (aten._native_batch_norm_legit_functional.default, 0, 0),
-        "groups": (aten.conv2d.default, 0, 1)}
+        "groups": (aten.conv2d.default, 0, 1), "group-norm": (aten.group_norm.default, 0, 1),
+        "sorts": (aten.topk.default, 0, 0)}
 
 
 @pytest.fixture(scope="module")

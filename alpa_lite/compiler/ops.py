@@ -252,6 +252,71 @@ def _fixed_reduction(node, fresh):
     return OpSignature([inp], [out] * n_out, fixed=_fixed_in(inp, dims))
 
 
+def _sorted(node, fresh):
+    """sort / topk: values and indices along ``dim``, which stays whole (topk's result holds ``k``
+    of it: a dim of its own)."""
+    a = op_args(node)
+    inp = _dims("d", len(_shape(a["self"])))
+    out = inp
+    if node.target is aten.topk.default and inp:
+        d = a["dim"] % len(inp)
+        out = inp[:d] + (fresh(),) + inp[d + 1:]
+    return OpSignature([inp], [out, out], fixed=_fixed_in(inp, [a["dim"]]))
+
+
+def _roll(node, fresh):
+    """roll along ``dims`` (none: the flattened tensor, every dim) keeps those dims whole."""
+    dims = op_args(node)["dims"]
+    return _normalize(node, fresh, dims or range(len(_shape(node))))
+
+
+def _group_norm(node, fresh):
+    """group_norm of ``(N, C, *)``: the batch splits, the channels by whole groups (a group's
+    statistics are its own; the executor runs ``num_groups / shards`` of them), the other dims
+    stay whole; weight and bias ``(C,)`` follow the channels."""
+    a = op_args(node)
+    out = _dims("d", len(_shape(a["input"])))
+    ins = [out] + [out[1:2] for _ in _tensor_inputs(node)[1:]]
+    return OpSignature(ins, [out], fixed=set(out[2:]), units={out[1]: a["num_groups"]})
+
+
+def _instance_norm(node, fresh):
+    """instance_norm of ``(N, C, *)`` without running statistics: per sample and channel, so both
+    split and the other dims stay whole. With running statistics (updated inside the op from the
+    batch's mean) there is no rule: the op runs replicated."""
+    a = op_args(node)
+    if a["running_mean"] is not None or a["running_var"] is not None:
+        return None
+    out = _dims("d", len(_shape(a["input"])))
+    ins = [out] + [out[1:2] for _ in _tensor_inputs(node)[1:]]
+    return OpSignature(ins, [out], fixed=set(out[2:]))
+
+
+def _cosine_similarity(node, fresh):
+    """cosine_similarity of two broadcast operands along ``dim``, which stays whole and leaves the
+    result."""
+    a = op_args(node)
+    shape = tuple(torch.broadcast_shapes(_shape(a["x1"]), _shape(a["x2"])))
+    full = _dims("d", len(shape))
+    d = a["dim"] % len(shape)
+    ins = [_broadcast(_shape(n), full, shape, fresh) for n in _tensor_inputs(node)]
+    return OpSignature(ins, [full[:d] + full[d + 1:]], fixed={full[d]})
+
+
+def _cdist(node, fresh):
+    """cdist of ``(*B, P, M)`` and ``(*B, R, M)`` to ``(*B, P, R)``: the batch, the rows of each
+    side split; the features ``M`` stay whole (a p-norm over them is no sum). One tensor on both
+    sides has no rule (its rows are both ``P`` and ``R``)."""
+    a = op_args(node)
+    if a["x1"] is a["x2"]:
+        return None
+    s1, s2 = _shape(a["x1"]), _shape(a["x2"])
+    shape = tuple(torch.broadcast_shapes(s1[:-2], s2[:-2]))
+    b = _dims("b", len(shape))
+    ins = [_broadcast(s1[:-2], b, shape, fresh) + ("p", "m"), _broadcast(s2[:-2], b, shape, fresh) + ("r", "m")]
+    return OpSignature(ins, [b + ("p", "r")], fixed={"m"})
+
+
 def _transpose(node, fresh):
     a = op_args(node)
     r = len(_shape(a["self"]))
@@ -525,7 +590,10 @@ _TABLE = {
     aten.sum.default: _full_reduction("sum"), aten.mean.default: _full_reduction("mean"),
     aten.amax.default: _fixed_reduction, aten.max.dim: _fixed_reduction, aten.argmax.default: _fixed_reduction,
     aten.var.correction: _fixed_reduction, aten.var.dim: _fixed_reduction, aten.std.correction: _fixed_reduction,
-    aten.std.dim: _fixed_reduction,
+    aten.std.dim: _fixed_reduction, aten.amin.default: _fixed_reduction, aten.min.dim: _fixed_reduction,
+    aten.argmin.default: _fixed_reduction, aten.logsumexp.default: _fixed_reduction,
+    aten.special_logsumexp.default: _fixed_reduction, aten.prod.dim_int: _fixed_reduction,
+    aten.linalg_vector_norm.default: _fixed_reduction,
     aten.softmax.int: _softmax, aten._softmax.default: _softmax, aten.log_softmax.int: _softmax,
     aten._log_softmax.default: _softmax,
     aten.layer_norm.default: _layer_norm, aten.rms_norm.default: _layer_norm,
@@ -550,7 +618,13 @@ _TABLE = {
     aten.cumsum.default: lambda n, f: _normalize(n, f, [op_args(n)["dim"]]), aten.one_hot.default: _one_hot,
     aten.ones_like.default: _same_labels, aten.zeros_like.default: _same_labels, aten.full_like.default: _same_labels,
     aten.empty_like.default: _same_labels, aten.index.Tensor: _index, aten.pad.default: _pad,
-    aten.constant_pad_nd.default: _pad,
+    aten.constant_pad_nd.default: _pad, aten.cumprod.default: lambda n, f: _normalize(n, f, [op_args(n)["dim"]]),
+    aten.logcumsumexp.default: lambda n, f: _normalize(n, f, [op_args(n)["dim"]]),
+    aten.flip.default: lambda n, f: _normalize(n, f, op_args(n)["dims"]), aten.roll.default: _roll,
+    aten.sort.default: _sorted, aten.sort.stable: _sorted, aten.topk.default: _sorted,
+    aten.group_norm.default: _group_norm, aten.instance_norm.default: _instance_norm,
+    aten.cosine_similarity.default: _cosine_similarity, aten.cdist.default: _cdist,
+    aten.expand_as.default: _pointwise,
 }
 
 

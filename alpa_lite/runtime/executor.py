@@ -75,12 +75,13 @@ _BIAS_AFTER = {aten.linear.default: "bias", aten.conv2d.default: "bias", aten.co
 
 def local_arguments(target, args: tuple, kwargs: dict, in_specs, mesh_shape) -> tuple[tuple, dict]:
     """``(args, kwargs)`` of ``target`` run on operands arriving in ``in_specs``: a grouped
-    convolution split by whole groups (``compiler.ops``'s convolution rule) runs
+    convolution or a group norm split by whole groups (``compiler.ops``'s rules) runs
     ``groups / shards`` of them; other calls are unchanged."""
-    if target in _CONV and in_specs[0].dims[1]:
-        groups = bind_args(target, args, kwargs)["groups"]
+    name = "groups" if target in _CONV else "num_groups" if target is aten.group_norm.default else None
+    if name and in_specs[0].dims[1]:
+        groups = bind_args(target, args, kwargs)[name]
         if groups > 1:
-            return with_arg(target, args, kwargs, "groups", groups // in_specs[0].shards(1, mesh_shape))
+            return with_arg(target, args, kwargs, name, groups // in_specs[0].shards(1, mesh_shape))
     return args, kwargs
 
 
