@@ -6,6 +6,7 @@ imports the other (docs/architecture.md).
 """
 from __future__ import annotations
 
+import datetime
 import gc
 import time
 from collections.abc import Callable
@@ -117,7 +118,7 @@ def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None
 def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *, targets: tuple = (),
                 example_kwargs: dict | None = None, optimizer: Callable | None = None,
                 plan: Plan | PipelinePlan | str | Path | None = None, seed: int = 0, init_fn: Callable | None = None,
-                cluster: str | None = None, timeout_s: float = 120.0, report: bool | None = None,
+                cluster: str | None = None, timeout_s: float | None = None, report: bool | None = None,
                 report_warmup: int = 2, report_steps: int | None = 5, options: PlanOptions | None = None,
                 pipeline: PipelineOptions | str | int | None = None, accumulate: int = 1,
                 max_grad_norm: float | None = None, compile: bool | str = False,
@@ -142,7 +143,9 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
         optimizer: ``params -> torch.optim.Optimizer``; default AdamW(lr=1e-3).
         plan: a ``Plan`` / ``PipelinePlan``, a plan JSON path, or None to plan here.
         cluster: preset or cluster file for planning (default ``cpu-gloo`` on CPU, ``a100`` on CUDA).
-        timeout_s: collective timeout, seconds (a dead peer fails the step instead of hanging).
+        timeout_s: collective timeout, seconds (a dead peer fails the step instead of hanging), of
+            the default process group and of every group the trainer makes; None: the default
+            group's (120 s when ``parallelize`` creates it: ``init_distributed``).
         report: time every step after ``report_warmup`` warm-up steps, and the collectives in it,
             for ``trainer.report()`` (predicted vs measured); None: on when the environment
             variable ``ALPA_LITE_REPORT`` is ``1`` (``alpa-lite run --report``). The report
@@ -173,7 +176,9 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
     """
     if plan is not None and not isinstance(plan, (Plan, PipelinePlan)):
         plan = load_plan(plan)
-    init_distributed(timeout_s)
+    init_distributed(120.0 if timeout_s is None else timeout_s)
+    if timeout_s is not None:  # the default group existed before, with a timeout of its own
+        dist.group.WORLD.set_timeout(datetime.timedelta(seconds=timeout_s))
     dmesh = device_mesh(mesh)
     shape = tuple(dmesh.mesh.shape)
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
@@ -196,7 +201,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
                             f"batch is {batch}")
         n = batch // plan.num_microbatches
         captured = plan.captured or _capture_rows(model, inputs, loss_fn, targets, example_kwargs, n, compute_dtype)
-        trainer = PipelineTrainer(model, captured, plan, optimizer, seed, init_fn, timeout_s, compile)
+        trainer = PipelineTrainer(model, captured, plan, optimizer, seed, init_fn, compile)
     else:
         captured = plan.captured or capture(model, inputs, loss_fn, targets, example_kwargs, compute_dtype)
         trainer = ParallelTrainer(model, dmesh, captured, plan, optimizer, seed, init_fn, accumulate, compile)

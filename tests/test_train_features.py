@@ -138,3 +138,8 @@ def test_checkpoint_errors(results):
     assert "__0_0.distcp has 100 bytes" in e["c_short"]
     assert "no .metadata file" in e["c_nometa"]
     assert "has no 'model.layers.0.weight'" in e["other_model"]
+
+
+def test_trainers_take_the_jobs_collective_timeout_or_the_one_given(results):
+    # the worker's job timeout is 60 s; a pipeline's stage groups took parallelize's default 120 s
+    assert results["timeouts"] == {"dp-None": [60.0], "pipeline-None": [60.0], "dp-45": [45.0], "pipeline-45": [45.0]}

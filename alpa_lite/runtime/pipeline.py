@@ -48,7 +48,6 @@ that package is the 1F1B and GPipe orders, restated in ``core/schedules.py``.
 """
 from __future__ import annotations
 
-import datetime
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -64,6 +63,7 @@ from ..core.spec import ShardingSpec
 from .collectives import GatheredParameters, MeshGroups, local_slice, named, reshard, synchronize_device
 from .executor import DeferredLoss
 from .init import store_buffer_mutations
+from .launch import job_timeout
 from .program import StageProgram
 from .trainer import Trainer
 from .zero import build_optimizer
@@ -116,8 +116,6 @@ class PipelineTrainer(Trainer):
             the first ``p`` stages', stage ``s`` on the ranks of stage ``s mod p``).
         optimizer: ``params -> torch.optim.Optimizer`` over this rank's shards (not called on a
             stage without parameters: it has nothing to update).
-        timeout_s: timeout of the stage process groups' collectives, seconds (point-to-point
-            transfers run on the default group, whose timeout ``init_distributed`` set).
         compile: run each chunk's forward of a microbatch, and its backward, as its
             ``StageProgram`` (``program.py``: AOT autograd's forward and backward graphs on local
             shapes, intra-stage collectives as functional collectives) under ``torch.compile``:
@@ -143,7 +141,7 @@ class PipelineTrainer(Trainer):
     """
 
     def __init__(self, model, captured, plan: PipelinePlan, optimizer: Callable, seed: int = 0, init_fn=None,
-                 timeout_s: float = 120.0, compile: bool | str = False):
+                 compile: bool | str = False):
         self.schedule = get_schedule(plan.schedule, plan.chunks)
         if compile and self.schedule.split_backward:
             raise ValueError(f"compile=True cannot run the {plan.schedule} schedule: a compiled stage's backward is "
@@ -164,7 +162,7 @@ class PipelineTrainer(Trainer):
                             f"(plan graph {plan.fingerprint}, this model {captured.fingerprint()})")
         self.plan, self.cg = plan, captured
         self._check_chunks_disjoint()
-        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.timeout = job_timeout()  # the stage groups'; transfers run on the default group
         self.reduction = plan.loss_reduction
         self.stages = [i for i, s in enumerate(plan.stages) if rank in s.ranks]
         self.device_group = self.stages[0]

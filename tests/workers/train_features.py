@@ -275,6 +275,22 @@ def checkpoint_errors(batches, source, path: Path, root: Path) -> dict:
     return errors
 
 
+def timeouts(model, batches) -> dict:
+    """The collective timeouts (seconds) of the default group and of a trainer's groups: the
+    job's (``init_distributed(60)``) when ``parallelize`` is given none, for SPMD and pipeline
+    trainers alike, then ``timeout_s=45`` for both."""
+    def seconds(trainer):
+        groups = {*trainer.groups.groups, trainer.groups.flat, dist.group.WORLD}
+        return sorted({g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups})
+
+    out = {}
+    for given in (None, 45):
+        for plan in ("dp", "pipeline"):
+            trainer = parallelize(copy.deepcopy(model), PLANS[plan][0], batches[0], timeout_s=given, **PLANS[plan][1])
+            out[f"{plan}-{given}"] = seconds(trainer)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -287,7 +303,7 @@ def main():
     if args.resume:
         return finish(resumed_on_fewer_ranks(model, batches, Path(args.dir)), args.out)
     results = {"accumulation_and_clipping": accumulation_and_clipping(model, batches),
-               "checkpoints": checkpoints(model, batches, Path(args.dir))}
+               "checkpoints": checkpoints(model, batches, Path(args.dir)), "timeouts": timeouts(model, batches)}
     finish(results, args.out)
 
 
