@@ -92,6 +92,16 @@ def test_budget_below_minimum_names_the_minimum():
     assert "least any plan needs" in str(err.value)
 
 
+def test_an_infeasible_ilp_says_no_assignment_fits_not_to_raise_the_limits():
+    """Every pair of two variables forbidden: the solver proves it infeasible; no limit stopped it
+    (it said "try a larger node_limit or time_limit")."""
+    g = CostGraph(costs=[[0.0, 1.0], [0.0, 1.0]], memory=[[0.0, 0.0], [0.0, 0.0]])
+    g.add_edge(0, 1, [[math.inf, math.inf], [math.inf, math.inf]])
+    with pytest.raises(SolverError, match="no assignment satisfies the forced specs and options") as err:
+        solve(g)
+    assert err.value.limit is None and "node_limit" not in str(err.value)
+
+
 def test_self_edge_adds_diagonal():
     g = CostGraph(costs=[[1.0, 2.0]], memory=[[0.0, 0.0]])
     g.add_edge(0, 0, [[5.0, 0.0], [0.0, 0.0]])

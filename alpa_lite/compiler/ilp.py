@@ -546,9 +546,10 @@ def solve(graph: CostGraph, memory_budget: float = math.inf, time_limit: float =
     engine = _solver(time_limit, solver, node_limit)
     status = prob.solve(engine)
     if pulp.LpStatus[status] not in ("Optimal",) and prob.sol_status not in (pulp.LpSolutionIntegerFeasible,):
+        hint = (f"; the {engine.stopped} limit stopped it: try a larger node_limit or time_limit" if engine.stopped
+                else "; no assignment satisfies the forced specs and options")
         raise SolverError(f"ILP solver status {pulp.LpStatus[status]} ({len(graph.costs)} variables, "
-                          f"{len(graph.edges)} edges){blame or '; try a larger node_limit or time_limit'}",
-                          engine.stopped)
+                          f"{len(graph.edges)} edges){blame or hint}", engine.stopped)
     choice = [0 if xs is None else max(range(len(xs)), key=lambda p: xs[p].value() or 0.0) for xs in s]
     remat = tuple(x is True or (x is not True and (x.value() or 0.0) > 0.5) for x in r)
     gap, stopped = None, "Optimal"
