@@ -696,11 +696,6 @@ def stat_reductions(sig: OpSignature, in_specs, in_shapes, itemsize: int, mesh_s
             for lab, stats in sig.stats.items() for phase, labs in stats if axes_of.get(lab)]
 
 
-def is_supported(node: torch.fx.Node) -> bool:
-    return node.target in _TABLE or (
-        isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags)
-
-
 def flops(node: torch.fx.Node, sig: OpSignature | None) -> float:
     """Forward FLOPs of ``node``: 2 x product of all label sizes for contractions (matmul,
     einsum, conv), else one per result element."""
