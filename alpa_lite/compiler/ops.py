@@ -569,10 +569,6 @@ def _pool(node, fresh):
     return OpSignature([inp], outs)
 
 
-def _getitem(node, fresh):
-    return None  # handled by the strategy generator: follows the selected result
-
-
 # Views and layout ops: cheap, merged into their operand's ILP variable (Alpa's "follower" ops).
 FOLLOWER_TARGETS = {
     aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int, aten.t.default,

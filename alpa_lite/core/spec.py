@@ -113,10 +113,6 @@ class ShardingSpec(str):
         """Number of pieces dim ``dim`` is cut into on a mesh of ``mesh_shape``."""
         return math.prod(mesh_shape[a] for a in self.dims[dim])
 
-    def num_shards(self, mesh_shape: tuple[int, ...]) -> int:
-        """Number of distinct pieces the whole tensor is cut into."""
-        return math.prod(mesh_shape[a] for a in self.axes())
-
     def divides(self, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> bool:
         """True when every split dim divides evenly (the only specs alpa-lite uses)."""
         return len(shape) == self.ndim and all(
