@@ -33,7 +33,10 @@ reference held the bf16 run to fp32 bounds: ``ce_ignore`` under Megatron "differ
 off, bound 3.8e-4), and batch norms keep fp32 weights (torch's kernel refuses bf16 weights with
 fp32 running statistics: ``bn1d`` died in a pipeline stage, and in the one-process reference,
 with "expected scalar type BFloat16 but found Float"; ``syncbn_conv`` is a conv + synchronized
-batch norm under data parallelism, normalized in fp32).
+batch norm under data parallelism, normalized in fp32). An accumulator made in forward from a
+constant and written in place with activations (``expand_inplace``: under data parallelism its
+rows were a slice taken without autograd, and torch refused the in-place write, "A view was
+created in no_grad mode").
 """
 import json
 from pathlib import Path
@@ -56,7 +59,8 @@ EXTRA = {"ce_ignore-pipe_tp": ("ce_ignore", PIPE_TP), "num_items-accumulate": ("
          "scalar_first-pipe": ("scalar_first", PLANS["pipe"]),
          "ce_ignore-bf16_megatron": ("ce_ignore", PLANS["megatron"] | BF16),
          "syncbn_conv-bf16_dp": ("syncbn_conv", PLANS["dp"] | BF16),
-         "bn1d-bf16_pipe1": ("bn1d", PLANS["pipe"] | BF16 | {"num_microbatches": 1})}
+         "bn1d-bf16_pipe1": ("bn1d", PLANS["pipe"] | BF16 | {"num_microbatches": 1}),
+         "expand_inplace-dp": ("expand_inplace", PLANS["dp"])}
 CASES |= {name: {"model": f"patterns:{p}", "seq": 8, "options": o} for name, (p, o) in EXTRA.items()}
 
 

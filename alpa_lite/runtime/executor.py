@@ -42,7 +42,9 @@ layer prefetched, and the gradients summed by the group's one asynchronous reduc
 backward that runs is the forward's autograd graph, so the forward's group receives them).
 
 An in-place op on a stored tensor (``embedding_renorm_`` of ``max_norm`` on a detached weight)
-that ran on a resharded copy is written back to the stored shard.
+that ran on a resharded copy is written back to the stored shard. An operand written in place
+that its reshard sliced without autograd (a view made under ``no_grad``: the batch rows of a
+constant made in forward) is copied first; autograd refuses an in-place write with grad into it.
 """
 from __future__ import annotations
 
@@ -280,6 +282,7 @@ class LocalExecutor:
         if d.getitem is not None:
             return values[d.getitem[0]][d.getitem[1]]
         local = {}
+        written = {op_args(node)[a].name for a in d.written} if d.written else ()
         for src, src_spec, dst_spec, grad_partial, shape in d.operands:
             key = (src, src_spec, dst_spec, grad_partial)
             if key not in moved:
@@ -297,6 +300,8 @@ class LocalExecutor:
                         moved[key] = reshard(values[src], src_spec, dst_spec, grad_partial, shape, self.mesh)
                 except RuntimeError as e:
                     raise RuntimeError(f"node {node.name} ({node.target}), operand {src}: {e}") from e
+            if src in written and moved[key] is not values[src] and moved[key]._is_view():
+                moved[key] = moved[key].clone()  # a slice taken without autograd: it refuses in-place writes with grad
             local[src] = moved[key]
             if zero3.last_reads.get(key) == node.name:
                 del moved[key]

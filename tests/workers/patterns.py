@@ -919,3 +919,25 @@ def max_norm_emb(batch, seq=None, device="cpu", seed=0):
 
 def misc_losses(batch, seq=None, device="cpu", seed=0):
     return _regression(MiscLosses, batch, seq, seed)
+
+
+# --- sweep 4: in-place writes into tensors made in forward ---
+
+class ExpandInPlace(_Base):
+    """An accumulator made in forward from a constant, ``zeros(B, 1, 1).expand_as(h).clone()``,
+    then written in place with activations (``add_``, ``index_put_`` through ``acc[:, rows] =``):
+    under data parallelism its batch rows are a slice of the constant taken without autograd, and
+    the in-place write died in torch ("A view was created in no_grad mode and is being modified
+    inplace with grad mode enabled")."""
+
+    def forward(self, x, y):
+        h = self.fc1(x)
+        acc = torch.zeros(x.shape[0], 1, 1).expand_as(h).clone()
+        acc.add_(h)
+        rows = torch.tensor([0, 2, 5])
+        acc[:, rows] = acc[:, rows] * 3.0
+        return F.mse_loss(self.fc2(F.relu(acc)), y)
+
+
+def expand_inplace(batch, seq=None, device="cpu", seed=0):
+    return _regression(ExpandInPlace, batch, seq, seed)
