@@ -36,7 +36,9 @@ with "expected scalar type BFloat16 but found Float"; ``syncbn_conv`` is a conv 
 batch norm under data parallelism, normalized in fp32). An accumulator made in forward from a
 constant and written in place with activations (``expand_inplace``: under data parallelism its
 rows were a slice taken without autograd, and torch refused the in-place write, "A view was
-created in no_grad mode").
+created in no_grad mode"); a bool buffer (``rope_gqa``'s causal mask: verify's comparison died on
+rank 0, ``"abs_cpu" not implemented for 'Bool'``, the other ranks waiting for it until the
+collective timeout).
 """
 import json
 from pathlib import Path
@@ -60,7 +62,7 @@ EXTRA = {"ce_ignore-pipe_tp": ("ce_ignore", PIPE_TP), "num_items-accumulate": ("
          "ce_ignore-bf16_megatron": ("ce_ignore", PLANS["megatron"] | BF16),
          "syncbn_conv-bf16_dp": ("syncbn_conv", PLANS["dp"] | BF16),
          "bn1d-bf16_pipe1": ("bn1d", PLANS["pipe"] | BF16 | {"num_microbatches": 1}),
-         "expand_inplace-dp": ("expand_inplace", PLANS["dp"])}
+         "expand_inplace-dp": ("expand_inplace", PLANS["dp"]), "rope_gqa-dp": ("rope_gqa", PLANS["dp"])}
 CASES |= {name: {"model": f"patterns:{p}", "seq": 8, "options": o} for name, (p, o) in EXTRA.items()}
 
 

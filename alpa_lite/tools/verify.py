@@ -134,7 +134,8 @@ def _rtol(dtype: torch.dtype) -> float:
 
 
 def _amax(x: torch.Tensor) -> float:
-    return float(x.detach().abs().max()) if x.numel() else 0.0
+    """``max |x|`` as a float, 0 for an empty tensor; any dtype (a bool buffer: a causal mask)."""
+    return float(x.detach().double().abs().max()) if x.numel() else 0.0
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -297,6 +298,8 @@ def verify(model: torch.nn.Module, inputs, mesh, *, loss_fn: Callable | None = N
         ValueError: the model has meta (unmaterialized) weights, no step is asked for, or a batch
             is not of the form above.
         PlanError: (from ``parallelize``) the plan does not fit the model or the mesh.
+        RuntimeError: the one-process reference or the comparison failed on rank 0 (raised on
+            every rank, naming rank 0's error).
     """
     from ..api import parallelize
     from ..runtime.launch import default_device
@@ -311,12 +314,21 @@ def verify(model: torch.nn.Module, inputs, mesh, *, loss_fn: Callable | None = N
     trainer = parallelize(copy.deepcopy(model), mesh, inputs, loss_fn, targets=tuple(targets),
                           example_kwargs=example_kwargs, optimizer=optimizer, plan=plan, **plan_options)
     compute = compute_dtype_of(trainer.plan.options)  # mixed precision: the reference computes alike
-    ref = None
-    if dist.get_rank() == 0:
-        ref = _reference(model, batches, loss_fn, len(inputs), optimizer, default_device(), compute)
     par = _parallel(trainer, batches, {k for k, _ in model.named_parameters(remove_duplicate=False)})
-    box = [_judge(ref, par, _plan_line(trainer.plan), compute) if ref is not None else None]
+    box: list = [None]
+    if dist.get_rank() == 0:  # the reference after the parallel run: an error here cannot strand the other ranks
+        try:
+            ref = _reference(model, batches, loss_fn, len(inputs), optimizer, default_device(), compute)
+            box[0] = _judge(ref, par, _plan_line(trainer.plan), compute)
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            box[0] = e
+    failure = box[0] if isinstance(box[0], Exception) else None
+    if failure is not None:
+        box[0] = f"{type(failure).__name__}: {failure}"
     dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise RuntimeError(f"verify failed on rank 0 (the one-process reference or the comparison): {box[0]}"
+                           ) from failure
     report = box[0]
     if show and dist.get_rank() == 0:
         from rich.console import Console

@@ -921,7 +921,37 @@ def misc_losses(batch, seq=None, device="cpu", seed=0):
     return _regression(MiscLosses, batch, seq, seed)
 
 
-# --- sweep 4: in-place writes into tensors made in forward ---
+# --- sweep 4: buffers of other dtypes, in-place writes into tensors made in forward ---
+
+class RoPEGQA(_Base):
+    """LLaMA-style attention: rotary embeddings from real ``cos`` / ``sin`` tables in buffers, 4
+    query heads over 2 key/value heads (GQA, ``repeat_interleave``), and a causal mask from a
+    bool ``tril`` buffer sliced to the sequence length (verify's comparison died on the bool
+    buffer: ``"abs_cpu" not implemented for 'Bool'``, on rank 0 only, and the other ranks waited
+    for it in the broadcast until the collective timeout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(HIDDEN, HIDDEN)
+        self.kv = nn.Linear(HIDDEN, HIDDEN)
+        angle = torch.outer(torch.arange(32.0), 1.0 / 10000 ** torch.arange(0, 1, 0.5)).repeat(1, 2)
+        self.register_buffer("cos", angle.cos(), persistent=False)
+        self.register_buffer("sin", angle.sin(), persistent=False)
+        self.register_buffer("causal", torch.ones(32, 32, dtype=torch.bool).tril(), persistent=False)
+
+    def _rotate(self, u: torch.Tensor) -> torch.Tensor:
+        t, (u1, u2) = u.shape[2], u.chunk(2, -1)
+        return u * self.cos[:t] + torch.cat([-u2, u1], -1) * self.sin[:t]
+
+    def forward(self, x, y):
+        b, t, _ = x.shape
+        q = self._rotate(self.q(x).view(b, t, 4, 4).transpose(1, 2))
+        k, v = self.kv(x).view(b, t, 2, 2, 4).permute(2, 0, 3, 1, 4)
+        k, v = self._rotate(k).repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        att = (q @ k.transpose(-1, -2) / 2.0).masked_fill(~self.causal[:t, :t], float("-inf")).softmax(-1)
+        h = (att @ v).transpose(1, 2).reshape(b, t, HIDDEN)
+        return F.mse_loss(self.fc2(F.relu(self.fc1(h))), y)
+
 
 class ExpandInPlace(_Base):
     """An accumulator made in forward from a constant, ``zeros(B, 1, 1).expand_as(h).clone()``,
@@ -937,6 +967,10 @@ class ExpandInPlace(_Base):
         rows = torch.tensor([0, 2, 5])
         acc[:, rows] = acc[:, rows] * 3.0
         return F.mse_loss(self.fc2(F.relu(acc)), y)
+
+
+def rope_gqa(batch, seq=None, device="cpu", seed=0):
+    return _regression(RoPEGQA, batch, seq, seed)
 
 
 def expand_inplace(batch, seq=None, device="cpu", seed=0):
