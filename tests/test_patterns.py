@@ -38,7 +38,8 @@ constant and written in place with activations (``expand_inplace``: under data p
 rows were a slice taken without autograd, and torch refused the in-place write, "A view was
 created in no_grad mode"); a bool buffer (``rope_gqa``'s causal mask: verify's comparison died on
 rank 0, ``"abs_cpu" not implemented for 'Bool'``, the other ranks waiting for it until the
-collective timeout).
+collective timeout); ``max_grad_norm=0.1`` under Megatron (verify's reference did not clip: every
+clipped plan "differed").
 """
 import json
 from pathlib import Path
@@ -62,7 +63,8 @@ EXTRA = {"ce_ignore-pipe_tp": ("ce_ignore", PIPE_TP), "num_items-accumulate": ("
          "ce_ignore-bf16_megatron": ("ce_ignore", PLANS["megatron"] | BF16),
          "syncbn_conv-bf16_dp": ("syncbn_conv", PLANS["dp"] | BF16),
          "bn1d-bf16_pipe1": ("bn1d", PLANS["pipe"] | BF16 | {"num_microbatches": 1}),
-         "expand_inplace-dp": ("expand_inplace", PLANS["dp"]), "rope_gqa-dp": ("rope_gqa", PLANS["dp"])}
+         "expand_inplace-dp": ("expand_inplace", PLANS["dp"]), "rope_gqa-dp": ("rope_gqa", PLANS["dp"]),
+         "ce_ignore-clip_megatron": ("ce_ignore", PLANS["megatron"] | {"max_grad_norm": 0.1})}
 CASES |= {name: {"model": f"patterns:{p}", "seq": 8, "options": o} for name, (p, o) in EXTRA.items()}
 
 

@@ -197,21 +197,26 @@ class _Trace:
 
 
 def _reference(model, batches, loss_fn, num_inputs: int, optimizer: Callable, device,
-               compute_dtype: torch.dtype | None = None) -> _Trace:
+               compute_dtype: torch.dtype | None = None, max_grad_norm: float | None = None) -> _Trace:
     """Train a copy of ``model`` in this process (the loss exactly as ``capture`` wraps it, in
-    ``compute_dtype`` under mixed precision); ``batches``: ``(args, kwargs)`` pairs."""
+    ``compute_dtype`` under mixed precision; the gradients clipped to ``max_grad_norm`` by
+    ``torch.nn.utils.clip_grad_norm_`` when given, as the trainer's ``step`` clips them);
+    ``batches``: ``(args, kwargs)`` pairs."""
     import torch.utils._pytree as pytree
 
     from ..core.capture import TrainingLoss
 
     wrapped = TrainingLoss(copy.deepcopy(model), loss_fn, num_inputs, compute_dtype).to(device)
-    opt = optimizer([p for p in wrapped.parameters() if p.requires_grad])
+    trained = [p for p in wrapped.parameters() if p.requires_grad]
+    opt = optimizer(trained)
     trace = _Trace({k: v.detach().cpu().clone() for k, v in model.named_parameters(remove_duplicate=False)})
     for batch in batches:
         opt.zero_grad(set_to_none=True)
         args, kwargs = pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
         loss = wrapped(*args, **kwargs)
         loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(trained, max_grad_norm)
         trace.grads.append({k: p.grad.detach().cpu().clone()  # tied names too, as trainer.gradients()
                             for k, p in wrapped.model.named_parameters(remove_duplicate=False) if p.grad is not None})
         opt.step()
@@ -318,7 +323,8 @@ def verify(model: torch.nn.Module, inputs, mesh, *, loss_fn: Callable | None = N
     box: list = [None]
     if dist.get_rank() == 0:  # the reference after the parallel run: an error here cannot strand the other ranks
         try:
-            ref = _reference(model, batches, loss_fn, len(inputs), optimizer, default_device(), compute)
+            ref = _reference(model, batches, loss_fn, len(inputs), optimizer, default_device(), compute,
+                             plan_options.get("max_grad_norm"))
             box[0] = _judge(ref, par, _plan_line(trainer.plan), compute)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             box[0] = e
