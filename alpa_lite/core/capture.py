@@ -15,6 +15,9 @@ plain aten ops or refuses them, so that every later pass sees one flat graph:
 - reentrant ``torch.utils.checkpoint`` is captured as its function (checkpointing changes
   memory, not gradients; export would otherwise record it as a no-grad region);
 - every other higher-order op (``torch.cond``, ``while_loop``, ...) raises ``CaptureError``.
+In-place writes of buffers, and in-place writes through a view of another tensor
+(``h[..., :8] *= 0.5``), are functionalized (``run_decompositions({})``): a plan may run a view on
+a resharded copy, which a write would never carry back to the base.
 A frozen parameter (``requires_grad=False``) is state, not a trainable parameter: it is listed
 with the buffers, so it gets no gradient, no gradient sync and no optimizer state.
 """
@@ -35,6 +38,8 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind, TensorArgument
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+from .aten import ALIAS_OPS, op_args, written_args
 
 
 class CaptureError(RuntimeError):
@@ -372,12 +377,14 @@ def _capture(model, example_inputs, loss_fn, targets, example_kwargs, compute_dt
                            "shapes; use torch.where, masked_fill or a multiplied mask") from e
     except RuntimeError:  # a parameter written in place (a leaf that requires grad): look for writes without grad
         tracked, mutated = None, _fake_run(ep.graph, set(), store=any_batch)[1]
-    if mutated and any_batch:
-        raise CaptureError("the model writes buffers in place: functionalizing retraces the graph at the example's "
-                           "shapes, so it is not for any batch size")
-    if mutated:  # export's training IR writes buffers in place: functionalize
+    through_view = _write_through_view(ep.graph)
+    if (mutated or through_view) and any_batch:
+        raise CaptureError(f"the model writes {'buffers' if mutated else 'through a view'} in place: functionalizing "
+                           "retraces the graph at the example's shapes, so it is not for any batch size")
+    if mutated or through_view:  # export's training IR writes buffers / views in place: functionalize
         ep.graph_module.recompile()  # it runs the module's code: written for the graph the passes above edited
         ep = ep.run_decompositions({})  # (keeps the ops; mutations become outputs, ``buffers_to_mutate``)
+        _differentiable_copies(ep.graph_module)
         tracked = None  # another graph: its tracked nodes are found below
     gm = ep.graph_module
     _drop_layout_copies(gm)
@@ -961,6 +968,28 @@ def _drop_layout_copies(gm: torch.fx.GraphModule) -> None:
             gm.graph.erase_node(node)
 
 
+def _differentiable_copies(gm: torch.fx.GraphModule) -> None:
+    """Replace functionalization's ``aten.copy(self, src)`` (the value a ``copy_`` wrote: ``src``
+    broadcast to ``self``'s shape, in its dtype) by ``src`` itself, ``expand`` ed and cast where
+    needed: autograd has no derivative for ``aten.copy`` ("derivative for aten::copy is not
+    implemented"), and ``h[..., :8] = g`` writes one."""
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if node.target is not aten.copy.default:
+            continue
+        a = op_args(node)
+        dst, value = a["self"].meta["val"], a["src"]
+        with gm.graph.inserting_before(node):
+            if tuple(value.meta["val"].shape) != tuple(dst.shape):
+                value = gm.graph.call_function(aten.expand.default, (value, list(dst.shape)))
+                value.meta["val"] = value.args[0].meta["val"].expand(dst.shape)
+            if value.meta["val"].dtype != dst.dtype:
+                value = gm.graph.call_function(aten._to_copy.default, (value,), {"dtype": dst.dtype})
+                value.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(value)
+        gm.graph.erase_node(node)
+
+
 def _name_outputs(ep: torch.export.ExportedProgram) -> None:
     """Point the signature's outputs (the loss, buffer updates) at the graph's output values
     again: an inlined region's results replace the ``getitem`` nodes that the signature named."""
@@ -1086,6 +1115,25 @@ def _fake_run(graph: torch.fx.Graph, params: set[str], store: bool = False,
         Tracker(graph.owning_module or torch.nn.Module(), graph=graph).run(
             *[None for n in graph.nodes if n.op == "placeholder"])
     return tracked, {name for name, (t, version) in inputs.items() if t._version != version}
+
+
+def _write_through_view(graph: torch.fx.Graph) -> str | None:
+    """The first in-place op that writes into a view of another tensor (``h[..., :8] *= 0.5`` is a
+    ``mul_`` of a ``slice`` and a ``copy_`` into a ``slice``; later ops read the base, written), or
+    None. The runtime runs a view on its operand's shard, or on a resharded copy where the plan
+    moves it: a write into that copy never reached the base (Megatron's split ``h``: gradients
+    3e3 x their bound off, silently). ``capture`` functionalizes such a graph (the write becomes
+    ``slice_scatter`` and friends, read by the later ops). A write into a ``detach`` / ``alias``
+    of a stored tensor (``ALIAS_OPS``) is the executor's write-back, not this."""
+    for node in graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        for name in written_args(node.target):
+            src = op_args(node)[name]
+            if (isinstance(src, torch.fx.Node) and isinstance(src.target, torch._ops.OpOverload)
+                    and src.target.is_view and src.target not in ALIAS_OPS):
+                return node.name
+    return None
 
 
 def _is_op(target) -> bool:

@@ -921,7 +921,7 @@ def misc_losses(batch, seq=None, device="cpu", seed=0):
     return _regression(MiscLosses, batch, seq, seed)
 
 
-# --- sweep 4: buffers of other dtypes, in-place writes into tensors made in forward ---
+# --- sweep 4: buffers of other dtypes, in-place writes into tensors made in forward, into views ---
 
 class RoPEGQA(_Base):
     """LLaMA-style attention: rotary embeddings from real ``cos`` / ``sin`` tables in buffers, 4
@@ -969,9 +969,32 @@ class ExpandInPlace(_Base):
         return F.mse_loss(self.fc2(F.relu(acc)), y)
 
 
+class ViewWrite(_Base):
+    """In-place writes through views of an activation: ``h[..., :8] *= 0.5`` (``mul_`` of a
+    ``slice``, then ``copy_`` into a ``slice``), ``h[:, 0] = cls`` (a broadcast ``copy_`` into a
+    ``select``), ``h.transpose(1, 2)[:, :4].mul_(0.5)``; ``h`` is then read whole. Under Megatron
+    ``h`` is split along its last dim: the writes ran on resharded copies and never reached ``h``
+    (every gradient 3e3 x its bound off, no error)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cls = nn.Parameter(torch.randn(4 * HIDDEN) * 0.1)
+
+    def forward(self, x, y):
+        h = self.fc1(x) * 1.0
+        h[..., :8] *= 0.5
+        h[:, 0] = self.cls
+        h.transpose(1, 2)[:, :4].mul_(0.5)
+        return F.mse_loss(self.fc2(F.relu(h)), y)
+
+
 def rope_gqa(batch, seq=None, device="cpu", seed=0):
     return _regression(RoPEGQA, batch, seq, seed)
 
 
 def expand_inplace(batch, seq=None, device="cpu", seed=0):
     return _regression(ExpandInPlace, batch, seq, seed)
+
+
+def view_write(batch, seq=None, device="cpu", seed=0):
+    return _regression(ViewWrite, batch, seq, seed)
