@@ -42,7 +42,9 @@ collective timeout); ``max_grad_norm=0.1`` under Megatron (verify's reference di
 clipped plan "differed"). In-place writes through views of an activation (``view_write``:
 ``h[..., :8] *= 0.5``, ``h[:, 0] = cls``) under Megatron, ``h`` split by ``fc1``, and under data
 parallelism: they ran on copies and never reached ``h``, every gradient 2e3-1e4 x its bound off
-with no error; now functionalized at capture.
+with no error; now functionalized at capture. Weights pruned in place under ``torch.no_grad()``
+in forward (``prune``: ``fc1.weight.mul_(mask)`` ends the block, whose result, the weight itself,
+capture read detached: no gradient for ``fc1.weight`` under any plan, 1e4 x its bound off).
 """
 import json
 from pathlib import Path
@@ -68,7 +70,8 @@ EXTRA = {"ce_ignore-pipe_tp": ("ce_ignore", PIPE_TP), "num_items-accumulate": ("
          "bn1d-bf16_pipe1": ("bn1d", PLANS["pipe"] | BF16 | {"num_microbatches": 1}),
          "expand_inplace-dp": ("expand_inplace", PLANS["dp"]), "rope_gqa-dp": ("rope_gqa", PLANS["dp"]),
          "ce_ignore-clip_megatron": ("ce_ignore", PLANS["megatron"] | {"max_grad_norm": 0.1}),
-         "view_write-tp": ("view_write", PLANS["megatron"]), "view_write-dp": ("view_write", PLANS["dp"])}
+         "view_write-tp": ("view_write", PLANS["megatron"]), "view_write-dp": ("view_write", PLANS["dp"]),
+         "prune-dp": ("prune", PLANS["dp"])}
 CASES |= {name: {"model": f"patterns:{p}", "seq": 8, "options": o} for name, (p, o) in EXTRA.items()}
 
 

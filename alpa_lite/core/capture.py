@@ -1062,10 +1062,23 @@ def _inline(gm: torch.fx.GraphModule, node: torch.fx.Node, body: torch.fx.Graph,
             if b.target is operator.getitem and _hop_name(b.args[0].target) is not None:
                 outside.add(b)  # a nested region's result: from outside this region's own ops
     results = results if isinstance(results, (tuple, list)) else (results,)
+    undetached = {d: v for v, d in detached.items()}
     for user in list(node.users):
-        user.replace_all_uses_with(env[results[user.args[1]]])
+        user.replace_all_uses_with(_written_operand(env[results[user.args[1]]], undetached))
         graph.erase_node(user)
     graph.erase_node(node)
+
+
+def _written_operand(value, undetached: dict[torch.fx.Node, torch.fx.Node]):
+    """A no-grad region's result as its readers after the region see it: an in-place op's result
+    is the tensor it wrote (``w.mul_(mask)`` under ``torch.no_grad()`` returns ``w``), and a write
+    into the region's ``detach`` of an outside value (``undetached``: detach -> value) is a write
+    into that value, which they read as it is, tracked by autograd (a parameter pruned in place:
+    its later readers read the parameter; they read the detached copy, and its gradient was 0)."""
+    while isinstance(value, torch.fx.Node) and isinstance(value.target, torch._ops.OpOverload) and \
+            len(written_args(value.target)) == 1:
+        value = op_args(value)[written_args(value.target)[0]]
+    return undetached.get(value, value)
 
 
 def _fresh_attr(gm: torch.fx.GraphModule, base: str) -> str:

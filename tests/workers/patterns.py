@@ -988,6 +988,24 @@ class ViewWrite(_Base):
         return F.mse_loss(self.fc2(F.relu(h)), y)
 
 
+class Prune(_Base):
+    """Weights pruned in place in forward under ``torch.no_grad()`` (magnitude-pruning and
+    lottery-ticket code): ``fc1.weight.mul_(mask)``, the last statement of the block, and
+    ``fc2.weight[:, :4].zero_()``. The block's result, ``mul_``'s return, is ``fc1.weight`` itself;
+    capture read it detached (``fc1.weight`` got no gradient under every plan), and a 2-stage
+    pipeline wrote ``fc2.weight`` in stage 0 while stage 1 read its own stale copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mask", (torch.arange(4 * HIDDEN * HIDDEN) % 5 != 0).float().view(4 * HIDDEN, HIDDEN))
+
+    def forward(self, x, y):
+        with torch.no_grad():
+            self.fc2.weight[:, :4].zero_()
+            self.fc1.weight.mul_(self.mask)
+        return F.mse_loss(self.fc2(F.relu(self.fc1(x))), y)
+
+
 def rope_gqa(batch, seq=None, device="cpu", seed=0):
     return _regression(RoPEGQA, batch, seq, seed)
 
@@ -998,3 +1016,7 @@ def expand_inplace(batch, seq=None, device="cpu", seed=0):
 
 def view_write(batch, seq=None, device="cpu", seed=0):
     return _regression(ViewWrite, batch, seq, seed)
+
+
+def prune(batch, seq=None, device="cpu", seed=0):
+    return _regression(Prune, batch, seq, seed)
