@@ -44,7 +44,8 @@ clipped plan "differed"). In-place writes through views of an activation (``view
 parallelism: they ran on copies and never reached ``h``, every gradient 2e3-1e4 x its bound off
 with no error; now functionalized at capture. Weights pruned in place under ``torch.no_grad()``
 in forward (``prune``: ``fc1.weight.mul_(mask)`` ends the block, whose result, the weight itself,
-capture read detached: no gradient for ``fc1.weight`` under any plan, 1e4 x its bound off).
+capture read detached: no gradient for ``fc1.weight`` under any plan, 1e4 x its bound off; and a
+2-stage pipeline wrote ``fc2.weight`` in stage 0, where stage 1 read its own copy).
 """
 import json
 from pathlib import Path
@@ -71,7 +72,7 @@ EXTRA = {"ce_ignore-pipe_tp": ("ce_ignore", PIPE_TP), "num_items-accumulate": ("
          "expand_inplace-dp": ("expand_inplace", PLANS["dp"]), "rope_gqa-dp": ("rope_gqa", PLANS["dp"]),
          "ce_ignore-clip_megatron": ("ce_ignore", PLANS["megatron"] | {"max_grad_norm": 0.1}),
          "view_write-tp": ("view_write", PLANS["megatron"]), "view_write-dp": ("view_write", PLANS["dp"]),
-         "prune-dp": ("prune", PLANS["dp"])}
+         "prune-dp": ("prune", PLANS["dp"]), "prune-pipe": ("prune", PLANS["pipe"])}
 CASES |= {name: {"model": f"patterns:{p}", "seq": 8, "options": o} for name, (p, o) in EXTRA.items()}
 
 

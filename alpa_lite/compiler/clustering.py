@@ -11,7 +11,10 @@ produced at or before atom ``p`` and consumed after it, a DP over atoms picks ``
                                                avg = sum_a f_a / L,
 
 with ``delta`` the smallest of 0.1, 0.25, 0.5, 1, 2, inf that is feasible. A parameter belongs
-to the layer of its first consumer (a tied weight used by two layers is held by both).
+to the layer of its first consumer (a tied weight used by two layers is held by both). A
+parameter or buffer the forward writes (a weight pruned in place under ``torch.no_grad()``, a
+queue buffer) is not cut from its readers: its write and every op reading it fall in one layer
+(a stage wrote its own copy, the other stage's readers read the stale one).
 """
 from __future__ import annotations
 
@@ -62,6 +65,13 @@ def _node_flops(node) -> float:
     return flops(node, signature(node))
 
 
+def written_state(cg) -> list[tuple[str, str]]:
+    """``(node, placeholder)`` of each parameter or buffer the forward writes: the node computing
+    its new value (``CapturedGraph.param_mutations``, ``buffer_mutations``) and its placeholder."""
+    buffers = {fqn: ph for ph, fqn in cg.buffer_fqns.items()}
+    return [*cg.param_mutations.items(), *((n, buffers[fqn]) for n, fqn in cg.buffer_mutations.items())]
+
+
 def cluster_layers(cg, num_layers: int | None = None, max_layers: int = 16) -> list:
     """Cut the captured graph into layers of balanced FLOPs with few cross-layer bytes.
 
@@ -103,6 +113,9 @@ def cluster_layers(cg, num_layers: int | None = None, max_layers: int = 16) -> l
             cut_bytes[first:last] += nbytes_of(val)
         else:
             blocked[first:last] = True
+    for name, ph in written_state(cg):
+        spots = [atom_of[name]] + [atom_of[u.name] for u in cg.node(ph).users if u.name in atom_of]
+        blocked[min(spots):max(spots)] = True
     blocked[A - 1] = False
     f = np.array([sum(_node_flops(n) for n in group) for group in atoms])
     allowed = [p for p in range(A - 1) if not blocked[p]]
