@@ -1154,10 +1154,13 @@ def _is_op(target) -> bool:
 
 
 def stage_view(cg, names):
-    """``cg`` with only the parameters, buffers and inputs among ``names`` (one stage's share)."""
+    """``cg`` with only the parameters, buffers and inputs among ``names`` (one stage's share), and
+    the in-place updates of those (a stage that receives a buffer's new value from the stage that
+    computed it, read after the update, does not store it: it holds no copy of the buffer)."""
     keep = set(names)
-    return replace(cg, param_fqns={k: v for k, v in cg.param_fqns.items() if k in keep},
-                   buffer_fqns={k: v for k, v in cg.buffer_fqns.items() if k in keep},
+    buffers = {k: v for k, v in cg.buffer_fqns.items() if k in keep}
+    return replace(cg, param_fqns={k: v for k, v in cg.param_fqns.items() if k in keep}, buffer_fqns=buffers,
                    input_names=[n for n in cg.input_names if n in keep],
-                   buffer_mutations={k: v for k, v in cg.buffer_mutations.items() if k in keep},
-                   param_mutations={k: v for k, v in cg.param_mutations.items() if k in keep})
+                   buffer_mutations={k: v for k, v in cg.buffer_mutations.items()
+                                     if k in keep and v in buffers.values()},
+                   param_mutations={k: v for k, v in cg.param_mutations.items() if k in keep and v in keep})
