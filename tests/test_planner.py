@@ -161,6 +161,24 @@ def test_non_scalar_output_needs_loss_fn():
     assert set(p.param_specs) == {"weight", "bias"}
 
 
+def test_a_tied_weight_written_in_place_is_named():
+    """An ``Embedding(max_norm=)`` whose weight is also the output layer's: functionalizing its
+    in-place renorm died inside torch's AOT export ("AssertionError: expected compiled_fn to be
+    GraphModule"); capture names the written weight and the fix."""
+    class TiedMaxNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(8, 4, max_norm=1.0)
+            self.head = nn.Linear(4, 8, bias=False)
+            self.head.weight = self.tok.weight
+
+        def forward(self, ids):
+            return self.head(self.tok(ids)).logsumexp(-1).mean()
+
+    with pytest.raises(CaptureError, match=r"writes head\.weight in place .* tied weight written in place .* untie"):
+        plan(TiedMaxNorm(), (torch.randint(0, 8, (2, 3)),), LogicalMesh((1, 2)))
+
+
 def test_op_without_generator_runs_replicated_with_warning():
     class Flip(nn.Module):  # aten.flip has no strategy rule
         def __init__(self):

@@ -382,9 +382,7 @@ def _capture(model, example_inputs, loss_fn, targets, example_kwargs, compute_dt
         raise CaptureError(f"the model writes {'buffers' if mutated else 'through a view'} in place: functionalizing "
                            "retraces the graph at the example's shapes, so it is not for any batch size")
     if mutated or through_view:  # export's training IR writes buffers / views in place: functionalize
-        ep.graph_module.recompile()  # it runs the module's code: written for the graph the passes above edited
-        ep = ep.run_decompositions({})  # (keeps the ops; mutations become outputs, ``buffers_to_mutate``)
-        _differentiable_copies(ep.graph_module)
+        ep = _functionalized(ep, mutated, through_view)
         tracked = None  # another graph: its tracked nodes are found below
     gm = ep.graph_module
     _drop_layout_copies(gm)
@@ -966,6 +964,31 @@ def _drop_layout_copies(gm: torch.fx.GraphModule) -> None:
         if node.target is torch.ops.aten.contiguous.default:
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
+
+
+def _functionalized(ep: torch.export.ExportedProgram, mutated: set[str], through_view: str | None
+                    ) -> torch.export.ExportedProgram:
+    """``ep`` functionalized (``run_decompositions({})``, which keeps the ops: each write of a
+    parameter or buffer becomes an output, ``buffers_to_mutate`` / ``parameters_to_mutate``; a
+    write through a view a ``*_scatter``), its ``aten.copy`` made differentiable.
+
+    Raises:
+        CaptureError: torch could not functionalize it (a tied weight written in place, an
+            ``Embedding(max_norm=)`` sharing its weight with the output layer, fails inside
+            torch's AOT export with an ``AssertionError``); the message names what is written.
+    """
+    names = {spec.arg.name: spec.target for spec in ep.graph_signature.input_specs if spec.target}
+    written = ", ".join(sorted(names.get(n, n).removeprefix("model.") for n in mutated)) or f"a view ({through_view})"
+    ep.graph_module.recompile()  # it runs the module's code: written for the graph the passes above edited
+    try:
+        ep = ep.run_decompositions({})
+    except Exception as e:  # noqa: BLE001 - torch's own assertion, deep in AOT export
+        raise CaptureError(f"the model writes {written} in place in forward and torch could not functionalize the "
+                           f"write ({_first_line(e)}); a tied weight written in place (Embedding(max_norm=) sharing "
+                           "its weight with the output layer) is one such case: untie it or drop the in-place "
+                           "write") from e
+    _differentiable_copies(ep.graph_module)
+    return ep
 
 
 def _differentiable_copies(gm: torch.fx.GraphModule) -> None:
