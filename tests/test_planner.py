@@ -179,6 +179,24 @@ def test_a_tied_weight_written_in_place_is_named():
         plan(TiedMaxNorm(), (torch.randint(0, 8, (2, 3)),), LogicalMesh((1, 2)))
 
 
+def test_mixed_precision_refuses_a_weight_written_in_place():
+    """Under bf16 the model runs on low-precision copies of its weights, one cast per reader: an
+    ``Embedding(max_norm=)``'s renorm of its copy reached no reader, and the plan trained silently
+    wrong (gradients 534 x their verify bound under data parallelism); now refused by name."""
+    class MaxNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(8, 4, max_norm=1.0)
+            self.head = nn.Linear(4, 8)
+
+        def forward(self, ids):
+            return self.head(self.tok(ids)).logsumexp(-1).mean()
+
+    with pytest.raises(CaptureError, match=r"low-precision copy of tok\.weight in place"):
+        plan(MaxNorm(), (torch.randint(0, 8, (2, 3)),), LogicalMesh((1, 2)), mixed_precision="bf16")
+    plan(MaxNorm(), (torch.randint(0, 8, (2, 3)),), LogicalMesh((1, 2)))  # fp32: the weight itself is renormalized
+
+
 def test_op_without_generator_runs_replicated_with_warning():
     class Flip(nn.Module):  # aten.flip has no strategy rule
         def __init__(self):

@@ -364,6 +364,7 @@ def _capture(model, example_inputs, loss_fn, targets, example_kwargs, compute_dt
     batched, batches = _concrete_batch(ep, batch) if any_batch else (set(), (0, 0))
     _name_outputs(ep)
     if compute_dtype is not None:
+        _refuse_written_casts(ep)
         _cast_per_use(ep.graph_module)
     frozen = {n for n, p in wrapper.named_parameters(remove_duplicate=False) if not p.requires_grad}
     trainable = {spec.arg.name for spec in ep.graph_signature.input_specs
@@ -828,6 +829,37 @@ def _cast_per_use(gm: torch.fx.GraphModule) -> None:
                 user.replace_input_with(node, cast)
             graph.erase_node(node)
     graph.lint()
+
+
+def _refuse_written_casts(ep: torch.export.ExportedProgram) -> None:
+    """Mixed precision: refuse a parameter's low-precision copy that the model writes in place.
+
+    ``TrainingLoss`` runs the model on bf16 / fp16 copies of the weights; an ``Embedding(max_norm=)``
+    renormalizes its copy in place, a weight pruned under ``torch.no_grad()`` is its copy pruned.
+    The graph gives each reader its own cast (``_cast_per_use``), so the write reached none of them
+    (``max_norm`` under bf16 data parallelism: gradients 534 x their bound off, silently).
+
+    Raises:
+        CaptureError: naming the parameter and what to do.
+    """
+    names = {spec.arg.name: spec.target for spec in ep.graph_signature.input_specs if spec.target}
+    for node in ep.graph.nodes:
+        if node.target in _CASTS and node.args[0].op == "placeholder" and _written_in_place(node):
+            name = names.get(node.args[0].name, node.args[0].name).removeprefix("model.")
+            raise CaptureError(f"mixed precision: the model writes its low-precision copy of {name} in place "
+                               "(Embedding(max_norm=), a weight pruned in forward): not supported; train it without "
+                               "mixed_precision, or apply the write to the weight outside the training step")
+
+
+def _written_in_place(node: torch.fx.Node) -> bool:
+    """Whether an op writes ``node``'s value in place, itself or through a view of it."""
+    for user in node.users:
+        if not isinstance(user.target, torch._ops.OpOverload):
+            continue
+        if any(op_args(user)[a] is node for a in written_args(user.target)) or \
+                (user.target.is_view and _written_in_place(user)):
+            return True
+    return False
 
 
 def _one_placeholder_per_tensor(gm: torch.fx.GraphModule, model: torch.nn.Module, param_fqns: dict[str, str],
