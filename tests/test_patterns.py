@@ -33,7 +33,11 @@ reference held the bf16 run to fp32 bounds: ``ce_ignore`` under Megatron "differ
 off, bound 3.8e-4), and batch norms keep fp32 weights (torch's kernel refuses bf16 weights with
 fp32 running statistics: ``bn1d`` died in a pipeline stage, and in the one-process reference,
 with "expected scalar type BFloat16 but found Float"; ``syncbn_conv`` is a conv + synchronized
-batch norm under data parallelism, normalized in fp32). An accumulator made in forward from a
+batch norm under data parallelism, normalized in fp32). Compiled (``compile="aot_eager"``), a
+batch norm of a transposed input in a pipeline stage with Megatron specs died with "view size is
+not compatible with input tensor's size and stride" (torch's CPU kernel returns a contiguous
+result, its fake kernel keeps the input's strides, and the stage's graph was traced on the fake
+ones; ``bn1d-pipe_tp1_compiled``), and the other stage waited out the 120 s timeout. An accumulator made in forward from a
 constant and written in place with activations (``expand_inplace``: under data parallelism its
 rows were a slice taken without autograd, and torch refused the in-place write, "A view was
 created in no_grad mode"); a bool buffer (``rope_gqa``'s causal mask: verify's comparison died on
@@ -72,7 +76,8 @@ EXTRA = {"ce_ignore-pipe_tp": ("ce_ignore", PIPE_TP), "num_items-accumulate": ("
          "expand_inplace-dp": ("expand_inplace", PLANS["dp"]), "rope_gqa-dp": ("rope_gqa", PLANS["dp"]),
          "ce_ignore-clip_megatron": ("ce_ignore", PLANS["megatron"] | {"max_grad_norm": 0.1}),
          "view_write-tp": ("view_write", PLANS["megatron"]), "view_write-dp": ("view_write", PLANS["dp"]),
-         "prune-dp": ("prune", PLANS["dp"]), "prune-pipe": ("prune", PLANS["pipe"])}
+         "prune-dp": ("prune", PLANS["dp"]), "prune-pipe": ("prune", PLANS["pipe"]),
+         "bn1d-pipe_tp1_compiled": ("bn1d", PIPE_TP | {"num_microbatches": 1, "compile": "aot_eager"})}
 CASES |= {name: {"model": f"patterns:{p}", "seq": 8, "options": o} for name, (p, o) in EXTRA.items()}
 
 

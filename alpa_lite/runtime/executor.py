@@ -75,10 +75,22 @@ _BIAS_AFTER = {aten.linear.default: "bias", aten.conv2d.default: "bias", aten.co
                aten.convolution.default: "bias", aten.addmm.default: "self", aten.baddbmm.default: "self"}
 
 
+_BATCH_NORMS = {aten._native_batch_norm_legit_functional.default, aten._native_batch_norm_legit.default,
+                aten._native_batch_norm_legit_no_training.default, aten.native_batch_norm.default,
+                aten.batch_norm.default}
+
+
 def local_arguments(target, args: tuple, kwargs: dict, in_specs, mesh_shape) -> tuple[tuple, dict]:
     """``(args, kwargs)`` of ``target`` run on operands arriving in ``in_specs``: a grouped
     convolution or a group norm split by whole groups (``compiler.ops``'s rules) runs
-    ``groups / shards`` of them; other calls are unchanged."""
+    ``groups / shards`` of them; in a traced run (``functional()``: a compiled program) a batch
+    norm gets a contiguous input (the CPU kernel returns a contiguous result whatever its input's
+    strides, while its fake kernel keeps them: the graph, traced on fake tensors, viewed the result
+    of a transposed input where the real result cannot be viewed, "view size is not compatible
+    with input tensor's size and stride"); other calls are unchanged."""
+    if target in _BATCH_NORMS and functional():
+        x = bind_args(target, args, kwargs)["input"]
+        return (args, kwargs) if x.is_contiguous() else with_arg(target, args, kwargs, "input", x.contiguous())
     name = "groups" if target in _CONV else "num_groups" if target is aten.group_norm.default else None
     if name and in_specs[0].dims[1]:
         groups = bind_args(target, args, kwargs)[name]
