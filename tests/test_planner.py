@@ -198,16 +198,16 @@ def test_mixed_precision_refuses_a_weight_written_in_place():
 
 
 def test_op_without_generator_runs_replicated_with_warning():
-    class Flip(nn.Module):  # aten.flip has no strategy rule
+    class Rot90(nn.Module):  # aten.rot90 has no strategy rule
         def __init__(self):
             super().__init__()
             self.fc = nn.Linear(8, 8)
 
         def forward(self, x):
-            return self.fc(x).flip(-1).mean()
+            return torch.rot90(self.fc(x), 1, (0, 1)).mean()
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        p = plan(Flip(), (torch.randn(8, 8),), LogicalMesh((2, 2), **UNIT))
-    assert any("flip" in str(w.message) for w in caught)
-    assert p.nodes["flip"].out_specs == ("RR",)
+        p = plan(Rot90(), (torch.randn(8, 8),), LogicalMesh((2, 2), **UNIT))
+    assert any("rot90" in str(w.message) for w in caught)
+    assert p.nodes["rot90"].out_specs == ("RR",)
