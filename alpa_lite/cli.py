@@ -17,8 +17,8 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
                                  "returning (model, example_inputs)")
     p.add_argument("--mesh", default="1x4", help="logical mesh shape, e.g. 2x4 (default 1x4)")
     p.add_argument("--cluster", default="a100", help="preset (a100, v100, cpu-gloo, unit) or cluster JSON file")
-    p.add_argument("--batch", type=int, default=8, help="global batch size")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (language models)")
+    p.add_argument("--batch", type=int, default=8, help="global batch size (default 8; `train` defaults to 16)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (language models; default: the model's)")
     p.add_argument("--memory-budget", type=float, default=None, help="GiB per device (default: the device's)")
     p.add_argument("--force-dp", action="store_true", help="pure data parallel")
     p.add_argument("--batch-axis", type=int, choices=(0, 1), default=None, help="force the batch onto a mesh axis")
@@ -35,8 +35,8 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--all-params", action="store_true", help="list every parameter (no folding of layers)")
     p.add_argument("--pipeline", default=None, metavar="auto|K",
                    help="pipeline stages on submeshes of the mesh (Alpa's inter-op pass): 'auto' or a stage count")
-    p.add_argument("--schedule", default="1f1b", choices=(*SCHEDULES, "auto"),
-                   help="pipeline schedule ('auto': the least predicted step time that fits memory)")
+    p.add_argument("--schedule", default=None, choices=(*SCHEDULES, "auto"),
+                   help="pipeline schedule (default 1f1b; 'auto': the least predicted step time that fits memory)")
     p.add_argument("--chunks", type=int, default=2, help="stages per device group under --schedule interleaved")
     p.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches (default: chosen)")
     p.add_argument("--layers", type=int, default=None, help="layers to cluster the graph into (default: chosen)")
@@ -63,9 +63,12 @@ def cmd_plan(args) -> int:
     if args.memory_budget is not None and not args.memory_budget > 0:
         raise ValueError(f"--memory-budget must be a positive number of GiB, got {args.memory_budget}")
     budget = None if args.memory_budget is None else args.memory_budget * 2**30
+    given = [f"--{k.replace('_', '-')}" for k in ("schedule", "microbatches", "layers", "schedule_chart")
+             if getattr(args, k) is not None]
+    if given and args.pipeline is None:
+        raise ValueError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to a pipeline: add --pipeline "
+                         "auto (or a stage count)")
     if args.schedule_chart:
-        if args.pipeline is None:
-            raise ValueError("--schedule-chart draws the stages of a pipeline: add --pipeline auto (or a stage count)")
         try:
             import matplotlib  # noqa: F401
         except ImportError:
@@ -78,8 +81,8 @@ def cmd_plan(args) -> int:
     with PlanProgress(console) as progress, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
         pipelined = {} if args.pipeline is None else dict(
-            pipeline=args.pipeline, schedule=args.schedule, chunks=args.chunks, num_microbatches=args.microbatches,
-            num_layers=args.layers)
+            pipeline=args.pipeline, schedule=args.schedule or "1f1b", chunks=args.chunks,
+            num_microbatches=args.microbatches, num_layers=args.layers)
         result = plan(model, example, mesh, memory_budget=budget, force_data_parallel=args.force_dp,
                       batch_axis=args.batch_axis, zero_stage=args.zero_stage, time_limit=args.time_limit,
                       node_limit=args.node_limit or None, **pipelined,

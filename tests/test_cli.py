@@ -60,6 +60,8 @@ def test_plan_bad_input_is_one_clear_line(capsys):
     assert r.returncode == 2 and "/nonexistent/dir does not exist" in r.stderr and "step time" not in r.stdout
     r = in_process(capsys, "plan", "mlp", "--json", "/tmp")  # a directory: refused before planning
     assert r.returncode == 2 and "it is a directory" in r.stderr and "step time" not in r.stdout
+    r = in_process(capsys, "plan", "mlp", "--schedule", "gpipe", "--microbatches", "4")  # were ignored
+    assert r.returncode == 2 and "--schedule, --microbatches apply to a pipeline" in r.stderr
 
 
 def test_train_main_job(tmp_path):

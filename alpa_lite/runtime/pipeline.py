@@ -159,7 +159,9 @@ class PipelineTrainer(Trainer):
                             "device group, stage s on the ranks of stage s mod the group count)")
         if plan.fingerprint != captured.fingerprint():
             raise PlanError("the plan was made for another model or other microbatch shapes "
-                            f"(plan graph {plan.fingerprint}, this model {captured.fingerprint()})")
+                            f"(plan graph {plan.fingerprint}, this model {captured.fingerprint()}): plan and train "
+                            "the same model at the same batch and sequence length (`alpa-lite plan` and `train` "
+                            "take --batch and --seq; their default batches differ: 8 and 16)")
         self.plan, self.cg = plan, captured
         self._check_chunks_disjoint()
         self.timeout = job_timeout()  # the stage groups'; transfers run on the default group

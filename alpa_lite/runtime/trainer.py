@@ -416,7 +416,9 @@ class ParallelTrainer(Trainer):
             raise ValueError(f"accumulate must be a positive number of microbatches, got {accumulate!r}")
         if plan.fingerprint != captured.fingerprint():
             raise PlanError("the plan was made for another model or other input shapes "
-                            f"(plan graph {plan.fingerprint}, this model {captured.fingerprint()})")
+                            f"(plan graph {plan.fingerprint}, this model {captured.fingerprint()}): plan and train "
+                            "the same model at the same batch and sequence length (`alpa-lite plan` and `train` "
+                            "take --batch and --seq; their default batches differ: 8 and 16)")
         shape = tuple(device_mesh.mesh.shape)
         if tuple(plan.mesh.shape) != shape:
             raise PlanError(f"the plan is for a {plan.mesh.shape[0]}x{plan.mesh.shape[1]} mesh, the device mesh is "
