@@ -842,13 +842,19 @@ def _refuse_written_casts(ep: torch.export.ExportedProgram) -> None:
     Raises:
         CaptureError: naming the parameter and what to do.
     """
-    names = {spec.arg.name: spec.target for spec in ep.graph_signature.input_specs if spec.target}
     for node in ep.graph.nodes:
         if node.target in _CASTS and node.args[0].op == "placeholder" and _written_in_place(node):
-            name = names.get(node.args[0].name, node.args[0].name).removeprefix("model.")
+            name = _state_name(ep, node.args[0].name)
             raise CaptureError(f"mixed precision: the model writes its low-precision copy of {name} in place "
                                "(Embedding(max_norm=), a weight pruned in forward): not supported; train it without "
                                "mixed_precision, or apply the write to the weight outside the training step")
+
+
+def _state_name(ep: torch.export.ExportedProgram, placeholder: str) -> str:
+    """The model's name of the parameter or buffer behind ``placeholder`` (the placeholder's
+    name where it is neither)."""
+    names = {spec.arg.name: spec.target for spec in ep.graph_signature.input_specs if spec.target}
+    return names.get(placeholder, placeholder).removeprefix("model.")
 
 
 def _written_in_place(node: torch.fx.Node) -> bool:
@@ -1009,8 +1015,7 @@ def _functionalized(ep: torch.export.ExportedProgram, mutated: set[str], through
             ``Embedding(max_norm=)`` sharing its weight with the output layer, fails inside
             torch's AOT export with an ``AssertionError``); the message names what is written.
     """
-    names = {spec.arg.name: spec.target for spec in ep.graph_signature.input_specs if spec.target}
-    written = ", ".join(sorted(names.get(n, n).removeprefix("model.") for n in mutated)) or f"a view ({through_view})"
+    written = ", ".join(sorted(_state_name(ep, n) for n in mutated)) or f"a view ({through_view})"
     ep.graph_module.recompile()  # it runs the module's code: written for the graph the passes above edited
     try:
         ep = ep.run_decompositions({})

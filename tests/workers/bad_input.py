@@ -22,10 +22,15 @@ def error_of(fn) -> str:
     return "no error"
 
 
-def stop_here(out: str) -> None:
-    """Write the time to ``out``, then stop this process (SIGSTOP: alive, never answering)."""
+def stamp(out: str) -> None:
+    """Write the time to ``out``: when this rank fails (the test times the job's end from it)."""
     with open(out, "w") as f:
         f.write(repr(time.time()))
+
+
+def stop_here(out: str) -> None:
+    """``stamp``, then stop this process (SIGSTOP: alive, never answering)."""
+    stamp(out)
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
@@ -50,8 +55,7 @@ def main():
         trainer = parallelize(model, (2, 2), example, num_stages=2, num_layers=2, num_microbatches=2)
         trainer.step(*example)  # the collective timeout stays 120 s, which the job must not wait out
         if rank == 1:
-            with open(args.out, "w") as f:
-                f.write(repr(time.time()))
+            stamp(args.out)
             raise RuntimeError("rank 1 fails on purpose")
         trainer.step(*example)
         return
@@ -59,8 +63,7 @@ def main():
         trainer = parallelize(model, (2, 2), example, force_data_parallel=True)
         first_step(trainer, example)
         if rank == 1:  # dies between steps; the others block in the next step's collectives
-            with open(args.out, "w") as f:
-                f.write(repr(time.time()))
+            stamp(args.out)
             os._exit(3)
         trainer.step(*example)
         return
