@@ -14,8 +14,17 @@ from .core.options import PipelineOptions, PlanOptions
 from .core.plan import PipelinePlan, Plan, PlanError, load_plan
 from .core.spec import ShardingSpec
 from .runtime.init import init_parameters
-from .tools.verify import VerifyReport, verify
 
 __all__ = ["CaptureError", "ClusterSpec", "LogicalMesh", "MemoryBudgetError", "PRESETS", "PipelineOptions", "PipelinePlan",
            "Plan", "PlanError", "PlanOptions", "ShardingSpec", "VerifyReport", "get_cluster", "init_parameters",
            "load_plan", "parallelize", "plan", "verify"]
+
+
+def __getattr__(name: str):
+    """``verify`` and ``VerifyReport`` load on first use: the verify ranks run
+    ``python -m alpa_lite.tools.verify``, which runpy warns about when the package has already
+    imported that module."""
+    if name in ("verify", "VerifyReport"):
+        from .tools import verify as module
+        return getattr(module, name)
+    raise AttributeError(f"module 'alpa_lite' has no attribute {name!r}")

@@ -7,7 +7,8 @@
 
 For each case: capture (torch.export on meta tensors), strategy enumeration + cost graph, ILP
 solve, with the graph size before and after merging (follower ops, shared repeated blocks).
-Prints a table, writes it with the command to docs/plan_time.md and plots docs/plan_time.png.
+Prints a table, writes it with the command as the first section of docs/plan_time.md (the
+sections after it stay) and plots docs/plan_time.png.
 ``--depth``: one model width planned at several depths (``num_layers``), each the median of
 ``--repeats`` runs; prints a markdown table and the least-squares line of planning seconds
 against layers (slope, intercept, R^2) for docs/plan_time.md.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import warnings
@@ -62,7 +64,7 @@ def main() -> int:
         return _replan(args, console)
     if args.case:
         return _cases(args, console)
-    rows = []
+    rows, load = [], os.getloadavg()[0]
     for name, shape, batch in CASES:
         t0 = time.perf_counter()
         model, example = build_model(name, batch)
@@ -90,13 +92,17 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     largest = max(rows, key=lambda r: r["params"])
+    rest = out.read_text().partition("\n## ")[1:] if out.exists() else ()  # the later sections stay
     out.write_text(
         "# Planning time\n\nCommand: `python benchmarks/plan_time.py` (2-core CPU machine, one process; models on the\n"
-        f"meta device, cluster preset `{args.cluster}`). Total = model build + capture + strategies + ILP.\n\n"
+        f"meta device, cluster preset `{args.cluster}`; load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at "
+        "the end: on a shared machine the seconds grow with the load). Total = model build + capture + strategies + "
+        "ILP.\n\n"
         + "\n".join(lines) + "\n\n"
         f"Largest planned: {largest['model']} ({largest['params']:.1f} B parameters) on a {largest['mesh']} mesh in "
         f"{largest['total']:.1f} s.\nGraph nodes shrink to ILP variables by merging follower ops into their "
-        "operand and sharing one variable across identical transformer blocks.\n\n![planning time](plan_time.png)\n")
+        "operand and sharing one variable across identical transformer blocks.\n\n![planning time](plan_time.png)\n"
+        + "".join(rest))
     _plot(rows, out.with_suffix(".png"))
     console.print(f"written {out} and {out.with_suffix('.png')}")
     return 0

@@ -116,6 +116,13 @@ def test_plan_pipeline_prints_stages_and_saves_a_chart(tmp_path):
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plan_of_one_stage_says_stage():
+    r = alpa_lite("plan", "mlp", "--mesh", "1x2", "--batch", "8", "--cluster", "cpu-gloo", "--pipeline", "1",
+                  "--microbatches", "1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "pipeline: 1 stage, 1f1b, 1 microbatch " in r.stdout and "1 stage, 1 microbatch (1f1b)" in r.stdout
+
+
 def test_train_saves_and_resumes_on_another_mesh(tmp_path):
     """The main job with --accumulate and --max-grad-norm, saved at step 2 on a 1x2 mesh and
     resumed on 2x1 (another plan), logs the losses of the uninterrupted run (fp32, 1e-5 relative)."""

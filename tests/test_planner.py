@@ -74,7 +74,9 @@ def test_forced_plans():
         mlp_plan(30, 64, param_specs={"layers.0.weight": "S1R"})
     with pytest.raises(ValueError, match="not a parameter"):
         mlp_plan(32, 64, param_specs={"nope.weight": "S1R"})
-    with pytest.raises(ValueError, match="batch dim"):
+    with pytest.raises(ValueError, match=r"batch dim 0 of input 0 \(args_0, shape \(6, 32\)\) does not divide over "
+                                         r"mesh axes \[1\] of mesh \(1, 4\), 4 devices: give a batch that is a "
+                                         r"multiple of 4"):
         mlp_plan(32, 6, force_data_parallel=True)
     # an input spec that keeps the batch whole against batch_axis: the spec is named (the error
     # said the batch of 64 "does not divide over mesh axes [1]")
@@ -87,6 +89,9 @@ def test_memory_budget_error_names_minimum():
     with pytest.raises(MemoryBudgetError, match="least any plan needs") as err:
         mlp_plan(256, 32, memory_budget=1e5)
     assert 1e5 < err.value.minimum_bytes < 2e6
+    # a budget under a GiB is also given in bytes (it printed as "0.000 GiB")
+    assert "budget of 0.000 GiB (100000 bytes) per device" in str(err.value)
+    assert f"({err.value.minimum_bytes:.0f} bytes)" in str(err.value)
 
 
 def test_plan_json_round_trip_and_determinism():

@@ -166,6 +166,18 @@ def test_cli_answers_differs_on_a_plan_file_without_a_gradient_sync(tmp_path):
     assert all(math.isfinite(r["max_diff"]) for r in report["rows"])
 
 
+def test_cli_exits_2_when_a_rank_fails():
+    """A rank that raises is an error (2), not the verdict "differs" (1)."""
+    proc = subprocess.run([sys.executable, "-m", "alpa_lite.cli", "verify", "tests.test_verify:broken_model",
+                           "--mesh", "1x1", "--steps", "1"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "no verdict" in proc.stderr and "broken on purpose" in proc.stdout + proc.stderr
+
+
+def broken_model(batch, seq=None, device="cpu"):
+    raise RuntimeError("broken on purpose")
+
+
 def small_mlp(batch, seq=None, device="cpu"):
     """The CLI's module:callable form (2 layers of 32)."""
     return build_model("mlp", batch, device=device, hidden=32, num_layers=2)

@@ -3,6 +3,8 @@ batch axis. One module for the intra-op pass and every stage of the inter-op pas
 read the same options the same way (``PlanOptions``)."""
 from __future__ import annotations
 
+import math
+
 from ..core.options import PlanOptions
 from ..core.spec import ShardingSpec
 from .ops import HEAVY_TARGETS
@@ -140,8 +142,10 @@ def apply_constraints(cg, table: dict[str, NodeStrategies], mesh, options: PlanO
                                  f"split its batch dim {d} along mesh axes {list(want)} as "
                                  f"{'force_data_parallel' if options.force_data_parallel else 'batch_axis'} asks: "
                                  "split that dim there too, or drop one of the two")
-            raise ValueError(f"batch dim of input {name} (shape {shape}) does not divide over mesh axes "
-                             f"{list(want)} of mesh {mesh.shape}")
+            n = math.prod(mesh.shape[a] for a in want)
+            raise ValueError(f"batch dim {d} of input {index} ({name}, shape {shape}) does not divide over mesh "
+                             f"axes {list(want)} of mesh {mesh.shape}, {n} devices: give a batch that is a "
+                             f"multiple of {n}")
 
 
 def data_parallel_axes(options: PlanOptions, mesh_shape: tuple[int, int]) -> tuple[int, ...]:

@@ -94,7 +94,7 @@ class MemoryBudgetError(ValueError):
 
     def __init__(self, budget: float, minimum: float):
         self.budget, self.minimum_bytes = budget, minimum
-        super().__init__(f"no plan fits the memory budget of {budget / 2**30:.3f} GiB per device; "
+        super().__init__(f"no plan fits the memory budget of {budget / 2**30:.3f} GiB ({budget:.0f} bytes) per device; "
                          f"the least any plan needs is {minimum / 2**30:.3f} GiB ({minimum:.0f} bytes)")
 
 

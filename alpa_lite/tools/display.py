@@ -12,6 +12,11 @@ def _require_stages(plan) -> None:
         raise ValueError("this plan has no pipeline stages; plan with pipeline='auto' or num_stages=K")
 
 
+def count(n: int, one: str, many: str) -> str:
+    """``count(1, "stage", "stages")`` is ``"1 stage"``, ``count(2, ...)`` ``"2 stages"``."""
+    return f"{n} {one if n == 1 else many}"
+
+
 def _gib(x: float) -> str:
     return f"{x / 2**30:.2f} GiB"
 
@@ -33,7 +38,8 @@ def stages_table(plan: PipelinePlan):
     _require_stages(plan)
     layers = plan.layers or None
     n = len(plan.stages)
-    t = Table(title=f"pipeline: {n} stage{'s' if n != 1 else ''}, {plan.schedule}, {plan.num_microbatches} microbatches",
+    t = Table(title=f"pipeline: {count(n, 'stage', 'stages')}, {plan.schedule}, "
+                    f"{count(plan.num_microbatches, 'microbatch', 'microbatches')}",
               caption=f"predicted step {_ms(plan.step_seconds)}, bubble {plan.bubble_fraction:.1%}")
     for col in ("stage", "layers", "modules", "submesh", "ranks", "logical mesh", "t / microbatch", "transfer",
                 "once / step", "memory", "in flight"):
@@ -87,7 +93,7 @@ def schedule_chart(plan: PipelinePlan, path: str | Path, title: str | None = Non
     ax.set_yticklabels([f"stage {P - 1 - i}" if schedule.chunks == 1 else
                         "stages " + ", ".join(map(str, range(P - 1 - i, S, P))) for i in range(P)])
     ax.set_xlabel("time (ms)")
-    ax.set_title(title or f"{plan.schedule}, {S} stages, {plan.num_microbatches} microbatches: "
+    ax.set_title(title or f"{plan.schedule}, {count(S, 'stage', 'stages')}, {count(plan.num_microbatches, 'microbatch', 'microbatches')}: "
                           f"step {plan.step_seconds * 1e3:.2f} ms, bubble {plan.bubble_fraction:.0%}")
     fig.tight_layout()
     path = Path(path)

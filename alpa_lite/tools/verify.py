@@ -45,6 +45,7 @@ import torch.distributed as dist
 from ..core.options import compute_dtype_of
 from ..core.plan import PipelinePlan
 from ..core.schedules import SCHEDULES
+from .display import count
 
 RTOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 """Relative tolerance per dtype (see the module docstring)."""
@@ -242,7 +243,8 @@ def _plan_line(plan) -> str:
     if isinstance(plan, PipelinePlan):
         inner = "; ".join(f"stage {i}: {s.plan.mesh.shape[0]}x{s.plan.mesh.shape[1]}"
                           for i, s in enumerate(plan.stages))
-        return (f"{len(plan.stages)} stages ({inner}), {plan.num_microbatches} microbatches, {plan.schedule}")
+        return (f"{count(len(plan.stages), 'stage', 'stages')} ({inner}), "
+                f"{count(plan.num_microbatches, 'microbatch', 'microbatches')}, {plan.schedule}")
     split = sum(1 for s in plan.param_specs.values() if s.axes())
     return f"mesh {plan.mesh.shape[0]}x{plan.mesh.shape[1]}, {split} of {len(plan.param_specs)} parameters sharded"
 
@@ -409,8 +411,8 @@ def _worker(args) -> int:
 def main(args) -> int:
     """Entry of ``alpa-lite verify``: launch the ranks (``launch.torchrun``) unless already one.
 
-    Returns 0 when the plan trains like one process, 1 when it differs, the launcher's code when a
-    rank failed. Rank 0 prints the report; ``--json PATH`` also writes it (``VerifyReport.to_dict``).
+    Returns 0 when the plan trains like one process, 1 when it differs, 2 when a rank failed (an
+    error, not a verdict: its message is in the ranks' output), as the CLI's other errors. Rank 0 prints the report; ``--json PATH`` also writes it (``VerifyReport.to_dict``).
     """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _worker(args)
@@ -430,7 +432,8 @@ def main(args) -> int:
         options = {k: v for k, v in vars(args).items() if k not in ("func", "command")} | {"json": out}
         code = torchrun(["-m", "alpa_lite.tools.verify", json.dumps(options)], nproc=nproc)
         if code != 0:
-            return code
+            print(f"alpa-lite verify: a rank failed (launcher exit code {code}); no verdict", file=sys.stderr)
+            return 2
         with open(out) as f:
             return 0 if json.load(f)["verdict"] == "equal" else 1
 
