@@ -167,7 +167,7 @@ def test_compiled_stage_collectives_overlap_compute(results, name):
 
 def test_lowering_refuses_in_place_writes_only():
     """An in-place write to a stored tensor (``embedding_renorm_`` of ``max_norm``) is refused;
-    dropout and recomputed layers are lowered."""
+    writes into activations, dropout and recomputed layers are lowered."""
     from alpa_lite import LogicalMesh, plan
     from alpa_lite.runtime.collectives import MeshGroups
     from alpa_lite.runtime.executor import LocalExecutor
@@ -190,6 +190,17 @@ def test_lowering_refuses_in_place_writes_only():
     for program in (RankProgram, StageProgram):
         with pytest.raises(ValueError, match="cannot lower this plan .*in-place write embedding_renorm"):
             program(executor(1.0), None, [], None)
+    class Activations(Model):  # in-place writes into activations only: lowered
+        def forward(self, idx):
+            h = self.emb(idx)
+            h.mul_(0.5)
+            return self.fc(torch.relu_(h)).mean()
+
+    pl = plan(Activations(None), torch.randint(0, 16, (8, 4)), LogicalMesh((2, 2), cluster="cpu-gloo"),
+              lambda y: y, force_data_parallel=True)
+    ex = LocalExecutor(pl.captured, pl, MeshGroups((2, 2), (0, 0), (None, None)), torch.device("cpu"))
+    assert sum(bool(d.written) for d in ex.dispatch.values()) == 2
+    RankProgram(ex, None, [], None)
     lowered = executor(None, remat="all")
     assert lowered.plan.remat and any(d.random for d in lowered.dispatch.values())
     assert RankProgram(lowered, None, [], None).graph_module is None  # traced on its first call

@@ -37,7 +37,10 @@ batch norm under data parallelism, normalized in fp32). Compiled (``compile="aot
 batch norm of a transposed input in a pipeline stage with Megatron specs died with "view size is
 not compatible with input tensor's size and stride" (torch's CPU kernel returns a contiguous
 result, its fake kernel keeps the input's strides, and the stage's graph was traced on the fake
-ones; ``bn1d-pipe_tp1_compiled``), and the other stage waited out the 120 s timeout. An accumulator made in forward from a
+ones; ``bn1d-pipe_tp1_compiled``), and the other stage waited out the 120 s timeout. In-place
+writes into activations (``inplace``, ``view_write``) were refused by ``compile=True`` ("cannot
+lower this plan"), though only writes into stored tensors need the interpreter; now lowered
+(``inplace-pipe_tp_compiled``, ``view_write-tp_compiled``). An accumulator made in forward from a
 constant and written in place with activations (``expand_inplace``: under data parallelism its
 rows were a slice taken without autograd, and torch refused the in-place write, "A view was
 created in no_grad mode"); a bool buffer (``rope_gqa``'s causal mask: verify's comparison died on
@@ -77,7 +80,9 @@ EXTRA = {"ce_ignore-pipe_tp": ("ce_ignore", PIPE_TP), "num_items-accumulate": ("
          "ce_ignore-clip_megatron": ("ce_ignore", PLANS["megatron"] | {"max_grad_norm": 0.1}),
          "view_write-tp": ("view_write", PLANS["megatron"]), "view_write-dp": ("view_write", PLANS["dp"]),
          "prune-dp": ("prune", PLANS["dp"]), "prune-pipe": ("prune", PLANS["pipe"]),
-         "bn1d-pipe_tp1_compiled": ("bn1d", PIPE_TP | {"num_microbatches": 1, "compile": "aot_eager"})}
+         "bn1d-pipe_tp1_compiled": ("bn1d", PIPE_TP | {"num_microbatches": 1, "compile": "aot_eager"}),
+         "inplace-pipe_tp_compiled": ("inplace", PIPE_TP | {"compile": "aot_eager"}),
+         "view_write-tp_compiled": ("view_write", PLANS["megatron"] | {"compile": "aot_eager"})}
 CASES |= {name: {"model": f"patterns:{p}", "seq": 8, "options": o} for name, (p, o) in EXTRA.items()}
 
 

@@ -75,7 +75,7 @@ from torch._functorch.aot_autograd import aot_function, make_boxed_func
 from torch._functorch.partitioners import default_partition
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..core.aten import bind_args
+from ..core.aten import alias_root, bind_args, op_args
 from .collectives import all_reduce_sum, functional_collectives, named
 from .executor import DeferredLoss, Dispatch, LocalExecutor
 from .overlap import overlap_collectives
@@ -99,8 +99,13 @@ def _random_nodes(executor: LocalExecutor) -> list[str]:
 
 def _check_lowerable(executor: LocalExecutor) -> None:
     """Raise ``ValueError`` naming what of ``executor``'s plan the lowering does not cover
-    (module docstring): in-place writes to stored tensors."""
-    problems = [f"in-place write {n}" for n, d in executor.dispatch.items() if d.written or d.mutates]
+    (module docstring): in-place writes to stored tensors (a parameter or buffer, or a view of
+    one); a write into an activation is traced as it runs."""
+    def stored(node: str, arg: str) -> bool:
+        return alias_root(op_args(executor.cg.node(node))[arg]).op == "placeholder"
+
+    problems = [f"in-place write {n}" for n, d in executor.dispatch.items()
+                if d.mutates or any(stored(n, a) for a in d.written or ())]
     if problems:
         raise ValueError("compile=True cannot lower this plan (run it without compile): "
                          + ", ".join(problems[:5]) + (" ..." if len(problems) > 5 else ""))
