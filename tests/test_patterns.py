@@ -52,7 +52,10 @@ parallelism: they ran on copies and never reached ``h``, every gradient 2e3-1e4 
 with no error; now functionalized at capture. Weights pruned in place under ``torch.no_grad()``
 in forward (``prune``: ``fc1.weight.mul_(mask)`` ends the block, whose result, the weight itself,
 capture read detached: no gradient for ``fc1.weight`` under any plan, 1e4 x its bound off; and a
-2-stage pipeline wrote ``fc2.weight`` in stage 0, where stage 1 read its own copy).
+2-stage pipeline wrote ``fc2.weight`` in stage 0, where stage 1 read its own copy). Attention
+heads split by Megatron ``q`` / ``k`` / ``v`` / ``o`` specs under an ALiBi bias buffer with a
+sliding-window ``-inf`` fill, ``is_causal`` and a bool key-padding mask (``attn_bias-heads``:
+verify read ``-inf - -inf`` in the buffer as NaN and called every such model different).
 """
 import json
 from pathlib import Path
@@ -82,7 +85,9 @@ EXTRA = {"ce_ignore-pipe_tp": ("ce_ignore", PIPE_TP), "num_items-accumulate": ("
          "prune-dp": ("prune", PLANS["dp"]), "prune-pipe": ("prune", PLANS["pipe"]),
          "bn1d-pipe_tp1_compiled": ("bn1d", PIPE_TP | {"num_microbatches": 1, "compile": "aot_eager"}),
          "inplace-pipe_tp_compiled": ("inplace", PIPE_TP | {"compile": "aot_eager"}),
-         "view_write-tp_compiled": ("view_write", PLANS["megatron"] | {"compile": "aot_eager"})}
+         "view_write-tp_compiled": ("view_write", PLANS["megatron"] | {"compile": "aot_eager"}),
+         "attn_bias-heads": ("attn_bias", {"batch_axis": 0, "param_specs": {"q.weight": "S1R", "k.weight": "S1R",
+                                                                             "v.weight": "S1R", "o.weight": "RS1"}})}
 CASES |= {name: {"model": f"patterns:{p}", "seq": 8, "options": o} for name, (p, o) in EXTRA.items()}
 
 

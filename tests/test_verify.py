@@ -145,6 +145,27 @@ def test_judge_floor_tolerates_cancellation_noise():
     assert 2e-9 < RTOL[torch.float32] * FLOOR
 
 
+def test_judge_reads_infinite_buffers():
+    """A float mask buffer holding ``-inf`` (ALiBi with a sliding window, a causal ``-inf`` mask):
+    ``inf - inf`` made its row NaN, so every such model "differed", and its infinite scale made
+    the bound of every buffer infinite through FLOOR (a wrong running mean beside it passed).
+    Equal infinities now count 0; one in a single run, or a NaN, still differs."""
+    w0 = {"w": torch.zeros(2)}
+    mask = torch.tensor([0.0, -math.inf, 0.5])
+    ref = _trace([1.0], {"w": torch.ones(2)}, w0, dict(w0), {"mask": mask, "mean": torch.ones(2)})
+    assert _judge(ref, ref, "p").equal
+    wrong = _trace([1.0], {"w": torch.ones(2)}, w0, dict(w0), {"mask": mask, "mean": torch.full((2,), 1.5)})
+    rows = {r.name: r for r in _judge(ref, wrong, "p").differing}
+    assert list(rows) == ["mean"] and rows["mean"].bound < 1e-3
+    for bad in ([0.0, 0.0, 0.5], [0.0, math.inf, 0.5], [0.0, math.nan, 0.5]):
+        par = _trace([1.0], {"w": torch.ones(2)}, w0, dict(w0), {"mask": torch.tensor(bad), "mean": torch.ones(2)})
+        assert [r.name for r in _judge(ref, par, "p").differing] == ["mask"], bad
+    # a NaN gradient the reference lacks is no unused parameter's zeros
+    nan_grad = _trace([1.0], {"w": torch.ones(2), "spare": torch.full((2,), math.nan)}, w0, dict(w0))
+    plain = _trace([1.0], {"w": torch.ones(2)}, w0, dict(w0))
+    assert [r.name for r in _judge(plain, nan_grad, "p").differing] == ["spare"]
+
+
 def test_cli_rejects_a_mesh_that_is_not_nproc():
     proc = subprocess.run([sys.executable, "-m", "alpa_lite.cli", "verify", "mlp", "--mesh", "2x2", "--nproc", "3"],
                           capture_output=True, text=True, cwd=ROOT)

@@ -135,14 +135,22 @@ def _rtol(dtype: torch.dtype) -> float:
 
 
 def _amax(x: torch.Tensor) -> float:
-    """``max |x|`` as a float, 0 for an empty tensor; any dtype (a bool buffer: a causal mask)."""
-    return float(x.detach().double().abs().max()) if x.numel() else 0.0
+    """``max |x|`` over the finite elements as a float, 0 for a tensor without any; any dtype (a
+    bool buffer: a causal mask). An infinite element (a ``-inf`` mask buffer) is no scale: it
+    would make the bound of its tensor, and through ``FLOOR`` of every tensor of its kind, infinite."""
+    x = x.detach().double().abs()
+    x = x[torch.isfinite(x)]
+    return float(x.max()) if x.numel() else 0.0
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b|``; elements equal in both count 0 (the same infinity: ``inf - inf`` is NaN),
+    an infinity or NaN in one only gives ``inf`` or NaN (differs)."""
     if a.shape != b.shape:
         return math.inf
-    return _amax(a.double() - b.double())
+    a, b = a.detach().double(), b.detach().double()
+    d = (a - b).abs().masked_fill(a == b, 0.0)
+    return float(d.max()) if d.numel() else 0.0
 
 
 def _compare(kind: str, got: dict, want: dict, scale: dict, step: int = -1, compute: torch.dtype | None = None
@@ -164,7 +172,7 @@ def _compare(kind: str, got: dict, want: dict, scale: dict, step: int = -1, comp
         rows.append(Row(kind, name, str(ref.dtype).removeprefix("torch."), _diff(got[name].cpu(), ref.cpu()),
                         bound, step))
     for name in sorted(set(got) - set(want)):
-        if kind == "grad" and not _amax(got[name]):  # a parameter no op used: the trainer reports zeros
+        if kind == "grad" and not got[name].ne(0).any():  # a parameter no op used: the trainer reports zeros
             rows.append(Row(kind, name, str(got[name].dtype).removeprefix("torch."), 0.0, 0.0, step))
             continue
         rows.append(Row(kind, name, str(got[name].dtype).removeprefix("torch."), math.inf, 0.0, step,

@@ -1020,3 +1020,44 @@ def view_write(batch, seq=None, device="cpu", seed=0):
 
 def prune(batch, seq=None, device="cpu", seed=0):
     return _regression(Prune, batch, seq, seed)
+
+
+# --- sweep 5: attention masks over split heads ---
+
+class AttnBias(_Base):
+    """Attention over 4 heads from separate ``q`` / ``k`` / ``v`` projections (Megatron splits
+    heads with ``q``/``k``/``v`` column- and ``o`` row-parallel): an ALiBi float bias buffer
+    ``(H, T, T)`` with a sliding-window ``-inf`` fill as the float ``attn_mask``, then
+    ``is_causal=True``, then a bool key-padding mask input ``(B, 1, 1, T)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(HIDDEN, HIDDEN) for _ in range(4))
+        slopes = 2.0 ** -torch.arange(1.0, 5.0)
+        pos = torch.arange(32.0)
+        dist_ = pos[None, :] - pos[:, None]
+        bias = slopes[:, None, None] * dist_[None]
+        window = (dist_ <= 0) & (dist_ > -4)
+        self.register_buffer("alibi", bias.masked_fill(~window, float("-inf")), persistent=False)
+
+    def _heads(self, x):
+        b, t, _ = x.shape
+        return [f(x).view(b, t, 4, HIDDEN // 4).transpose(1, 2) for f in (self.q, self.k, self.v)]
+
+    def forward(self, x, keep, y):
+        b, t, _ = x.shape
+        q, k, v = self._heads(x)
+        h = F.scaled_dot_product_attention(q, k, v, attn_mask=self.alibi[:, :t, :t])
+        h = x + self.o(h.transpose(1, 2).reshape(b, t, HIDDEN))
+        q, k, v = self._heads(h)
+        h = h + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, HIDDEN))
+        q, k, v = self._heads(h)
+        pad = keep[:, None, None, :]
+        h = h + F.scaled_dot_product_attention(q, k, v, attn_mask=pad).transpose(1, 2).reshape(b, t, HIDDEN)
+        return F.mse_loss(h + self.fc2(F.gelu(self.fc1(h))), y)
+
+
+def attn_bias(batch, seq=None, device="cpu", seed=0):
+    g, seq = _seeded(seed + 1), seq or 8
+    return _build(AttnBias, seed), (torch.randn(batch, seq, HIDDEN, generator=g), _keep(batch, seq),
+                                    torch.randn(batch, seq, HIDDEN, generator=g))
