@@ -17,7 +17,7 @@ import torch
 from alpa_lite import LogicalMesh, plan
 from alpa_lite.runtime.launch import torchrun
 from alpa_lite.zoo.models import build_model
-from alpa_lite.tools.verify import FLOOR, RTOL, _judge, _Trace
+from alpa_lite.tools.verify import FLOOR, RTOL, _judge, _reference, _Trace, sgd
 
 WORKER = str(Path(__file__).parent / "workers" / "verify_cases.py")
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,6 +164,19 @@ def test_judge_reads_infinite_buffers():
     nan_grad = _trace([1.0], {"w": torch.ones(2), "spare": torch.full((2,), math.nan)}, w0, dict(w0))
     plain = _trace([1.0], {"w": torch.ones(2)}, w0, dict(w0))
     assert [r.name for r in _judge(plain, nan_grad, "p").differing] == ["spare"]
+
+
+def test_reference_densifies_sparse_gradients():
+    """``nn.Embedding(sparse=True)`` gives the one-process reference a sparse gradient; the
+    trainer's are dense. verify died comparing them ("Could not run 'aten::...' with arguments
+    from the 'SparseCPU' backend", on rank 0, raised on every rank); now the reference's is dense."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4, sparse=True), torch.nn.Linear(4, 1))
+    batch = ((torch.tensor([[1, 2], [2, 5]]),), {})
+    ref = _reference(model, [batch], lambda out: out.pow(2).mean(), 1, sgd, "cpu")
+    g = ref.grads[0]["0.weight"]
+    assert g.layout == torch.strided and g[[1, 2, 5]].abs().sum() > 0 and not g[[0, 3, 4, 6, 7]].any()
+    assert _judge(ref, ref, "p").equal
 
 
 def test_cli_rejects_a_mesh_that_is_not_nproc():

@@ -226,7 +226,8 @@ def _reference(model, batches, loss_fn, num_inputs: int, optimizer: Callable, de
         loss.backward()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(trained, max_grad_norm)
-        trace.grads.append({k: p.grad.detach().cpu().clone()  # tied names too, as trainer.gradients()
+        # tied names too, as trainer.gradients(); a sparse gradient (Embedding(sparse=True)) dense, as the trainer's
+        trace.grads.append({k: p.grad.detach().to_dense().cpu().clone()
                             for k, p in wrapped.model.named_parameters(remove_duplicate=False) if p.grad is not None})
         opt.step()
         trace.losses.append(float(loss.detach()))
