@@ -55,7 +55,9 @@ capture read detached: no gradient for ``fc1.weight`` under any plan, 1e4 x its 
 2-stage pipeline wrote ``fc2.weight`` in stage 0, where stage 1 read its own copy). Attention
 heads split by Megatron ``q`` / ``k`` / ``v`` / ``o`` specs under an ALiBi bias buffer with a
 sliding-window ``-inf`` fill, ``is_causal`` and a bool key-padding mask (``attn_bias-heads``:
-verify read ``-inf - -inf`` in the buffer as NaN and called every such model different).
+verify read ``-inf - -inf`` in the buffer as NaN and called every such model different). CLIP's
+contrastive loss under ``zero_stage=3`` (``clip-zero3``: its 0-dim ``logit_scale.exp()`` had no
+ZeRO strategy and planning died, "the only strategy of an ILP variable is forbidden").
 """
 import json
 from pathlib import Path
@@ -87,7 +89,8 @@ EXTRA = {"ce_ignore-pipe_tp": ("ce_ignore", PIPE_TP), "num_items-accumulate": ("
          "inplace-pipe_tp_compiled": ("inplace", PIPE_TP | {"compile": "aot_eager"}),
          "view_write-tp_compiled": ("view_write", PLANS["megatron"] | {"compile": "aot_eager"}),
          "attn_bias-heads": ("attn_bias", {"batch_axis": 0, "param_specs": {"q.weight": "S1R", "k.weight": "S1R",
-                                                                             "v.weight": "S1R", "o.weight": "RS1"}})}
+                                                                             "v.weight": "S1R", "o.weight": "RS1"}}),
+         "clip-zero3": ("clip", PLANS["dp"] | {"zero_stage": 3})}
 CASES |= {name: {"model": f"patterns:{p}", "seq": 8, "options": o} for name, (p, o) in EXTRA.items()}
 
 

@@ -205,6 +205,30 @@ def test_zero12_without_a_plan_names_the_parameters_and_ops(stage, mixed_precisi
 
 
 @pytest.mark.parametrize("mixed_precision", [None, "bf16"])
+def test_zero3_keeps_a_0dim_parameter_with_a_complete_gradient_replicated(mixed_precision):
+    """The error above says "use zero_stage=3"; there CLIP's 0-dim ``logit_scale`` (no dim to
+    split) fell back to ZeRO-2, which ``exp`` forbids too: "the only strategy of an ILP variable
+    is forbidden (25 variables)" for CLIP under zero_stage=3 on 2x2. It stays replicated now; ``w``
+    is stored split over the data-parallel axis as ZeRO-3 asks."""
+    p = plan(_ReadThroughOps(), (torch.zeros(4, 8), torch.zeros(4, 8)), MESH, force_data_parallel=True,
+             zero_stage=3, mixed_precision=mixed_precision)
+    assert p.zero_stages["logit_scale"] == (0, ()) and p.param_specs["logit_scale"].axes() == set()
+    assert p.param_specs["w"].axes() == {1}
+    # a 0-dim parameter whose uses take the gradient partial still takes ZeRO-2
+    t = plan(_Temperature(), (torch.zeros(4, 8), torch.zeros(4, 8)), MESH, force_data_parallel=True, zero_stage=3)
+    assert t.zero_stages["temperature"] == (2, (1,)) and t.param_specs["fc.weight"].axes() == {1}
+
+
+class _Temperature(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.temperature = torch.nn.Linear(8, 8), torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.fc(x), y / self.temperature)
+
+
+@pytest.mark.parametrize("mixed_precision", [None, "bf16"])
 def test_pipelined_zero12_of_a_weight_two_stages_hold_names_it(mixed_precision):
     """GPT's tied embedding and lm_head in two stages: ZeRO-1/2 is not offered for it; the search's
     error says so (it said only that no pipeline fits the memory)."""

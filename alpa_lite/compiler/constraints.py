@@ -115,8 +115,19 @@ def apply_constraints(cg, table: dict[str, NodeStrategies], mesh, options: PlanO
         for ph in cg.param_fqns:
             if ph in table and ph not in forced:
                 restrict(table[ph], lambda s: s.out_spec.axes() <= allowed and (options.zero_stage or not s.zero_stage))
-    if options.zero_stage is not None and dp_axes:
+    _split_batch(cg, table, mesh, options)
+    if options.zero_stage is not None and dp_axes:  # after the batch splits: its fallback reads the uses' strategies
         _force_zero_stage(cg, table, options.zero_stage, dp_axes)
+
+
+def _split_batch(cg, table: dict[str, NodeStrategies], mesh, options: PlanOptions) -> None:
+    """Keep the strategies splitting the batch dim of every value (not of parameters) as
+    ``force_data_parallel`` or ``batch_axis`` asks (``apply_constraints``).
+
+    Raises:
+        ValueError: an input's batch dim does not divide over those axes, or its forced spec does
+            not split it there.
+    """
     axis = options.batch_axis
     if options.force_data_parallel:
         want = tuple(a for a in (0, 1) if mesh.shape[a] > 1)
@@ -161,18 +172,21 @@ def _force_zero_stage(cg, table: dict[str, NodeStrategies], stage: int, axes: tu
     ZeRO-3 stores a parameter split along a dim over ``axes``; one that no dim of splits evenly
     there (a 0-dim temperature, odd sizes) takes ZeRO-2 over them instead (its gradient and
     optimizer states in flat slices, which need no dim: DeepSpeed's flat partitions hold any
-    parameter), as ``Plan.zero_stages`` then says."""
+    parameter), as ``Plan.zero_stages`` then says; and where ZeRO-2 cannot hold it either (an op
+    such as CLIP's ``logit_scale.exp()`` takes its gradient complete: ``complete_gradient_uses``)
+    it stays replicated over ``axes``, as DeepSpeed's ZeRO-3 keeps small parameters whole."""
     zero2 = lambda s: s.zero_stage == 2 and s.zero_axes == axes  # noqa: E731
     if stage == 3:
         keep = lambda s: not s.zero_stage and set(axes) <= s.out_spec.axes()  # noqa: E731
     else:
         keep = lambda s: s.zero_stage == stage and s.zero_axes == axes  # noqa: E731
+    complete = {ph for ph, _ in complete_gradient_uses(cg, table, axes)} if stage == 3 else set()
     for ph, fqn in cg.param_fqns.items():
         if not cg.node(ph).users:  # no op reads it: no gradient, no optimizer state to partition
             continue
         if stage == 3 and ph in table and not any(keep(s) for s in table[ph].strategies) and any(
                 zero2(s) for s in table[ph].strategies):
-            restrict(table[ph], zero2)
+            restrict(table[ph], (lambda s: not s.zero_stage) if ph in complete else zero2)
             continue
         if ph in table and not any(keep(s) for s in table[ph].strategies):
             shape = tuple(cg.node(ph).meta["val"].shape)
@@ -194,6 +208,14 @@ def zero_stage_blockers(cg, table: dict[str, NodeStrategies], mesh, options: Pla
     axes = data_parallel_axes(options, mesh.shape)
     if options.zero_stage not in (1, 2) or not axes:
         return []
+    return [f"parameter {cg.param_fqns[ph]} is read by {name} ({cg.node(name).target}), which takes its gradient "
+            f"complete, not partial over mesh axes {list(axes)}" for ph, name in complete_gradient_uses(cg, table, axes)]
+
+
+def complete_gradient_uses(cg, table: dict[str, NodeStrategies], axes: tuple[int, ...]) -> list[tuple[str, str]]:
+    """``(parameter placeholder, node)`` of every use of a trainable parameter in ``table`` none of
+    whose strategies leaves the parameter's gradient partial over exactly ``axes``: such a
+    parameter cannot take ZeRO-1/2 over ``axes`` (``zero_stage_blockers``)."""
     casts = cg.param_casts  # a cast passes the gradient through: its readers are its parameter's uses
     out = []
     for name, ns in table.items():
@@ -202,6 +224,5 @@ def zero_stage_blockers(cg, table: dict[str, NodeStrategies], mesh, options: Pla
             if name not in casts and ph in cg.param_fqns and ph in table and not any(
                     len(s.grad_partial) > i and s.grad_partial[i] is not None
                     and tuple(sorted(s.grad_partial[i])) == axes for s in ns.strategies):
-                out.append(f"parameter {cg.param_fqns[ph]} is read by {name} ({cg.node(name).target}), which "
-                           f"takes its gradient complete, not partial over mesh axes {list(axes)}")
+                out.append((ph, name))
     return out

@@ -1022,7 +1022,7 @@ def prune(batch, seq=None, device="cpu", seed=0):
     return _regression(Prune, batch, seq, seed)
 
 
-# --- sweep 5: attention masks over split heads ---
+# --- sweep 5: attention masks over split heads, a contrastive loss ---
 
 class AttnBias(_Base):
     """Attention over 4 heads from separate ``q`` / ``k`` / ``v`` projections (Megatron splits
@@ -1061,3 +1061,27 @@ def attn_bias(batch, seq=None, device="cpu", seed=0):
     g, seq = _seeded(seed + 1), seq or 8
     return _build(AttnBias, seed), (torch.randn(batch, seq, HIDDEN, generator=g), _keep(batch, seq),
                                     torch.randn(batch, seq, HIDDEN, generator=g))
+
+
+class Clip(_Base):
+    """CLIP's contrastive loss: normalized embeddings of two views, ``logits = a @ b.T * scale``
+    over the batch, ``cross_entropy`` both ways with labels ``arange(B)``, a learned 0-dim
+    temperature read through ``exp`` (under ``zero_stage=3`` it had no plan: no dim to split, and
+    ``exp`` takes its gradient complete, which ZeRO-2 cannot)."""
+
+    def __init__(self):
+        super().__init__()
+        self.other = nn.Linear(HIDDEN, HIDDEN)
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x, y):
+        a = F.normalize(self.fc2(F.relu(self.fc1(x))), dim=-1)
+        b = F.normalize(self.other(y), dim=-1)
+        logits = a @ b.t() * self.logit_scale.exp()
+        labels = torch.arange(x.shape[0])
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+
+
+def clip(batch, seq=None, device="cpu", seed=0):
+    g = _seeded(seed + 1)
+    return _build(Clip, seed), (torch.randn(batch, HIDDEN, generator=g), torch.randn(batch, HIDDEN, generator=g))
