@@ -10,7 +10,7 @@ import datetime
 import gc
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -185,14 +185,21 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
     targets = tuple(targets)
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm must be a positive norm, got {max_grad_norm!r}")
+    cut = nullcontext()
     if accumulate != 1:
-        inputs, targets, example_kwargs = _accumulation_rows(inputs, targets, example_kwargs, accumulate, plan,
-                                                             split_options(options, pipeline, option_fields)[1])
-    if plan is None:
-        plan = _plan_on_rank_zero(model, inputs, shape, loss_fn, targets, example_kwargs, cluster, options, pipeline,
-                                  option_fields)
+        planned, pipe = split_options(options, pipeline, option_fields)
+        whole = (inputs, targets, example_kwargs)
+        inputs, targets, example_kwargs = _accumulation_rows(inputs, targets, example_kwargs, accumulate, plan, pipe)
+        cut = _microbatch_capture(model, whole[0], loss_fn, whole[1], whole[2], batch_size((inputs, example_kwargs)),
+                                  planned.compute_dtype if plan is None else compute_dtype_of(plan.options))
+    with cut:
+        if plan is None:
+            plan = _plan_on_rank_zero(model, inputs, shape, loss_fn, targets, example_kwargs, cluster, options,
+                                      pipeline, option_fields)
+        compute_dtype = compute_dtype_of(plan.options)  # what the plan was captured with
+        if not isinstance(plan, PipelinePlan):
+            captured = plan.captured or capture(model, inputs, loss_fn, targets, example_kwargs, compute_dtype)
     optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
-    compute_dtype = compute_dtype_of(plan.options)  # what the plan was captured with
     if isinstance(plan, PipelinePlan):
         check_microbatch_rows(inputs, targets, example_kwargs, "a pipeline's microbatches")
         batch = batch_size((inputs, example_kwargs))
@@ -203,7 +210,6 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
         captured = plan.captured or _capture_rows(model, inputs, loss_fn, targets, example_kwargs, n, compute_dtype)
         trainer = PipelineTrainer(model, captured, plan, optimizer, seed, init_fn, compile)
     else:
-        captured = plan.captured or capture(model, inputs, loss_fn, targets, example_kwargs, compute_dtype)
         trainer = ParallelTrainer(model, dmesh, captured, plan, optimizer, seed, init_fn, accumulate, compile)
     if report_requested(report):
         trainer.timer = StepTimer(report_warmup, report_steps)
@@ -235,9 +241,43 @@ def _accumulation_rows(inputs: tuple, targets: tuple, example_kwargs, accumulate
 def _capture_rows(model, inputs: tuple, loss_fn, targets: tuple, example_kwargs, n: int,
                   compute_dtype: torch.dtype | None, cache: PlanCache | None = None) -> CapturedGraph:
     """The captured graph of a microbatch: the first ``n`` samples of every batched input (from
-    ``cache`` when it keeps the model's graph for any batch size)."""
-    return capture_cached(cache, model, rows(inputs, 0, n), loss_fn, rows(targets, 0, n), rows(example_kwargs, 0, n),
-                          compute_dtype)
+    ``cache`` when it keeps the model's graph for any batch size).
+
+    Raises:
+        CaptureError: as ``capture``; naming the cut (``_microbatch_capture``) when only the
+            microbatch fails."""
+    with _microbatch_capture(model, inputs, loss_fn, targets, example_kwargs, n, compute_dtype):
+        return capture_cached(cache, model, rows(inputs, 0, n), loss_fn, rows(targets, 0, n),
+                              rows(example_kwargs, 0, n), compute_dtype)
+
+
+@contextmanager
+def _microbatch_capture(model, inputs: tuple, loss_fn, targets: tuple, example_kwargs, n: int,
+                        compute_dtype: torch.dtype | None):
+    """Around capturing (or planning) the microbatch of the first ``n`` rows of the batch
+    ``inputs`` / ``targets`` / ``example_kwargs``: a ``CaptureError`` raised inside, when the whole
+    batch captures, is raised as one that names the cut. Microbatches cut dim 0 of every tensor
+    input (``rows``), also one that is not batched but whose dim 0 equals the batch by chance
+    (position ids of shape ``(T,)``, one ``(T, T)`` mask, with ``T`` the batch size), which
+    ``check_microbatch_rows`` cannot tell from a batched one; the microbatch's capture then died
+    deep in torch ("Attempting to broadcast a dimension of length 4")."""
+    try:
+        yield
+    except CaptureError as e:
+        batch = batch_size((inputs, example_kwargs))
+        try:
+            capture(model, inputs, loss_fn, targets, example_kwargs, compute_dtype)
+        except Exception:  # noqa: BLE001 - the whole batch fails too: not the cut's doing
+            whole = False
+        else:
+            whole = True
+        if not whole or n == batch:
+            raise
+        raise CaptureError(f"the model captures with the whole batch of {batch} but not with a microbatch of its "
+                           f"first {n} rows: microbatches cut dim 0 of every tensor input, also of an input that is "
+                           f"not batched whose dim 0 is {batch} by chance (position ids of shape (T,), one (T, T) "
+                           f"mask, with T = {batch}); give such a tensor to the model as a buffer or attribute, or "
+                           f"expand it to the batch. The microbatch's capture said: {e}") from e
 
 
 _ERRORS = (ValueError, TypeError, PlanError, CaptureError, MemoryBudgetError, PipelinePlanError)

@@ -8,10 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import alpa_lite
-from alpa_lite import LogicalMesh, PipelineOptions, PipelinePlan, Plan, PlanError, PlanOptions, load_plan, plan
-from alpa_lite.api import _accumulation_rows
+from alpa_lite import CaptureError, LogicalMesh, PipelineOptions, PipelinePlan, Plan, PlanError, PlanOptions, load_plan, plan
+from alpa_lite.api import _accumulation_rows, _capture_rows
 from alpa_lite.core.mesh import get_cluster
 from alpa_lite.zoo.models import build_model
 
@@ -166,6 +167,29 @@ def test_a_tied_weight_is_one_parameter():
     assert len(held) == 1 and p.captured.tied[held[0]] == [({"wte.weight", "lm_head.weight"} - set(held)).pop()]
     assert p.param_specs["wte.weight"] == p.param_specs["lm_head.weight"]
     assert sum(1 for ph in p.captured.param_fqns if ph in p.grad_sync or ph in p.nodes) == len(p.captured.param_fqns)
+
+
+def test_an_unbatched_input_the_size_of_the_batch_is_named_when_microbatches_cut_it():
+    """Position ids ``(T,)`` given as an input with ``T`` equal to the batch: microbatches cut it
+    too, and the microbatch's capture died with torch's "Attempting to broadcast a dimension of
+    length 4" alone. The whole batch captures, so the error now says what was cut."""
+    model, example = build_model("patterns:pos_ids", 8, 8, device="cpu")
+    with pytest.raises(CaptureError, match=r"captures with the whole batch of 8 but not with a microbatch of its "
+                                           r"first 4 rows.*position ids of shape \(T,\).*broadcast") as e:
+        plan(model, example, LogicalMesh((2, 2), cluster="unit"), pipeline=2, num_microbatches=2, num_layers=2)
+    assert isinstance(e.value.__cause__, CaptureError)
+    # a model that fails at any batch keeps its own error
+    with pytest.raises(CaptureError, match=r"^(?!the model captures with the whole batch)"):
+        _capture_rows(_Broken(), (torch.zeros(8, 4),), None, (), None, 4, None)
+
+
+class _Broken(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x).view(3, -1).sum()
 
 
 @pytest.mark.parametrize("pattern, shape", [("weight_input", (32,)), ("shared_mask", (8, 8))])

@@ -358,7 +358,7 @@ def test_sum_over_numel_over_microbatches_equals_single_process(tmp_path):
 def test_accumulation_warns_when_microbatches_change_the_loss(tmp_path):
     """``accumulate=K`` warns when its K microbatches change the loss: in-batch negatives (read as
     a plain token mean before, trained silently) and a square of the batch mean; a token mean does
-    not warn."""
+    not warn. An unbatched input of the batch's size, cut, is named in the error."""
     out = tmp_path / "warnings.json"
     assert torchrun([str(Path(WORKER).parent / "accumulate_warning.py"), "--out", str(out)], nproc=1,
                     timeout_s=300) == 0
@@ -368,6 +368,10 @@ def test_accumulation_warns_when_microbatches_change_the_loss(tmp_path):
     assert len(caught["MeanSquared"]) == 1 and "nonlinear function of the batch" in caught["MeanSquared"][0]
     assert caught["TokenMean"] == []
     assert len(caught["Counter"]) == 1 and "buffer 'steps' is written in forward" in caught["Counter"][0]
+    # position ids (T,) as an input, T = B = 8: cut to 4 rows, the capture died with torch's broadcast error alone
+    assert caught["cut"].startswith("the model captures with the whole batch of 8 but not with a microbatch of its "
+                                    "first 4 rows"), caught["cut"]
+    assert "Attempting to broadcast" in caught["cut"]
 
 
 def _check_kinds(res: dict) -> None:

@@ -191,7 +191,8 @@ def check_microbatch_rows(inputs: tuple, targets: tuple, kwargs: dict | None, wh
     dim (``rows``) and pass a 0-dim one whole: refuse a leaf whose dim 0 is not the batch's
     (``batch_size``), such as class weights or one ``(T, T)`` mask for the whole batch given as
     an input, which would be cut into pieces that no longer fit the model (an error from deep
-    inside the capture of the microbatch), or silently cut where its size equals the batch's.
+    inside the capture of the microbatch). One whose dim 0 equals the batch's by chance passes
+    here and is cut; ``api._microbatch_capture`` names the cut when the microbatch's capture fails.
 
     Raises:
         ValueError: naming the leaf (``input 2``, ``target 0``, ``keyword input 'mask'``, with its

@@ -1,6 +1,7 @@
 """Run by torchrun (1 rank): ``parallelize(..., accumulate=K)`` of losses that K microbatches change
 (in-batch negatives, a square of the batch mean, a step counter written in forward) and of one they do not (a token mean); rank 0
-writes the warnings each gave."""
+writes the warnings each gave, and the error of position ids ``(T,)`` given as an input with ``T``
+the batch size (``"cut"``: cut into the microbatches' rows too)."""
 import argparse
 import json
 import warnings
@@ -9,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from alpa_lite import parallelize
+from alpa_lite import CaptureError, parallelize
 from alpa_lite.runtime.launch import init_distributed
 from single_process import finish
 
@@ -53,6 +54,15 @@ class Counter(nn.Module):
         return self.fc(x).pow(2).mean()
 
 
+class PosInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.pos = nn.Linear(8, 8), nn.Embedding(8, 8)
+
+    def forward(self, x, pos):
+        return self.fc(x + self.pos(pos)).pow(2).mean()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -65,6 +75,11 @@ def main():
             warnings.simplefilter("always")
             parallelize(model, (1, 1), (x,), force_data_parallel=True, accumulate=2)
         out[type(model).__name__] = [str(w.message) for w in caught if "microbatches" in str(w.message)]
+    try:
+        parallelize(PosInput(), (1, 1), (torch.randn(8, 8, 8), torch.arange(8)), force_data_parallel=True, accumulate=2)
+        out["cut"] = None
+    except CaptureError as e:
+        out["cut"] = str(e)
     finish(out, args.out)
 
 

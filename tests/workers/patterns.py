@@ -1022,7 +1022,7 @@ def prune(batch, seq=None, device="cpu", seed=0):
     return _regression(Prune, batch, seq, seed)
 
 
-# --- sweep 5: attention masks over split heads, a contrastive loss ---
+# --- sweep 5: attention masks over split heads, a contrastive loss, an unbatched input ---
 
 class AttnBias(_Base):
     """Attention over 4 heads from separate ``q`` / ``k`` / ``v`` projections (Megatron splits
@@ -1085,3 +1085,22 @@ class Clip(_Base):
 def clip(batch, seq=None, device="cpu", seed=0):
     g = _seeded(seed + 1)
     return _build(Clip, seed), (torch.randn(batch, HIDDEN, generator=g), torch.randn(batch, HIDDEN, generator=g))
+
+
+class PosIds(_LM):
+    """Position ids given as a second input of shape ``(T,)``, not batched: with ``T`` equal to the
+    batch size, microbatches cut it too (``check_microbatch_rows`` cannot tell)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Embedding(16, HIDDEN)
+
+    def forward(self, ids, pos, targets):
+        h = self.tok(ids) + self.pos(pos)
+        h = h + self.fc2(F.gelu(self.fc1(h)))
+        return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
+def pos_ids(batch, seq=None, device="cpu", seed=0):
+    model, (ids, targets) = _lm(PosIds, batch, seq, seed)
+    return model, (ids, torch.arange(ids.shape[1]), targets)
