@@ -202,12 +202,14 @@ WHOLE = [  # op, its node, specs some strategy must give, the input dims no stra
     (lambda x: x.sort(1).values, aten.sort.default, {"S0RS1"}, [1]),
     (lambda x: x.sort(dim=-1, stable=True).indices, aten.sort.stable, {"S0S1R"}, [2]),
     (lambda x: x.topk(3, 1).indices, aten.topk.default, {"S0RS1"}, [1]),
+    (lambda x: (x > 0).any(1), aten.any.dim, {"S0S1"}, [1]),
+    (lambda x: (x > 0).all(-1), aten.all.dim, {"S0S1"}, [2]),
 ]
 
 
 @pytest.mark.parametrize("fn,target,expect,whole", WHOLE, ids=[
     "logsumexp", "special_logsumexp", "amin", "argmin", "min_dim", "prod", "vector_norm_dim", "vector_norm_all",
-    "cumprod", "logcumsumexp", "flip", "roll", "roll_flat", "sort", "sort_stable", "topk"])
+    "cumprod", "logcumsumexp", "flip", "roll", "roll_flat", "sort", "sort_stable", "topk", "any", "all"])
 def test_reductions_scans_and_sorts_keep_their_dims_whole(fn, target, expect, whole):
     results = check(fn, (X,), target, expect)
     assert all(s.in_specs[0].dims[d] == () for s, _, _ in results for d in whole)
@@ -245,6 +247,15 @@ def test_cdist_splits_batch_and_rows_of_each_side():
     assert all(s.in_specs[0].dims[2] == () == s.in_specs[1].dims[2] for s, _, _ in results)
     same = _captured(lambda a: torch.cdist(a, a), (X,))
     assert signature(next(n for n in same.graph.nodes if n.target == aten.cdist.default)) is None
+
+
+@pytest.mark.parametrize("op,target", [(lambda a, b: a & b, aten.__and__.Tensor),
+                                       (lambda a, b: a | b, aten.__or__.Tensor)], ids=["and", "or"])
+def test_bool_mask_and_or_are_pointwise(op, target):
+    """``keep[:, None, :] & keep[:, :, None]`` (a padding mask's pairs): ``&`` / ``|`` of bool tensors
+    carry no pointwise tag, so they ran replicated with a warning (and microbatches were reported
+    to change the loss: "and_1 has no sharding rule")."""
+    check(lambda a, b: op(a > 0, b > 0), (X, torch.randn(4, 1, 6)), target, {"S0S1R", "S01RR"})
 
 
 def test_expand_as_follows_the_split_of_its_target():

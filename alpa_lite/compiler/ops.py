@@ -589,7 +589,9 @@ _TABLE = {
     aten.std.dim: _fixed_reduction, aten.amin.default: _fixed_reduction, aten.min.dim: _fixed_reduction,
     aten.argmin.default: _fixed_reduction, aten.logsumexp.default: _fixed_reduction,
     aten.special_logsumexp.default: _fixed_reduction, aten.prod.dim_int: _fixed_reduction,
-    aten.linalg_vector_norm.default: _fixed_reduction,
+    aten.linalg_vector_norm.default: _fixed_reduction, aten.any.dim: _fixed_reduction,
+    aten.any.dims: _fixed_reduction, aten.all.dim: _fixed_reduction, aten.all.dims: _fixed_reduction,
+    aten.__and__.Tensor: _pointwise, aten.__or__.Tensor: _pointwise,  # bool masks' & and |: no pointwise tag
     aten.softmax.int: _softmax, aten._softmax.default: _softmax, aten.log_softmax.int: _softmax,
     aten._log_softmax.default: _softmax,
     aten.layer_norm.default: _layer_norm, aten.rms_norm.default: _layer_norm,
