@@ -21,7 +21,7 @@ from alpa_lite.core.capture import capture
 from alpa_lite.runtime.launch import torchrun
 from alpa_lite.core.mesh import LogicalMesh
 from alpa_lite.compiler.ops import signature
-from alpa_lite.core.aten import bind_args, op_args, with_arg
+from alpa_lite.core.aten import bind_args, with_arg
 
 WORKERS = Path(__file__).parent / "workers"
 sys.path.insert(0, str(WORKERS))
@@ -106,9 +106,8 @@ def test_convolution_groups_and_transposed_weight_layout():
     conv = next(n for n in capture(torch.nn.Sequential(torch.nn.ConvTranspose2d(4, 6, 3), torch.nn.Flatten(0)),
                                    (x,), lambda out: out.sum()).graph.nodes
                 if "conv" in str(n.target))
-    sig = signature(conv)
-    if op_args(conv).get("transposed"):
-        assert sig.inputs[1][:2] == ("c", "o")
+    assert conv.target is aten.conv_transpose2d.input  # no "transposed" argument: the op says it
+    assert signature(conv).inputs[1][:2] == ("c", "o")
 
 
 def test_ignore_index_plans_on_the_issue_example():

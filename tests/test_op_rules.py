@@ -60,6 +60,10 @@ def simulate(fn, inputs, target):
             view = MeshGroups(MESH.shape, c, (None, None))
             operands = {n.name: local_slice(values[n.name], spec, view)
                         for n, spec in zip(node.all_input_nodes, s.in_specs)}
+            summed = set(s.partial_axes) | set(s.out_spec.partial)
+            for i in signature(node).post_reduce if any(c[a] for a in summed) else ():
+                bias = node.all_input_nodes[i].name  # added once, after the reduction (executor._partial)
+                operands[bias] = torch.zeros_like(operands[bias])
             args = torch.fx.node.map_arg(node.args, lambda n: operands[n.name])
             kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: operands[n.name])
             args, kwargs = local_arguments(node.target, args, kwargs, s.in_specs, MESH.shape)
@@ -261,3 +265,75 @@ def test_bool_mask_and_or_are_pointwise(op, target):
 def test_expand_as_follows_the_split_of_its_target():
     check(lambda a, b: a.expand_as(b) * b, (torch.randn(4, 1, 6), torch.randn(4, 8, 6)), aten.expand_as.default,
           {"S0S1R", "RS01R"})
+
+
+CONVS = [  # op, (input, weight, bias) shapes, groups, the node, specs some strategy must give
+    (lambda x, w, b: F.conv1d(x, w, b, padding="same", groups=2, dilation=2), ((4, 8, 10), (8, 4, 3), (8,)), 2,
+     aten.conv1d.padding, {"S0S1R", "RS0R", "S01RR"}),
+    (lambda x, w, b: F.conv2d(x, w, b, padding="same"), ((4, 8, 6, 6), (4, 8, 3, 3), (4,)), 1,
+     aten.conv2d.padding, {"S0S1RR", "RS01RR", "S01RRR"}),
+    (lambda x, w, b: F.conv3d(x, w, b, stride=2, padding=1, dilation=(1, 2, 1)),
+     ((4, 8, 5, 6, 5), (4, 8, 3, 3, 3), (4,)), 1, aten.conv3d.default, {"S0S1RRR", "RS01RRR"}),
+    (lambda x, w, b: F.conv3d(x, w, b, padding="same", groups=4), ((4, 8, 4, 4, 4), (8, 2, 3, 3, 3), (8,)), 4,
+     aten.conv3d.padding, {"RS01RRR", "S0S1RRR"}),
+    (lambda x, w, b: F.conv_transpose1d(x, w, b, stride=2, padding=1, output_padding=1, groups=2, dilation=2),
+     ((4, 8, 7), (8, 3, 3), (6,)), 2, aten.conv_transpose1d.default, {"S0S1R", "S01RR"}),
+    (lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2, padding=1, output_padding=1),
+     ((4, 8, 5, 5), (8, 4, 3, 3), (4,)), 1, aten.conv_transpose2d.input, {"S0S1RR", "RS01RR", "S01RRR"}),
+    (lambda x, w, b: F.conv_transpose2d(x, w, b, stride=(2, 1), groups=8), ((4, 8, 5, 5), (8, 1, 2, 3), (8,)), 8,
+     aten.conv_transpose2d.input, {"RS01RR", "S0S1RR"}),
+    (lambda x, w, b: F.conv_transpose3d(x, w, b, stride=2, dilation=(2, 1, 1)),
+     ((4, 4, 3, 3, 3), (4, 4, 2, 2, 2), (4,)), 1, aten.conv_transpose3d.input, {"S0S1RRR", "RS01RRR"}),
+]
+
+
+@pytest.mark.parametrize("fn,shapes,groups,target,expect", CONVS, ids=[
+    "conv1d_same_grouped_dilated", "conv2d_same", "conv3d_strided", "conv3d_same_grouped", "conv_transpose1d_grouped",
+    "conv_transpose2d_output_padding", "conv_transpose2d_depthwise", "conv_transpose3d"])
+def test_every_convolution_splits_batch_and_channels(fn, shapes, groups, target, expect):
+    """conv1d/2d/3d with a string padding ("same"), conv3d, conv_transpose1d/2d/3d: batch and
+    channels split (a transposed weight is (in, out / groups, kernel); groups split whole), the
+    input channels of an ungrouped one as a contraction (partial sums, the bias added once), the
+    spatial dims never (they ran replicated with a warning)."""
+    results = check(fn, tuple(torch.randn(s) for s in shapes), target, expect)
+    spatial = range(2, len(shapes[0]))
+    assert all(s.in_specs[0].dims[d] == () == s.out_spec.dims[d] for s, _, _ in results for d in spatial)
+    contracted = [s for s, _, _ in results if s.partial_axes]
+    assert bool(contracted) == (groups == 1)  # a sum over the input channels, unless grouped
+    assert all(set(s.partial_axes) == set(s.in_specs[0].dims[1]) for s in contracted)
+    assert max(s.in_specs[0].shards(1, MESH.shape) for s, _, _ in results) == min(4, shapes[0][1] if groups == 1
+                                                                                  else groups)
+
+
+UPSAMPLES = [  # op, input shape, node
+    (lambda x: F.interpolate(x, scale_factor=2), (4, 8, 5), aten.upsample_nearest1d.vec),
+    (lambda x: F.interpolate(x, scale_factor=(2, 3)), (4, 8, 5, 3), aten.upsample_nearest2d.vec),
+    (lambda x: F.interpolate(x, size=(7, 4, 6)), (4, 8, 3, 2, 4), aten.upsample_nearest3d.vec),
+    (lambda x: F.interpolate(x, scale_factor=3, mode="nearest-exact"), (4, 8, 3), aten._upsample_nearest_exact1d.vec),
+    (lambda x: F.interpolate(x, scale_factor=1.5, mode="nearest-exact"), (4, 8, 4, 6),
+     aten._upsample_nearest_exact2d.vec),
+    (lambda x: F.interpolate(x, size=(3, 5, 2), mode="nearest-exact"), (4, 8, 2, 2, 3),
+     aten._upsample_nearest_exact3d.vec),
+    (lambda x: F.interpolate(x, scale_factor=2, mode="linear"), (4, 8, 5), aten.upsample_linear1d.vec),
+    (lambda x: F.interpolate(x, size=(5, 7), mode="bilinear", align_corners=True), (4, 8, 3, 4),
+     aten.upsample_bilinear2d.vec),
+    (lambda x: F.interpolate(x, scale_factor=0.5, mode="bilinear", antialias=True), (4, 8, 6, 6),
+     aten._upsample_bilinear2d_aa.vec),
+    (lambda x: F.interpolate(x, scale_factor=2, mode="trilinear"), (4, 8, 2, 3, 2), aten.upsample_trilinear3d.vec),
+    (lambda x: F.interpolate(x, scale_factor=2, mode="bicubic"), (4, 8, 3, 3), aten.upsample_bicubic2d.vec),
+    (lambda x: F.interpolate(x, size=(3, 2), mode="bicubic", antialias=True), (4, 8, 7, 5),
+     aten._upsample_bicubic2d_aa.vec),
+]
+
+
+@pytest.mark.parametrize("fn,shape,target", UPSAMPLES, ids=[
+    "nearest1d", "nearest2d", "nearest3d_size", "nearest_exact1d", "nearest_exact2d", "nearest_exact3d", "linear1d",
+    "bilinear2d_align_corners", "bilinear2d_antialias", "trilinear3d", "bicubic2d", "bicubic2d_antialias"])
+def test_upsample_splits_batch_and_channels(fn, shape, target):
+    """nn.Upsample / interpolate: each sample's channel is interpolated on its own, so batch and
+    channels split; the spatial dims stay whole (they ran replicated with a warning)."""
+    spatial = "R" * (len(shape) - 2)
+    results = check(lambda x: fn(x * 2), (torch.randn(shape),), target,
+                    {"S0S1" + spatial, "RS01" + spatial, "S01R" + spatial})
+    assert all(s.in_specs[0].dims[d] == () for s, _, _ in results for d in range(2, len(shape)))
+

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from ..core.aten import op_args
+from ..core.aten import CONV_OPS, is_transposed_conv, op_args
 
 aten = torch.ops.aten
 Labels = tuple[str, ...]
@@ -485,12 +485,13 @@ def _mse(node, fresh):
 
 
 def _conv(node, fresh):
-    """Channels split (output channels, or input channels as a contraction) for ``groups`` 1;
-    a transposed convolution's weight is (in, out / groups, kernel). A grouped (or depthwise)
-    convolution splits by whole groups: input channels, output channels and the weight's first
-    dim share the label ``g`` (``groups`` units), and a shard runs ``groups / shards`` of them
-    (the executor's local variant). Spatial dims stay whole, so stride, padding, dilation and
-    output padding run unchanged on every shard."""
+    """Every convolution (``CONV_OPS``: 1-3 spatial dims, a string padding such as ``"same"``,
+    transposed). Channels split (output channels, or input channels as a contraction) for
+    ``groups`` 1; a transposed convolution's weight is (in, out / groups, kernel). A grouped (or
+    depthwise) convolution splits by whole groups: input channels, output channels and the
+    weight's first dim share the label ``g`` (``groups`` units), and a shard runs
+    ``groups / shards`` of them (the executor's local variant). Spatial dims stay whole, so
+    stride, padding, dilation and output padding run unchanged on every shard."""
     a = op_args(node)
     nd = len(_shape(a["input"])) - 2
     sp_in = tuple(fresh() for _ in range(nd))
@@ -499,7 +500,7 @@ def _conv(node, fresh):
     units = {}
     if a["groups"] == 1:
         c, o = "c", "o"
-        weight = (c, o) if a.get("transposed") else (o, c)
+        weight = (c, o) if is_transposed_conv(node.target, a) else (o, c)
     else:
         c = o = "g"
         weight = ("g", fresh())
@@ -559,7 +560,9 @@ def _pad(node, fresh):
 
 
 def _pool(node, fresh):
-    x = _shape(op_args(node)["self"])
+    """Pooling and upsampling of ``(N, C, *spatial)``: per sample and channel, so both split; the
+    spatial dims (a window, an interpolation) stay whole."""
+    x = _shape(_tensor_inputs(node)[0])
     nd = len(x) - 2
     inp = ("n", "c") + tuple(fresh() for _ in range(nd))
     val = _val(node)
@@ -608,10 +611,15 @@ _TABLE = {
     aten.scaled_dot_product_attention.default: _sdpa, aten.embedding.default: _embedding,
     aten.broadcast_tensors.default: _broadcast_tensors, aten.cross_entropy_loss.default: _cross_entropy,
     aten.nll_loss_nd.default: _cross_entropy, aten.nll_loss.default: _cross_entropy, aten.mse_loss.default: _mse,
-    aten.conv2d.default: _conv, aten.conv1d.default: _conv, aten.convolution.default: _conv,
+    **{conv: _conv for conv in CONV_OPS},
     aten.batch_norm.default: _batch_norm, aten._native_batch_norm_legit_functional.default: _batch_norm,
     aten.max_pool2d.default: _pool, aten.max_pool2d_with_indices.default: _pool,
     aten.avg_pool2d.default: _pool, aten.adaptive_avg_pool2d.default: _pool,
+    **{up: _pool for up in (aten.upsample_nearest1d.vec, aten.upsample_nearest2d.vec, aten.upsample_nearest3d.vec,
+                            aten._upsample_nearest_exact1d.vec, aten._upsample_nearest_exact2d.vec,
+                            aten._upsample_nearest_exact3d.vec, aten.upsample_linear1d.vec,
+                            aten.upsample_bilinear2d.vec, aten.upsample_trilinear3d.vec, aten.upsample_bicubic2d.vec,
+                            aten._upsample_bilinear2d_aa.vec, aten._upsample_bicubic2d_aa.vec)},
     aten.triu.default: lambda n, f: _normalize(n, f, [-1, -2]), aten.tril.default: lambda n, f: _normalize(n, f, [-1, -2]),
     aten.cumsum.default: lambda n, f: _normalize(n, f, [op_args(n)["dim"]]), aten.one_hot.default: _one_hot,
     aten.ones_like.default: _same_labels, aten.zeros_like.default: _same_labels, aten.full_like.default: _same_labels,
@@ -671,8 +679,7 @@ def signature(node: torch.fx.Node) -> OpSignature | None:
 
 
 HEAVY_TARGETS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default, aten.linear.default,
-                 aten.matmul.default, aten.einsum.default, aten.conv1d.default, aten.conv2d.default,
-                 aten.convolution.default, aten.scaled_dot_product_attention.default}
+                 aten.matmul.default, aten.einsum.default, aten.scaled_dot_product_attention.default} | CONV_OPS
 """Compute-heavy ops (matmul, convolution, einsum, attention): ``PlanOptions.allow_replicated_heavy_ops``."""
 
 STAT_TARGETS = {aten.cross_entropy_loss.default, aten._native_batch_norm_legit_functional.default}
@@ -703,11 +710,11 @@ def flops(node: torch.fx.Node, sig: OpSignature | None) -> float:
         for labs, n in zip(sig.inputs, ins):
             for lab, s in zip(labs, _shape(n)):
                 sizes[lab] = max(sizes.get(lab, 1), s)
-        if node.target in (aten.conv2d.default, aten.conv1d.default, aten.convolution.default):
+        if node.target in CONV_OPS:
             a = op_args(node)
             w = _shape(a["weight"])
             per_element = math.prod(w[1:])  # MACs per output element; per input element if transposed
-            return 2.0 * _val(a["input"] if a.get("transposed") else node).numel() * per_element
+            return 2.0 * _val(a["input"] if is_transposed_conv(node.target, a) else node).numel() * per_element
         if node.target is aten.scaled_dot_product_attention.default:
             a = op_args(node)
             b, h, s, d = _shape(a["query"])

@@ -16,6 +16,20 @@ ALIAS_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 into the operand."""
 
 
+_aten = torch.ops.aten
+TRANSPOSED_CONV_OPS = {_aten.conv_transpose1d.default, _aten.conv_transpose2d.input, _aten.conv_transpose3d.input}
+"""Transposed convolutions: weight ``(in, out / groups, *kernel)``."""
+CONV_OPS = {_aten.conv1d.default, _aten.conv2d.default, _aten.conv3d.default, _aten.conv1d.padding,
+            _aten.conv2d.padding, _aten.conv3d.padding, _aten.convolution.default} | TRANSPOSED_CONV_OPS
+"""Convolutions: ``(input, weight, bias, ..., groups)`` by schema name (``.padding``: a string
+padding such as ``"same"``; ``convolution`` says ``transposed`` itself)."""
+
+
+def is_transposed_conv(target, args: dict) -> bool:
+    """Whether a convolution (``CONV_OPS``, its arguments ``args`` by name) is transposed."""
+    return target in TRANSPOSED_CONV_OPS or bool(args.get("transposed"))
+
+
 def alias_root(value):
     """The value ``value`` aliases: followed back through ``ALIAS_OPS`` (a write into ``value``
     is a write into it)."""

@@ -59,7 +59,7 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from ..core.aten import alias_root, bind_args, is_random, op_args, with_arg, written_args
+from ..core.aten import CONV_OPS, alias_root, bind_args, is_random, op_args, with_arg, written_args
 from ..core.capture import CapturedGraph
 from ..core.losses import MEAN, SUM, is_ratio, ratio_parts
 from ..core.plan import NodePlan, Plan, zero3_groups, zero3_uses
@@ -70,9 +70,9 @@ from .lowering import recomputed, seeded_call
 
 aten = torch.ops.aten
 _SHAPE_ARG = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
-_CONV = {aten.conv2d.default, aten.conv1d.default, aten.convolution.default}
-_BIAS_AFTER = {aten.linear.default: "bias", aten.conv2d.default: "bias", aten.conv1d.default: "bias",
-               aten.convolution.default: "bias", aten.addmm.default: "self", aten.baddbmm.default: "self"}
+_CONV = CONV_OPS
+_BIAS_AFTER = {aten.linear.default: "bias", aten.addmm.default: "self", aten.baddbmm.default: "self",
+               **{conv: "bias" for conv in CONV_OPS}}
 
 
 _BATCH_NORMS = {aten._native_batch_norm_legit_functional.default, aten._native_batch_norm_legit.default,

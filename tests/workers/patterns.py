@@ -780,6 +780,37 @@ def syncbn_conv(batch, seq=None, device="cpu", seed=0):
     return _build(SyncBNConv, seed), (torch.randn(batch, 3, 6, 6, generator=g), torch.randint(0, 10, (batch,), generator=g))
 
 
+
+class Convs(nn.Module):
+    """Conv1d with ``padding="same"``, ``groups=2``, ``dilation=2``; a strided Conv2d; a depthwise
+    Conv2d; ``nn.Upsample(scale_factor=2)``; a strided ConvTranspose2d; ``fc1`` / ``fc2`` on the
+    flattened maps. The ``.padding`` convolutions, the upsampling and the transposed convolution
+    had no sharding rule: they ran replicated with a warning, and under a pipeline the
+    cross-entropy was reported nonlinear in the microbatches."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv1d(4, 8, 3, padding="same", groups=2, dilation=2)
+        self.c2 = nn.Conv2d(2, 4, 3, stride=2, padding=1)
+        self.dw = nn.Conv2d(4, 4, 3, groups=4, padding=1)
+        self.up = nn.Upsample(scale_factor=2, mode="nearest")
+        self.ct = nn.ConvTranspose2d(4, 2, 2, stride=2)
+        self.fc1 = nn.Linear(2 * 8 * 32, 4 * HIDDEN)
+        self.fc2 = nn.Linear(4 * HIDDEN, 5)
+
+    def forward(self, x, y):
+        h = F.relu(self.c1(x))                                   # (B, 8, 16)
+        h = F.relu(self.c2(h.view(h.shape[0], 2, 4, 16)))        # (B, 4, 2, 8)
+        h = self.up(F.relu(self.dw(h)))                          # (B, 4, 4, 16)
+        h = F.relu(self.ct(h)).flatten(1)                        # (B, 2, 8, 32)
+        return F.cross_entropy(self.fc2(F.relu(self.fc1(h))), y)
+
+
+def convs(batch, seq=None, device="cpu", seed=0):
+    g = _seeded(seed + 1)
+    return _build(Convs, seed), (torch.randn(batch, 4, 16, generator=g), torch.randint(0, 5, (batch,), generator=g))
+
+
 # --- inputs that are not split by rows ---
 
 class SeqFirst(_Base):
