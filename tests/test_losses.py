@@ -7,6 +7,7 @@ taken as a mean of shard or microbatch means is off by percents (the counts diff
 here), a sum divided by B by half: both far outside.
 """
 import json
+import sys
 import warnings
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from alpa_lite.core.losses import LossReduction, ratio_parts
 from alpa_lite.core.plan import load_plan
 
 WORKER = str(Path(__file__).parent / "workers" / "loss_equivalence.py")
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
+import patterns  # noqa: E402
 LOSSES = ("ce_ignore", "nll_ignore", "ce_sum", "masked_mean", "plain_mean")
 aten = torch.ops.aten
 
@@ -226,6 +229,39 @@ def test_row_numbers_of_the_batch_are_a_problem_for_microbatches():
     assert not [p for p in index if "numbers the rows" in p], index
     with pytest.warns(UserWarning, match=r"2 microbatches change the loss: embedding .* numbers the rows"):
         plan(_RowEmbedding(), (x,), LogicalMesh((1, 2)), num_stages=2, num_microbatches=2, num_layers=2)
+
+
+class _Picked(nn.Module):
+    """``h.gather(-1, idx[..., None]).squeeze(-1)`` squared and averaged (the masks pattern's
+    loss), or ``h.gather(0, rows)``: rows picked across the batch by another sample's index."""
+
+    def __init__(self, across: bool = False):
+        super().__init__()
+        self.fc, self.across = nn.Linear(8, 8), across
+
+    def forward(self, x, idx):
+        h = self.fc(x)
+        picked = h.gather(0, idx) if self.across else h.gather(-1, idx[..., None]).squeeze(-1)
+        return (picked ** 2).mean()
+
+
+def test_a_gathered_loss_keeps_the_batch():
+    """gather had no sharding rule, so its result lost the batch dim and the loss read
+    ``(picked ** 2).mean()`` as "pow_1 ... is not a sum, mean or ratio of batch reductions": a
+    2-stage pipeline warned that its microbatches change the loss (the masks pattern on 2x2),
+    though it trains equal to one process. A gather across the batch's rows still warns."""
+    x = torch.randn(8, 4, 8)
+    assert loss_reduction(capture(_Picked(), (x, torch.randint(0, 8, (8, 4))))) == LossReduction("mean", None, ())
+    across = loss_reduction(capture(_Picked(across=True), (x, torch.randint(0, 8, (8, 4, 8))))).problems
+    assert len(across) == 1 and "is not a sum, mean or ratio of batch reductions" in across[0], across
+    pipe = {"pipeline": 2, "num_microbatches": 2, "num_layers": 2}
+    for name in ("masks", "convs"):  # convs: its convolutions had no rule ("cross_entropy_loss ... nonlinear")
+        model, inputs = getattr(patterns, name)(8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            p = plan(model, inputs, LogicalMesh((2, 2), cluster="cpu-gloo"), **pipe)
+        assert not [str(w.message) for w in caught if "microbatches change the loss" in str(w.message)], name
+        assert p.loss_reduction.kind in ("mean", "ratio"), name
 
 
 def test_pipeline_plan_warns_when_microbatches_change_the_loss():

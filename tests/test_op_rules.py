@@ -337,3 +337,28 @@ def test_upsample_splits_batch_and_channels(fn, shape, target):
                     {"S0S1" + spatial, "RS01" + spatial, "S01R" + spatial})
     assert all(s.in_specs[0].dims[d] == () for s, _, _ in results for d in range(2, len(shape)))
 
+
+GATHERS = [  # op, inputs, node, specs some strategy must give, the input dims of self no strategy splits
+    (lambda x, i: x.gather(-1, i), (X, torch.randint(0, 6, (4, 8, 1))), aten.gather.default,
+     {"S0S1R", "S01RR", "RS01R"}, [2]),
+    (lambda x, i: x.gather(1, i), (X, torch.randint(0, 8, (4, 2, 6))), aten.gather.default,
+     {"S0S1R", "S0RS1", "RS0S1"}, [1]),  # the index splits along the gathered dim too
+    (lambda x, i: x.gather(2, i), (X, torch.randint(0, 6, (2, 8, 3))), aten.gather.default,
+     {"RS01R"}, [0, 2]),  # fewer rows in the index: a prefix of self's, neither splits
+    (lambda x, i: x.gather(0, i), (X, torch.randint(0, 4, (4, 8, 6))), aten.gather.default,
+     {"S0S1R", "RS0S1"}, [0]),
+    (lambda x, i: x.index_select(1, i), (X, torch.tensor([7, 0, 3, 3])), aten.index_select.default,
+     {"S0S1R", "RS01R", "S0RS1"}, [1]),
+    (lambda x, i: x.index_select(0, i), (torch.randn(10, 8), torch.tensor(4)), aten.index_select.default,
+     {"RS01"}, [0]),  # a 0-dim index: the selected dim keeps size 1
+]
+
+
+@pytest.mark.parametrize("fn,inputs,target,expect,whole", GATHERS, ids=[
+    "gather_last", "gather_middle", "gather_smaller_index", "gather_batch", "index_select", "index_select_0d"])
+def test_gather_and_index_select_keep_the_gathered_dim_whole(fn, inputs, target, expect, whole):
+    """``h.gather(-1, idx[..., None])`` and ``table.index_select(0, rows)`` ran replicated with a
+    warning; the gather's result lost the batch dim, so a 2-stage pipeline reported the masks
+    pattern's ``(picked ** 2).mean()`` as "pow_1 ... is not a sum, mean or ratio of batch reductions"."""
+    results = check(lambda x, i: fn(x * 2, i), inputs, target, expect)
+    assert all(s.in_specs[0].dims[d] == () for s, _, _ in results for d in whole)

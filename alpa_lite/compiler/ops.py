@@ -552,6 +552,32 @@ def _index(node, fresh):
     return OpSignature([inp, il], [inp[:k] + il + inp[k + 1:]], fixed={inp[k]})
 
 
+def _gather(node, fresh):
+    """``gather(self, dim, index)``: the result has the index's shape and labels; ``self``'s ``dim``
+    stays whole (an index may pick any position of it), the index's splits freely. Every other dim
+    splits with ``self``'s where both have the same size; where the index's is smaller it reads a
+    prefix of ``self``'s, and neither splits."""
+    a = op_args(node)
+    x, idx = _shape(a["self"]), _shape(a["index"])
+    if not x or len(x) != len(idx):
+        return None
+    d = a["dim"] % len(x)
+    out = tuple(lab if i == d or x[i] == idx[i] else fresh() for i, lab in enumerate(_dims("d", len(idx))))
+    return OpSignature([tuple("s" if i == d else lab for i, lab in enumerate(out)), out], [out], fixed={"s"})
+
+
+def _index_select(node, fresh):
+    """``index_select(self, dim, index)``: a gather along ``dim``, which stays whole (as ``x[:, idx]``,
+    ``_index``); the other dims of ``self`` and the 1-D index split."""
+    a = op_args(node)
+    inp = _dims("d", len(_shape(a["self"])))
+    if not inp:
+        return None
+    d = a["dim"] % len(inp)
+    il = ("i",) if _shape(a["index"]) else ()
+    return OpSignature([inp, il], [inp[:d] + (il or (fresh(),)) + inp[d + 1:]], fixed={inp[d]})
+
+
 def _pad(node, fresh):
     """``pad`` / ``constant_pad_nd``: the padded dims stay whole, the others split."""
     a = op_args(node)
@@ -624,6 +650,7 @@ _TABLE = {
     aten.cumsum.default: lambda n, f: _normalize(n, f, [op_args(n)["dim"]]), aten.one_hot.default: _one_hot,
     aten.ones_like.default: _same_labels, aten.zeros_like.default: _same_labels, aten.full_like.default: _same_labels,
     aten.empty_like.default: _same_labels, aten.index.Tensor: _index, aten.pad.default: _pad,
+    aten.gather.default: _gather, aten.index_select.default: _index_select,
     aten.constant_pad_nd.default: _pad, aten.cumprod.default: lambda n, f: _normalize(n, f, [op_args(n)["dim"]]),
     aten.logcumsumexp.default: lambda n, f: _normalize(n, f, [op_args(n)["dim"]]),
     aten.flip.default: lambda n, f: _normalize(n, f, op_args(n)["dims"]), aten.roll.default: _roll,
