@@ -57,7 +57,12 @@ heads split by Megatron ``q`` / ``k`` / ``v`` / ``o`` specs under an ALiBi bias 
 sliding-window ``-inf`` fill, ``is_causal`` and a bool key-padding mask (``attn_bias-heads``:
 verify read ``-inf - -inf`` in the buffer as NaN and called every such model different). CLIP's
 contrastive loss under ``zero_stage=3`` (``clip-zero3``: its 0-dim ``logit_scale.exp()`` had no
-ZeRO strategy and planning died, "the only strategy of an ILP variable is forbidden").
+ZeRO strategy and planning died, "the only strategy of an ILP variable is forbidden"). Convolutions
+with ``padding="same"``, groups and dilation, a strided, a depthwise and a transposed one around an
+``nn.Upsample`` (``convs``: they ran replicated with a warning, and the pipeline reported the
+cross-entropy nonlinear in its microbatches) under data parallelism, the pipeline, and channels
+split on axis 1 (``convs-channels``: the grouped conv by whole groups, the depthwise one, the
+transposed one over its input channels, a partial sum with its bias added once).
 """
 import json
 from pathlib import Path
@@ -90,7 +95,10 @@ EXTRA = {"ce_ignore-pipe_tp": ("ce_ignore", PIPE_TP), "num_items-accumulate": ("
          "view_write-tp_compiled": ("view_write", PLANS["megatron"] | {"compile": "aot_eager"}),
          "attn_bias-heads": ("attn_bias", {"batch_axis": 0, "param_specs": {"q.weight": "S1R", "k.weight": "S1R",
                                                                              "v.weight": "S1R", "o.weight": "RS1"}}),
-         "clip-zero3": ("clip", PLANS["dp"] | {"zero_stage": 3})}
+         "clip-zero3": ("clip", PLANS["dp"] | {"zero_stage": 3}),
+         "convs-dp": ("convs", PLANS["dp"]), "convs-pipe": ("convs", PLANS["pipe"]),
+         "convs-channels": ("convs", {"batch_axis": 0, "param_specs": {
+             "c1.weight": "S1RR", "c2.weight": "S1RRR", "dw.weight": "S1RRR", "ct.weight": "S1RRR"}})}
 CASES |= {name: {"model": f"patterns:{p}", "seq": 8, "options": o} for name, (p, o) in EXTRA.items()}
 
 
