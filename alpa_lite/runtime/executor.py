@@ -70,7 +70,6 @@ from .lowering import recomputed, seeded_call
 
 aten = torch.ops.aten
 _SHAPE_ARG = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
-_CONV = CONV_OPS
 _BIAS_AFTER = {aten.linear.default: "bias", aten.addmm.default: "self", aten.baddbmm.default: "self",
                **{conv: "bias" for conv in CONV_OPS}}
 
@@ -91,7 +90,7 @@ def local_arguments(target, args: tuple, kwargs: dict, in_specs, mesh_shape) -> 
     if target in _BATCH_NORMS and functional():
         x = bind_args(target, args, kwargs)["input"]
         return (args, kwargs) if x.is_contiguous() else with_arg(target, args, kwargs, "input", x.contiguous())
-    name = "groups" if target in _CONV else "num_groups" if target is aten.group_norm.default else None
+    name = "groups" if target in CONV_OPS else "num_groups" if target is aten.group_norm.default else None
     if name and in_specs[0].dims[1]:
         groups = bind_args(target, args, kwargs)[name]
         if groups > 1:
@@ -491,7 +490,7 @@ class LocalExecutor:
         if bias is not None and any(self.mesh.coord[a] for a in left):
             bias = bias * 0  # in the autograd graph: its gradient is 0 here, summed over the axes
         if bias is not None:
-            if node.target in _CONV:
+            if node.target in CONV_OPS:
                 bias = bias.view(-1, *([1] * (out.dim() - 2)))
             out = out + bias
         return out

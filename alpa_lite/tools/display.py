@@ -93,7 +93,8 @@ def schedule_chart(plan: PipelinePlan, path: str | Path, title: str | None = Non
     ax.set_yticklabels([f"stage {P - 1 - i}" if schedule.chunks == 1 else
                         "stages " + ", ".join(map(str, range(P - 1 - i, S, P))) for i in range(P)])
     ax.set_xlabel("time (ms)")
-    ax.set_title(title or f"{plan.schedule}, {count(S, 'stage', 'stages')}, {count(plan.num_microbatches, 'microbatch', 'microbatches')}: "
+    ax.set_title(title or f"{plan.schedule}, {count(S, 'stage', 'stages')}, "
+                          f"{count(plan.num_microbatches, 'microbatch', 'microbatches')}: "
                           f"step {plan.step_seconds * 1e3:.2f} ms, bubble {plan.bubble_fraction:.0%}")
     fig.tight_layout()
     path = Path(path)

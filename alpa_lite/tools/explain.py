@@ -61,9 +61,10 @@ def summary_table(plan: Plan, title: str = "plan") -> Table:
                "otherwise)" if timed else f" (node limit of {chosen.get('node_limit')}: not proven optimal; the same "
                                           "input plans the same)"))
     if isinstance(plan, PipelinePlan):  # stages overlap in time: the step is the pipeline formula, not a sum
-        t.add_row("step time (predicted)", f"{_seconds(plan.step_seconds)}: {count(len(plan.stages), 'stage', 'stages')}, "
-                                           f"{count(plan.num_microbatches, 'microbatch', 'microbatches')} ({plan.schedule}), bubble "
-                                           f"{plan.bubble_fraction:.1%}")
+        stages, microbatches = count(len(plan.stages), "stage", "stages"), count(plan.num_microbatches, "microbatch",
+                                                                                  "microbatches")
+        t.add_row("step time (predicted)", f"{_seconds(plan.step_seconds)}: {stages}, {microbatches} "
+                                           f"({plan.schedule}), bubble {plan.bubble_fraction:.1%}")
         t.add_row("memory per device", f"{_bytes(plan.memory_bytes)} (the fullest stage) of {_budget(budget)}")
         t.add_row("collectives (stage plans)", str(sum(len(s.plan.collectives) for s in plan.stages)))
         if st:

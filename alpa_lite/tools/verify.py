@@ -421,7 +421,8 @@ def main(args) -> int:
     """Entry of ``alpa-lite verify``: launch the ranks (``launch.torchrun``) unless already one.
 
     Returns 0 when the plan trains like one process, 1 when it differs, 2 when a rank failed (an
-    error, not a verdict: its message is in the ranks' output), as the CLI's other errors. Rank 0 prints the report; ``--json PATH`` also writes it (``VerifyReport.to_dict``).
+    error, not a verdict: its message is in the ranks' output), as the CLI's other errors. Rank 0
+    prints the report; ``--json PATH`` also writes it (``VerifyReport.to_dict``).
     """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _worker(args)
