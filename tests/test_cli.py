@@ -94,6 +94,33 @@ def test_explain_lists_candidates_and_marks_the_choice():
     assert "k:S1" in chosen[0]  # Megatron's row-parallel second layer: split the contraction
 
 
+def test_explain_marks_a_zero_strategy_and_prices_the_operands():
+    """The candidates are the ILP's (``intra_op.strategy_table``): a ZeRO-2 parameter's chosen
+    strategy is among them and marked (no row was: the table lacked the ZeRO variants); the title
+    names the parameter; "operands in" is 0 where the producers' specs are what the strategy
+    reads, and prices the all-gather of a row-split activation for the replicated strategy."""
+    from alpa_lite import LogicalMesh, plan
+    from alpa_lite.tools.explain import node_table
+    from alpa_lite.zoo.models import build_model
+
+    def seconds(cell: str) -> float:
+        if cell == "forbidden":  # a ZeRO-2 weight read by a use that cannot reduce-scatter its gradient
+            return float("inf")
+        value, unit = cell.split()
+        return float(value) * {"s": 1, "ms": 1e-3, "us": 1e-6}[unit]
+
+    model, example = build_model("mlp", 8, hidden=32, num_layers=2)
+    p = plan(model, example, LogicalMesh((2, 2), cluster="cpu-gloo"), batch_axis=0, zero_stage=2)
+    t = node_table(p, "layers.0.weight")
+    cells = {c.header: list(c._cells) for c in t.columns}
+    marked = [i for i, m in enumerate(cells[""]) if m == "*"]
+    assert len(marked) == 1 and cells["ZeRO"][marked[0]] == "2 @ axis 0" and "(layers.0.weight)" in t.title
+    linear = next(n for n, np_ in p.nodes.items() if "layers_0_weight" in "".join(np_.inputs))
+    cells = {c.header: list(c._cells) for c in node_table(p, linear).columns}
+    moved = [seconds(c) for c in cells["operands in"]]  # the weight's reduce-scatter at least
+    assert len(moved) > 1 and 0 < moved[cells[""].index("*")] < max(moved)
+
+
 def test_run_launches_a_script_on_every_rank():
     from pathlib import Path
 

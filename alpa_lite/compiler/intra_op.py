@@ -34,6 +34,20 @@ def remat_candidates(cg: CapturedGraph) -> list[tuple[str, ...]]:
     return [layer.nodes for layer in cluster_layers(cg) if recomputable(cg, layer.nodes)]
 
 
+def strategy_table(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, warn=None) -> dict:
+    """Per node, the strategies the intra-op ILP chooses among: ``build_strategies`` (``warn``:
+    called once per op without a sharding rule), with the ZeRO-1/2 variants of the parameters
+    (``zero.add_zero_strategies``), restricted as ``options`` ask (``constraints.apply_constraints``).
+
+    Raises:
+        ValueError: a forced spec does not divide its tensor or names nothing in the model.
+    """
+    table = build_strategies(cg, mesh, warn=warn)
+    add_zero_strategies(cg, table, mesh, options.bucket_bytes)
+    apply_constraints(cg, table, mesh, options)
+    return table
+
+
 def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, progress=None, cache=None) -> Plan:
     """Find the sharding plan of ``cg`` on ``mesh`` that minimizes the predicted step time.
 
@@ -56,10 +70,8 @@ def plan_intra_op(cg: CapturedGraph, mesh: LogicalMesh, options: PlanOptions, pr
     stats = {}
     t1 = time.perf_counter()
     say("strategies")
-    table = build_strategies(cg, mesh, warn=lambda msg: warnings.warn(msg, stacklevel=4))
-    reduction = loss_reduction(cg, table)  # recorded for the runtime
-    add_zero_strategies(cg, table, mesh, options.bucket_bytes)
-    apply_constraints(cg, table, mesh, options)
+    table = strategy_table(cg, mesh, options, warn=lambda msg: warnings.warn(msg, stacklevel=5))
+    reduction = loss_reduction(cg, table)  # recorded for the runtime (it reads the batch dims only)
     layers = remat_candidates(cg) if options.remat else []
     graph, where = build_cost_graph(cg, table, mesh, share_layers=options.share_layers, remat=layers,
                                     remat_forced=options.remat == "all", options=options)

@@ -137,6 +137,12 @@ class PlanOptions:
                                                              "allow_all_to_all", "prefer_reduce_scatter")
                 if getattr(self, name) != getattr(defaults, name)]
 
+    @classmethod
+    def from_dict(cls, d: dict) -> PlanOptions:
+        """The options ``to_dict`` (a plan's ``options``) recorded; keys of no field are left out."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
     def to_dict(self) -> dict:
         """JSON-able fields (an infinite budget as None)."""
         d = dataclasses.asdict(self)

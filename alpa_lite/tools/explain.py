@@ -5,6 +5,7 @@ Answers a user's first question about a plan, "why this?", from the data the pla
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from collections import defaultdict
 
@@ -135,9 +136,20 @@ def collective_table(plan: Plan) -> Table:
 
 
 def node_table(plan: Plan, node: str) -> Table:
-    """Every candidate strategy of one graph node (or parameter FQN) with its cost terms, the
-    chosen one marked: "why this?" for a single op. Needs a plan made in this process."""
-    from ..compiler.strategies import build_strategies
+    """Every candidate strategy of one graph node (or parameter FQN) the ILP chose among
+    (``intra_op.strategy_table`` under the plan's options: ZeRO-1/2 variants included, forced
+    specs applied) with its cost terms, the chosen one marked: "why this?" for a single op. The
+    "operands in" column prices moving each operand from its producer's chosen spec to the
+    strategy's (the graph edge's ``ReshardCosts``, forward and backward, a parameter's gradient
+    sync included), the other nodes held as chosen. Needs a plan made in this process.
+
+    Raises:
+        ValueError: no captured graph (a plan read from a file), or no such node or parameter
+            (the message lists close names).
+    """
+    from ..compiler.intra_op import strategy_table
+    from ..core.options import PlanOptions
+    from ..core.resharding import reshard_costs
 
     cg = plan.captured
     if cg is None:
@@ -148,13 +160,33 @@ def node_table(plan: Plan, node: str) -> Table:
         close = difflib.get_close_matches(node, [*plan.nodes, *by_fqn], n=5, cutoff=0.5)
         raise ValueError(f"no node or parameter {node!r}" + (f"; close: {', '.join(close)}" if close else ""))
     chosen = plan.nodes[name]
-    ns = build_strategies(cg, plan.mesh)[name]
-    t = Table(title=f"strategies of {name} ({cg.node(name).target})")
-    for col in ("", "strategy", "operand specs", "result", "partial", "compute", "all-reduce", "memory"):
+    options = PlanOptions.from_dict(plan.options)
+    ns = strategy_table(cg, plan.mesh, options)[name]
+    reshard = reshard_costs(plan.mesh, options)
+
+    def moved_in(s) -> float:
+        total = 0.0
+        for src, i, dst, gp in zip(chosen.inputs, chosen.input_results, s.in_specs, s.grad_partial):
+            val = cg.node(src).meta["val"]
+            val = val[i] if isinstance(val, (tuple, list)) else val
+            made = plan.nodes[src]
+            total += reshard(made.out_specs[i], dst, gp, tuple(val.shape), val.element_size(),
+                             src in cg.param_fqns, (made.zero_stage, tuple(made.zero_axes)))
+        return total
+
+    what = cg.param_fqns.get(name) or cg.buffer_fqns.get(name) or str(cg.node(name).target)
+    t = Table(title=f"strategies of {name} ({what})")
+    for col in ("", "strategy", "ZeRO", "operand specs", "result", "partial", "compute", "all-reduce",
+                "operands in", "memory"):
         t.add_column(col)
+    key = lambda s: (s.name, tuple(s.out_specs), s.zero_stage, tuple(s.zero_axes))  # noqa: E731
+    mine = (chosen.strategy, tuple(chosen.out_specs), chosen.zero_stage, tuple(chosen.zero_axes))
     for s in sorted(ns.strategies, key=lambda s: s.cost):
-        mark = "*" if s.name == chosen.strategy and tuple(s.in_specs) == chosen.in_specs else ""
-        t.add_row(mark, s.name, " ".join(map(str, s.in_specs)), " ".join(map(str, s.out_specs)),
-                  "".join(map(str, s.partial_axes)) or "-", _seconds(s.compute), _seconds(s.comm), _bytes(s.memory))
-    t.caption = "* chosen; resharding of operands is priced on the graph's edges"
+        zero = f"{s.zero_stage} @ axis {','.join(map(str, s.zero_axes))}" if s.zero_stage else "-"
+        moved = moved_in(s)
+        t.add_row("*" if key(s) == mine else "", s.name, zero, " ".join(map(str, s.in_specs)),
+                  " ".join(map(str, s.out_specs)), "".join(map(str, s.partial_axes)) or "-", _seconds(s.compute),
+                  _seconds(s.comm), "forbidden" if math.isinf(moved) else _seconds(moved), _bytes(s.memory))
+    t.caption = ("* chosen; operands in: resharding each operand from its producer's chosen spec; moving the result "
+                 "to its consumers is priced on their rows")
     return t
