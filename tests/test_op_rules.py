@@ -362,3 +362,31 @@ def test_gather_and_index_select_keep_the_gathered_dim_whole(fn, inputs, target,
     pattern's ``(picked ** 2).mean()`` as "pow_1 ... is not a sum, mean or ratio of batch reductions"."""
     results = check(lambda x, i: fn(x * 2, i), inputs, target, expect)
     assert all(s.in_specs[0].dims[d] == () for s, _, _ in results for d in whole)
+
+
+POOLS = [  # op, input shape, node: batched and unbatched inputs, 1-3 spatial dims
+    (lambda x: F.max_pool2d(x, 2), (4, 8, 6, 4), aten.max_pool2d.default),
+    (lambda x: F.max_pool2d(x, 2), (8, 6, 4), aten.max_pool2d.default),  # unbatched (C, H, W)
+    (lambda x: F.avg_pool2d(x, 3, stride=2, ceil_mode=True), (8, 5, 7), aten.avg_pool2d.default),
+    (lambda x: F.adaptive_avg_pool2d(x, (2, 3)), (8, 6, 7), aten.adaptive_avg_pool2d.default),
+    (lambda x: F.max_pool1d(x, 2), (4, 8, 6), aten.max_pool1d.default),
+    (lambda x: F.avg_pool1d(x, 2), (4, 8, 6), aten.avg_pool1d.default),
+    (lambda x: F.adaptive_avg_pool1d(x, 3), (4, 8, 6), aten.adaptive_avg_pool1d.default),
+    (lambda x: F.max_pool3d(x, 2), (4, 8, 2, 4, 2), aten.max_pool3d.default),
+    (lambda x: F.avg_pool3d(x, 2), (4, 8, 2, 4, 2), aten.avg_pool3d.default),
+    (lambda x: F.adaptive_avg_pool3d(x, 1), (4, 8, 2, 4, 2), aten.adaptive_avg_pool3d.default),
+    (lambda x: F.adaptive_max_pool2d(x, 2), (4, 8, 4, 4), aten.adaptive_max_pool2d.default),
+]
+
+
+@pytest.mark.parametrize("fn,shape,target", POOLS, ids=[
+    "max2d", "max2d_unbatched", "avg2d_unbatched_ceil", "adaptive2d_unbatched", "max1d", "avg1d", "adaptive1d",
+    "max3d", "avg3d", "adaptive3d", "adaptive_max2d"])
+def test_pooling_keeps_its_window_dims_whole(fn, shape, target):
+    """A pooling op splits the dims before its window (batch and channels, or channels alone of an
+    unbatched input) and keeps the window's dims whole: an unbatched ``(C, H, W)`` input to
+    ``max_pool2d`` had ``H`` taken for the channels and split, pooling each half apart."""
+    nd = int(target._schema.name[-2])  # max_pool2d -> 2
+    lead = "S0S1" if len(shape) - nd == 2 else "S01"
+    results = check(lambda x: fn(x * 2), (torch.randn(shape),), target, {lead + "R" * nd})
+    assert all(s.in_specs[0].dims[d] == () for s, _, _ in results for d in range(len(shape) - nd, len(shape)))

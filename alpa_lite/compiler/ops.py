@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -586,13 +587,16 @@ def _pad(node, fresh):
 
 
 def _pool(node, fresh):
-    """Pooling and upsampling of ``(N, C, *spatial)``: per sample and channel, so both split; the
-    spatial dims (a window, an interpolation) stay whole."""
+    """Pooling and upsampling of ``(N, C, *spatial)`` or an unbatched ``(C, *spatial)``: per sample
+    and channel, so those split; the ``k`` spatial dims of a ``kd`` op (a window, an
+    interpolation) stay whole. (``k`` was taken as ``ndim - 2``: an unbatched ``(C, H, W)`` input
+    of a 2d pooling had ``H`` split.)"""
     x = _shape(_tensor_inputs(node)[0])
-    nd = len(x) - 2
-    inp = ("n", "c") + tuple(fresh() for _ in range(nd))
+    nd = int(re.search(r"(\d)d", node.target._opname).group(1))
+    lead = ("n", "c")[2 - (len(x) - nd):]
+    inp = lead + tuple(fresh() for _ in range(nd))
     val = _val(node)
-    outs = [("n", "c") + tuple(fresh() for _ in range(nd))]
+    outs = [lead + tuple(fresh() for _ in range(nd))]
     if isinstance(val, (tuple, list)):
         outs = outs * len(val)
     return OpSignature([inp], outs)
@@ -639,8 +643,12 @@ _TABLE = {
     aten.nll_loss_nd.default: _cross_entropy, aten.nll_loss.default: _cross_entropy, aten.mse_loss.default: _mse,
     **{conv: _conv for conv in CONV_OPS},
     aten.batch_norm.default: _batch_norm, aten._native_batch_norm_legit_functional.default: _batch_norm,
-    aten.max_pool2d.default: _pool, aten.max_pool2d_with_indices.default: _pool,
-    aten.avg_pool2d.default: _pool, aten.adaptive_avg_pool2d.default: _pool,
+    **{pool: _pool for pool in (aten.max_pool1d.default, aten.max_pool2d.default, aten.max_pool3d.default,
+                                aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default,
+                                aten.avg_pool1d.default, aten.avg_pool2d.default, aten.avg_pool3d.default,
+                                aten.adaptive_avg_pool1d.default, aten.adaptive_avg_pool2d.default,
+                                aten.adaptive_avg_pool3d.default, aten.adaptive_max_pool1d.default,
+                                aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default)},
     **{up: _pool for up in (aten.upsample_nearest1d.vec, aten.upsample_nearest2d.vec, aten.upsample_nearest3d.vec,
                             aten._upsample_nearest_exact1d.vec, aten._upsample_nearest_exact2d.vec,
                             aten._upsample_nearest_exact3d.vec, aten.upsample_linear1d.vec,
