@@ -284,25 +284,34 @@ CONVS = [  # op, (input, weight, bias) shapes, groups, the node, specs some stra
      aten.conv_transpose2d.input, {"RS01RR", "S0S1RR"}),
     (lambda x, w, b: F.conv_transpose3d(x, w, b, stride=2, dilation=(2, 1, 1)),
      ((4, 4, 3, 3, 3), (4, 4, 2, 2, 2), (4,)), 1, aten.conv_transpose3d.input, {"S0S1RRR", "RS01RRR"}),
+    # unbatched (C, *spatial) inputs: the channels are dim 0 (H was split as the channels)
+    (lambda x, w, b: F.conv2d(x, w, b, padding=1), ((8, 6, 6), (4, 8, 3, 3), (4,)), 1, aten.conv2d.default,
+     {"S01RR"}),
+    (lambda x, w, b: F.conv1d(x, w, b, groups=2), ((8, 10), (8, 4, 3), (8,)), 2, aten.conv1d.default,
+     {"S0R", "S1R"}),
+    (lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2), ((8, 5, 5), (8, 4, 3, 3), (4,)), 1,
+     aten.conv_transpose2d.input, {"S01RR"}),
 ]
 
 
 @pytest.mark.parametrize("fn,shapes,groups,target,expect", CONVS, ids=[
     "conv1d_same_grouped_dilated", "conv2d_same", "conv3d_strided", "conv3d_same_grouped", "conv_transpose1d_grouped",
-    "conv_transpose2d_output_padding", "conv_transpose2d_depthwise", "conv_transpose3d"])
+    "conv_transpose2d_output_padding", "conv_transpose2d_depthwise", "conv_transpose3d", "conv2d_unbatched",
+    "conv1d_grouped_unbatched", "conv_transpose2d_unbatched"])
 def test_every_convolution_splits_batch_and_channels(fn, shapes, groups, target, expect):
     """conv1d/2d/3d with a string padding ("same"), conv3d, conv_transpose1d/2d/3d: batch and
     channels split (a transposed weight is (in, out / groups, kernel); groups split whole), the
     input channels of an ungrouped one as a contraction (partial sums, the bias added once), the
     spatial dims never (they ran replicated with a warning)."""
     results = check(fn, tuple(torch.randn(s) for s in shapes), target, expect)
-    spatial = range(2, len(shapes[0]))
+    channels = len(shapes[0]) - len(shapes[1]) + 1  # dim 1, or 0 of an unbatched input
+    spatial = range(channels + 1, len(shapes[0]))
     assert all(s.in_specs[0].dims[d] == () == s.out_spec.dims[d] for s, _, _ in results for d in spatial)
     contracted = [s for s, _, _ in results if s.partial_axes]
     assert bool(contracted) == (groups == 1)  # a sum over the input channels, unless grouped
-    assert all(set(s.partial_axes) == set(s.in_specs[0].dims[1]) for s in contracted)
-    assert max(s.in_specs[0].shards(1, MESH.shape) for s, _, _ in results) == min(4, shapes[0][1] if groups == 1
-                                                                                  else groups)
+    assert all(set(s.partial_axes) == set(s.in_specs[0].dims[channels]) for s in contracted)
+    assert max(s.in_specs[0].shards(channels, MESH.shape) for s, _, _ in results) == min(
+        4, shapes[0][channels] if groups == 1 else groups)
 
 
 UPSAMPLES = [  # op, input shape, node

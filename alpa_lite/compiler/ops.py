@@ -492,9 +492,13 @@ def _conv(node, fresh):
     depthwise) convolution splits by whole groups: input channels, output channels and the
     weight's first dim share the label ``g`` (``groups`` units), and a shard runs
     ``groups / shards`` of them (the executor's local variant). Spatial dims stay whole, so
-    stride, padding, dilation and output padding run unchanged on every shard."""
+    stride, padding, dilation and output padding run unchanged on every shard. An unbatched
+    ``(C, *spatial)`` input has no batch label (the spatial dims are counted from the weight: they
+    were taken as ``ndim - 2``, and an unbatched ``(C, H, W)`` input of ``conv2d`` had its ``H``
+    split)."""
     a = op_args(node)
-    nd = len(_shape(a["input"])) - 2
+    nd = len(_shape(a["weight"])) - 2
+    batch = ("n",) if len(_shape(a["input"])) == nd + 2 else ()
     sp_in = tuple(fresh() for _ in range(nd))
     sp_out = tuple(fresh() for _ in range(nd))
     kern = tuple(fresh() for _ in range(nd))
@@ -506,12 +510,12 @@ def _conv(node, fresh):
         c = o = "g"
         weight = ("g", fresh())
         units = {"g": a["groups"]}
-    ins = [("n", c) + sp_in, weight + kern]
+    ins = [batch + (c,) + sp_in, weight + kern]
     post = set()
     if isinstance(a["bias"], torch.fx.Node):
         ins.append((o,))
         post = {2}
-    return OpSignature(ins, [("n", o) + sp_out], post_reduce=post, units=units)
+    return OpSignature(ins, [batch + (o,) + sp_out], post_reduce=post, units=units)
 
 
 def _batch_norm(node, fresh):

@@ -81,7 +81,7 @@ _BATCH_NORMS = {aten._native_batch_norm_legit_functional.default, aten._native_b
 
 def local_arguments(target, args: tuple, kwargs: dict, in_specs, mesh_shape) -> tuple[tuple, dict]:
     """``(args, kwargs)`` of ``target`` run on operands arriving in ``in_specs``: a grouped
-    convolution or a group norm split by whole groups (``compiler.ops``'s rules) runs
+    convolution (batched or not) or a group norm split by whole groups (``compiler.ops``'s rules) runs
     ``groups / shards`` of them; in a traced run (``functional()``: a compiled program) a batch
     norm gets a contiguous input (the CPU kernel returns a contiguous result whatever its input's
     strides, while its fake kernel keeps them: the graph, traced on fake tensors, viewed the result
@@ -90,11 +90,15 @@ def local_arguments(target, args: tuple, kwargs: dict, in_specs, mesh_shape) -> 
     if target in _BATCH_NORMS and functional():
         x = bind_args(target, args, kwargs)["input"]
         return (args, kwargs) if x.is_contiguous() else with_arg(target, args, kwargs, "input", x.contiguous())
-    name = "groups" if target in CONV_OPS else "num_groups" if target is aten.group_norm.default else None
-    if name and in_specs[0].dims[1]:
-        groups = bind_args(target, args, kwargs)[name]
-        if groups > 1:
-            return with_arg(target, args, kwargs, name, groups // in_specs[0].shards(1, mesh_shape))
+    if target in CONV_OPS:  # the channels: dim 1, or 0 of an unbatched input (its spatial dims: the weight's)
+        a = bind_args(target, args, kwargs)
+        name, dim = "groups", a["input"].dim() - a["weight"].dim() + 1
+    elif target is aten.group_norm.default:
+        a, name, dim = bind_args(target, args, kwargs), "num_groups", 1
+    else:
+        return args, kwargs
+    if in_specs[0].dims[dim] and a[name] > 1:
+        return with_arg(target, args, kwargs, name, a[name] // in_specs[0].shards(dim, mesh_shape))
     return args, kwargs
 
 
