@@ -65,7 +65,9 @@ def results(tmp_path_factory):
 def test_trains_as_one_process(results, case):
     r = results[case]
     assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5, abs=1e-6)
-    assert r["state_names"] == r["ref_state_names"]  # every parameter and buffer, frozen ones included
+    # every parameter and buffer, frozen ones included: the model's own state_dict() keys (literals' non-persistent
+    # buffer was in it, and the model refused its own save_full export: 'Unexpected key(s) in state_dict')
+    assert r["state_names"] == r["ref_state_names"]
     assert r["state_err"] < 2e-4, f"a parameter or buffer ends {r['state_err']} from one process"
     if r["grad_err"] is not None:
         assert r["grad_names"] == r["ref_grad_names"]  # no gradient for a frozen parameter

@@ -117,6 +117,10 @@ class Trainer:
                                       in_program=self.buckets_in_program)
         self.optimizer = build_optimizer(optimizer, [self.zero]) if self.params else None
         self._placeholders = {fqn: ph for ph, fqn in {**self.view.param_fqns, **self.view.buffer_fqns}.items()}
+        # the buffers the model's own state_dict() leaves out (register_buffer(..., persistent=False): LLaMA's RoPE
+        # inv_freq): state_dict() and save_full leave them out too, or the model refuses its own export
+        self.non_persistent = ({k for k, _ in model.named_buffers(remove_duplicate=False)}
+                               - set(model.state_dict(keep_vars=True)))
 
     def _local_plan(self) -> Plan:
         """This rank's SPMD plan (the whole plan, or its stage's)."""
@@ -315,9 +319,12 @@ class Trainer:
         checkpoint.save_full(self, path)
 
     # ---------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full (gathered) parameters and buffers by FQN, tied names included; on every rank."""
-        return self._gather({**self.params, **self.buffers}, {**self.cg.param_fqns, **self.cg.buffer_fqns})
+    def state_dict(self, non_persistent: bool = False) -> dict[str, torch.Tensor]:
+        """Full (gathered) parameters and buffers by FQN, tied names included: the keys of the
+        model's own ``state_dict()``, and its non-persistent buffers too with ``non_persistent``;
+        on every rank."""
+        state = self._gather({**self.params, **self.buffers}, {**self.cg.param_fqns, **self.cg.buffer_fqns})
+        return state if non_persistent else {k: v for k, v in state.items() if k not in self.non_persistent}
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """Full gradients of the last step by parameter FQN (tied names included; zeros where a

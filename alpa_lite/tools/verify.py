@@ -242,7 +242,7 @@ def _parallel(trainer, batches, names: set[str]) -> _Trace:
     for args, kwargs in batches:
         trace.losses.append(trainer.step(*args, **kwargs))
         trace.grads.append(trainer.gradients())
-    state = trainer.state_dict()
+    state = trainer.state_dict(non_persistent=True)
     trace.params = {k: v for k, v in state.items() if k in names}
     trace.buffers = {k: v for k, v in state.items() if k not in names}
     return trace

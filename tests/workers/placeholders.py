@@ -223,7 +223,7 @@ def main():
                 "grad_names": None if grads is None else sorted(grads),
                 "ref_grad_names": sorted(ref_grads),
                 "state_err": max_err(state, ref_state),
-                "state_names": sorted(k for k in state if k in ref_state), "ref_state_names": sorted(ref_state),
+                "state_names": sorted(state), "ref_state_names": sorted(ref_state),
                 "optimizer_tensors": sum(len(g["params"]) for g in trainer.optimizer.param_groups) if trainer.optimizer else 0,
                 "ref_trainable": sum(1 for p in model.parameters() if p.requires_grad),
                 "pipelined": trainer.plan.kind == "pipeline",
