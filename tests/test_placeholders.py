@@ -68,6 +68,9 @@ def test_trains_as_one_process(results, case):
     # every parameter and buffer, frozen ones included: the model's own state_dict() keys (literals' non-persistent
     # buffer was in it, and the model refused its own save_full export: 'Unexpected key(s) in state_dict')
     assert r["state_names"] == r["ref_state_names"]
+    # state_dict() after step 1 holds copies: two more steps leave them, and load_state_dict goes back to them (a
+    # replicated weight's entry was the weight itself: it moved with the steps, and the rollback kept the new values)
+    assert r["snapshot_moved"] == 0.0 and r["rollback_err"] == 0.0
     assert r["state_err"] < 2e-4, f"a parameter or buffer ends {r['state_err']} from one process"
     if r["grad_err"] is not None:
         assert r["grad_names"] == r["ref_grad_names"]  # no gradient for a frozen parameter

@@ -218,9 +218,12 @@ class Trainer:
         return self.zero
 
     def _full(self, x: torch.Tensor, placeholder: str) -> torch.Tensor:
-        """The full tensor of ``placeholder`` from this rank's shard ``x``."""
+        """The full tensor of ``placeholder`` from this rank's shard ``x``: a new tensor, also where
+        the shard is whole (a replicated weight, whose state dict entry was the weight itself and
+        moved with every later step)."""
         shape = tuple(self.cg.node(placeholder).meta["val"].shape)
-        return gather_full(x.detach(), self._spec(placeholder), shape, self.groups)
+        full = gather_full(x.detach(), self._spec(placeholder), shape, self.groups)
+        return full.clone() if full.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() else full
 
     # ---------------------------------------------------------------- clipping
     def _select(self, fqn: str) -> None:
@@ -320,9 +323,10 @@ class Trainer:
 
     # ---------------------------------------------------------------- state
     def state_dict(self, non_persistent: bool = False) -> dict[str, torch.Tensor]:
-        """Full (gathered) parameters and buffers by FQN, tied names included: the keys of the
-        model's own ``state_dict()``, and its non-persistent buffers too with ``non_persistent``;
-        on every rank."""
+        """Full (gathered) copies of the parameters and buffers by FQN, tied names included: the keys
+        of the model's own ``state_dict()``, and its non-persistent buffers too with
+        ``non_persistent``; on every rank. Copies: later steps do not change them (a snapshot to
+        return to with ``load_state_dict``)."""
         state = self._gather({**self.params, **self.buffers}, {**self.cg.param_fqns, **self.cg.buffer_fqns})
         return state if non_persistent else {k: v for k, v in state.items() if k not in self.non_persistent}
 

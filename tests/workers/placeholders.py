@@ -215,8 +215,13 @@ def main():
             a, k = batches[0]
             losses = [trainer.step(*a, **k)]
             grads = trainer.gradients() if hasattr(trainer, "gradients") else None
+            snapshot = trainer.state_dict()  # after step 1: a snapshot to return to (early stopping's best weights)
+            held = {k: v.clone() for k, v in snapshot.items()}
             losses += [trainer.step(*a, **k) for a, k in batches[1:]]
             state = trainer.state_dict()
+            snapshot_moved = max_err(snapshot, held)
+            trainer.load_state_dict(snapshot)
+            rollback_err = max_err(trainer.state_dict(), held)
             results[f"{model_name}|{plan_name}|{opt_name}"] = {
                 "losses": losses, "ref_losses": ref_losses,
                 "grad_err": None if grads is None else max_err(grads, ref_grads),
@@ -224,6 +229,7 @@ def main():
                 "ref_grad_names": sorted(ref_grads),
                 "state_err": max_err(state, ref_state),
                 "state_names": sorted(state), "ref_state_names": sorted(ref_state),
+                "snapshot_moved": snapshot_moved, "rollback_err": rollback_err,
                 "optimizer_tensors": sum(len(g["params"]) for g in trainer.optimizer.param_groups) if trainer.optimizer else 0,
                 "ref_trainable": sum(1 for p in model.parameters() if p.requires_grad),
                 "pipelined": trainer.plan.kind == "pipeline",
