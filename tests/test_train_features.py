@@ -88,6 +88,14 @@ def test_checkpoint_resumes_under_other_plans(results):
         assert r[plan]["param_err"] < min(5e-4, fresh["param_err"] / 10), plan
 
 
+def test_checkpoint_resumes_a_lowered_learning_rate(results):
+    """The optimizer groups' hyperparameters are in the checkpoint: a rate lowered to LR / 4 before
+    the save runs the steps after the resume (the new trainer's AdamW has LR), as one process."""
+    r = results["checkpoints"]["lr"]
+    assert r["lrs"] == [pytest.approx(2.5e-3)]
+    assert r["param_err"] < 5e-4 < r["unlowered_err"]  # the rate matters: LR throughout ends far off
+
+
 def test_checkpoint_without_optimizer_state(results):
     """A model-only checkpoint (``dcp.save`` of the parameters by another program) loads with a
     warning naming the missing optimizer key, and the optimizer starts fresh: the run continues as

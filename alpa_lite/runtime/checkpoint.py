@@ -15,8 +15,13 @@ failed save leaves what was there.
 
 ``load(trainer, path)``: every rank asks DCP for its own shards under its own plan (another mesh
 shape, sharding, world size, or a pipelined plan); DCP reads the overlapping chunks of the saved
-ones. A weight several pipeline stages hold is saved by the first and read by all. Optimizer
-hyperparameters (learning rate ...) come from the new trainer's optimizer, not the checkpoint.
+ones. A weight several pipeline stages hold is saved by the first and read by all. The
+hyperparameters of each parameter's optimizer group (``lr``, ``betas``, ``weight_decay`` ...) are
+saved under ``optim.group.<fqn>.<name>`` and set again on load in the group now holding the
+parameter (from its first member with saved values), as ``torch.optim.Optimizer.load_state_dict``
+restores its ``param_groups``: a learning rate a scheduler lowered resumes lowered (before, the
+new optimizer's rate ran the first step after a resume, and a scheduler's ``load_state_dict``
+does not write the rate back).
 Every checkpoint ``save`` writes holds the scalar ``optim.complete`` (``COMPLETE``): its optimizer
 states are all the saving optimizer had, so a parameter without any (saved before its first
 update, or by a stateless optimizer such as plain SGD) starts with a fresh state, silently. A
@@ -86,6 +91,11 @@ def _sharded_state(trainer) -> dict[str, object]:
                                       "shaped like their parameter (Adam, SGD momentum ...) or scalars")
             else:
                 state[key] = value
+        held = zero.slices.get(fqn, p)
+        group = next((g for g in trainer.optimizer.param_groups if any(t is held for t in g["params"])), {})
+        for name, value in group.items():
+            if name != "params":
+                state[f"optim.group.{fqn}.{name}"] = value
     return state
 
 
@@ -191,9 +201,10 @@ def load(trainer, path: str | Path) -> dict:
         target[key] = _dtensor(trainer, fqn, torch.empty_like(x.detach()))
     if trainer.optimizer is not None:
         for fqn, p in trainer.params.items():
-            prefix = f"optim.state.{fqn}."
+            prefixes = (f"optim.state.{fqn}.", f"optim.group.{fqn}.")
             for key, m in saved.items():
-                if not key.startswith(prefix) or "." in key[len(prefix):]:
+                prefix = next((x for x in prefixes if key.startswith(x)), None)
+                if prefix is None or "." in key[len(prefix):]:
                     continue
                 if not isinstance(m, TensorStorageMetadata):
                     target[key] = None
@@ -223,21 +234,30 @@ def load(trainer, path: str | Path) -> dict:
 
 
 def _load_optimizer(trainer, local: dict[str, object]) -> None:
-    """Set the optimizer state of every parameter from the loaded ``optim.state.<fqn>.<name>``."""
+    """Set the optimizer state of every parameter from the loaded ``optim.state.<fqn>.<name>``,
+    and each group's hyperparameters from ``optim.group.<fqn>.<name>`` of its first member that
+    has them (module docstring)."""
+    def entries(kind: str, fqn: str) -> dict[str, object]:
+        prefix = f"optim.{kind}.{fqn}."
+        return {k[len(prefix):]: v for k, v in local.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
+
     state_dict = trainer.optimizer.state_dict()
     order = [p for group in trainer.optimizer.param_groups for p in group["params"]]
     index = {id(p): i for i, p in enumerate(order)}
-    state = {}
+    state, settings = {}, {}
     for fqn, p in trainer.params.items():
         zero = trainer.zero_of(fqn)
-        prefix = f"optim.state.{fqn}."
-        entry = {k[len(prefix):]: v for k, v in local.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
+        entry = entries("state", fqn)
         if fqn in zero.slices:  # a ZeRO-1/2 parameter: the optimizer holds its slice
             p = zero.slices[fqn]
             entry = {k: zero.slice(fqn, v) if isinstance(v, torch.Tensor) and v.dim() else v for k, v in entry.items()}
         if entry and id(p) in index:
             state[index[id(p)]] = entry
+        settings.setdefault(id(p), entries("group", fqn))
     trainer.optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
+    for group in trainer.optimizer.param_groups:
+        saved = next((settings[id(p)] for p in group["params"] if settings.get(id(p))), {})
+        group.update((name, value) for name, value in saved.items() if name in group)
 
 
 def save_full(trainer, path: str | Path) -> None:

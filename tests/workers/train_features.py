@@ -218,8 +218,35 @@ def checkpoints(model, batches, root: Path) -> dict:
     out["model_only"] = {"warnings": [str(w.message) for w in caught], "state": len(trainer.optimizer.state),
                          "losses": [trainer.step(*b) for b in batches[2:]],
                          "param_err": err(trainer.state_dict(), fresh_params)}
+    out["lr"] = lowered_learning_rate(model, batches, root)
     out["errors"] = checkpoint_errors(batches, source, path, root)
     return out
+
+
+def lowered_learning_rate(model, batches, root: Path) -> dict:
+    """A learning rate lowered after 2 steps (as a scheduler does), saved on 2x2 Megatron and
+    loaded into DP on 1x4 with a fresh AdamW at ``LR``: the 2 steps after the resume run at the
+    lowered rate, as one process whose rate was lowered after 2 steps."""
+    source, _ = train(model, "megatron", batches, 2)
+    for group in source.optimizer.param_groups:
+        group["lr"] = LR / 4
+    source.save(root / "ckpt_lr")
+    trainer, _ = train(model, "dp_1x4", batches, 0, seed=5)
+    trainer.load(root / "ckpt_lr")
+    lrs = sorted({g["lr"] for g in trainer.optimizer.param_groups})
+    losses = [trainer.step(*b) for b in batches[2:]]
+    m = copy.deepcopy(model)
+    opt = torch.optim.AdamW(m.parameters(), lr=LR)
+    for i, batch in enumerate(batches):
+        if i == 2:
+            for group in opt.param_groups:
+                group["lr"] = LR / 4
+        opt.zero_grad()
+        m(*batch).backward()
+        opt.step()
+    want = {k: v.detach() for k, v in m.named_parameters(remove_duplicate=False)}
+    return {"lrs": lrs, "losses": losses, "param_err": err(trainer.state_dict(), want),
+            "unlowered_err": err(reference(model, batches, LR)[2], want)}
 
 
 def resumed_on_fewer_ranks(model, batches, root: Path) -> dict:
