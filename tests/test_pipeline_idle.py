@@ -9,7 +9,7 @@ What is measured: the trainer's report (``runtime/report.py``): per rank the sec
 backward and weight passes against the step's schedule time. On 2 shared cores the 4 ranks'
 real compute time-shares the cores, so the worker (tests/workers/pipeline_idle.py) pads every
 compute action to a fixed duration with a sleep, which frees the core: the ranks then behave
-like 4 devices with equal stages of known times (forward 60 ms, backward 120 ms per 1/4 of the
+like 4 devices with equal stages of known times (forward 100 ms, backward 200 ms per 1/4 of the
 model), and the idle share depends on the schedule, not on the OS scheduler. Transfers and the
 Python between actions are not padded: they count as idle, as they would on devices; measured
 on this machine they add 1 to 2 points to the prediction (2 to 4, up to 8 under load, with 30 ms

@@ -55,7 +55,7 @@ class PaddedTrainer(PipelineTrainer):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--unit", type=float, default=0.06, help="padded forward seconds of a 1/4 stage")
+    ap.add_argument("--unit", type=float, default=0.1, help="padded forward seconds of a 1/4 stage")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", required=True)
