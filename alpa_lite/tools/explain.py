@@ -105,7 +105,7 @@ def param_table(plan: Plan, max_rows: int = 40) -> Table:
     zero = plan.zero_stages
     for fqn, spec in plan.param_specs.items():
         stage, axes = zero.get(fqn, (0, ()))
-        where = f"{stage} @ axis {','.join(map(str, axes))}" if stage else "-"
+        where = _zero(stage, axes)
         groups[(re.sub(r"\.(\d+)\.", ".*.", fqn), spec, where)].append(fqn)
     rows = sorted(groups.items(), key=lambda kv: min(plan_order(plan, f) for f in kv[1]))
     for (pattern, spec, where), members in rows[:max_rows]:
@@ -113,6 +113,11 @@ def param_table(plan: Plan, max_rows: int = 40) -> Table:
     if len(rows) > max_rows:
         t.add_row(f"... {len(rows) - max_rows} more", "", "")
     return t
+
+
+def _zero(stage: int, axes) -> str:
+    """A ZeRO stage and its mesh axes as the tables show them: ``"2 @ axis 0,1"``, ``"-"`` for none."""
+    return f"{stage} @ axis {','.join(map(str, axes))}" if stage else "-"
 
 
 def plan_order(plan: Plan, fqn: str) -> int:
@@ -182,11 +187,11 @@ def node_table(plan: Plan, node: str) -> Table:
     key = lambda s: (s.name, tuple(s.out_specs), s.zero_stage, tuple(s.zero_axes))  # noqa: E731
     mine = (chosen.strategy, tuple(chosen.out_specs), chosen.zero_stage, tuple(chosen.zero_axes))
     for s in sorted(ns.strategies, key=lambda s: s.cost):
-        zero = f"{s.zero_stage} @ axis {','.join(map(str, s.zero_axes))}" if s.zero_stage else "-"
         moved = moved_in(s)
-        t.add_row("*" if key(s) == mine else "", s.name, zero, " ".join(map(str, s.in_specs)),
-                  " ".join(map(str, s.out_specs)), "".join(map(str, s.partial_axes)) or "-", _seconds(s.compute),
-                  _seconds(s.comm), "forbidden" if math.isinf(moved) else _seconds(moved), _bytes(s.memory))
+        t.add_row("*" if key(s) == mine else "", s.name, _zero(s.zero_stage, s.zero_axes),
+                  " ".join(map(str, s.in_specs)), " ".join(map(str, s.out_specs)),
+                  "".join(map(str, s.partial_axes)) or "-", _seconds(s.compute), _seconds(s.comm),
+                  "forbidden" if math.isinf(moved) else _seconds(moved), _bytes(s.memory))
     t.caption = ("* chosen; operands in: resharding each operand from its producer's chosen spec; moving the result "
                  "to its consumers is priced on their rows")
     return t
