@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import gc
 import time
+import warnings
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -21,7 +22,8 @@ from .compiler.inter_op import plan_pipeline
 from .compiler.intra_op import plan_intra_op
 from .compiler.plan_cache import PlanCache, capture_cached
 from .compiler.stage_dp import PipelinePlanError
-from .core.capture import CaptureError, CapturedGraph, batch_size, capture, check_microbatch_rows, rows
+from .core.capture import (CaptureError, CapturedGraph, batch_size, batch_specialization, capture,
+                           check_microbatch_rows, rows)
 from .core.mesh import LogicalMesh
 from .core.options import PipelineOptions, PlanOptions, compute_dtype_of, split_options
 from .core.plan import PipelinePlan, Plan, PlanError, load_plan
@@ -101,9 +103,13 @@ def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None
     if pipe is not None:
         check_microbatch_rows(inputs, targets, example_kwargs, "a pipeline's microbatches")
         batch = batch_size((inputs, example_kwargs))
+        def whole() -> CapturedGraph | None:  # None: the cache's graph for any batch answered (the same ops)
+            return None if cache is not None and cache.graph_hits else \
+                capture(model, inputs, loss_fn, targets, example_kwargs, options.compute_dtype)
+
         result = plan_pipeline(lambda n: _capture_rows(model, inputs, loss_fn, targets, example_kwargs, n,
                                                        options.compute_dtype, cache), batch, mesh,
-                               options, pipe, progress=progress, cache=cache)
+                               options, pipe, progress=progress, cache=cache, capture_batch=whole)
     else:
         t0 = time.perf_counter()
         say("capture")
@@ -199,6 +205,12 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
         compute_dtype = compute_dtype_of(plan.options)  # what the plan was captured with
         if not isinstance(plan, PipelinePlan):
             captured = plan.captured or capture(model, inputs, loss_fn, targets, example_kwargs, compute_dtype)
+            if accumulate != 1:  # a branch on the batch size: each microbatch runs the branch of its own size
+                full = capture(model, whole[0], loss_fn, whole[1], whole[2], compute_dtype)
+                branch = batch_specialization(full, captured, batch_size((whole[0], whole[2])),
+                                              batch_size((inputs, example_kwargs)))
+                if branch:
+                    warnings.warn(f"accumulating {accumulate} microbatches changes the loss: {branch}", stacklevel=2)
     optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
     if isinstance(plan, PipelinePlan):
         check_microbatch_rows(inputs, targets, example_kwargs, "a pipeline's microbatches")

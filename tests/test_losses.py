@@ -22,6 +22,7 @@ from alpa_lite.runtime.launch import torchrun
 from alpa_lite.compiler.loss_reduction import loss_reduction
 from alpa_lite.core.losses import LossReduction, ratio_parts
 from alpa_lite.core.plan import load_plan
+from alpa_lite.zoo.models import build_model
 
 WORKER = str(Path(__file__).parent / "workers" / "loss_equivalence.py")
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
@@ -264,6 +265,43 @@ def test_a_gathered_loss_keeps_the_batch():
         assert p.loss_reduction.kind in ("mean", "ratio"), name
 
 
+class _BatchBranch(nn.Module):
+    """Python control flow on the batch size (``if x.shape[0] >= 8``): export records the branch of
+    the size it saw, so a microbatch of 4 rows runs the other one."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if x.shape[0] >= 8:
+            h = h * 0.5
+        return self.fc2(torch.relu(h)).pow(2).mean()
+
+
+def test_a_branch_on_the_batch_size_is_a_problem_for_microbatches():
+    """A 2-stage pipeline of 2 microbatches (and accumulate=2: test_accumulation_warns_...) of a
+    model that branches on the batch size trained silently another model than one process's
+    (sweep 7: 2 SGD steps on 2x2, step-2 loss 0.9961 against 0.9475, gradients 2e-2 off). The plan
+    now compares the microbatch's ops with the whole batch's and names the first difference. A
+    microbatch of one row differs from the batch only in layout ops (HF GPT-2's ``expand`` of a
+    size-1 dim), which are not compared."""
+    x = torch.randn(8, 8)
+    with pytest.warns(UserWarning, match=r"2 microbatches change the loss: the graph captured for a microbatch of 4 "
+                                         r"rows is not the graph of the whole batch of 8 rows .*aten.mul.Tensor"):
+        plan(_BatchBranch(), (x,), LogicalMesh((1, 2)), num_stages=2, num_microbatches=2, num_layers=2)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*microbatches change the loss")
+        plan(_BatchBranch(), (torch.randn(16, 8),), LogicalMesh((1, 2)), num_stages=2, num_microbatches=2,
+             num_layers=2)  # microbatches of 8 rows take the whole batch's branch
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, inputs = build_model("gpt2-hf", 8, 8, device="meta")
+        plan(model, inputs, LogicalMesh((1, 2)), num_stages=2, num_microbatches=8)  # rows of one: layout only
+    assert not [w for w in caught if "branches on the batch size" in str(w.message)]
+
+
 def test_pipeline_plan_warns_when_microbatches_change_the_loss():
     x, y = torch.randint(0, 11, (4, 6)), torch.randint(0, 11, (4, 6))
     mesh = LogicalMesh((1, 2))
@@ -404,6 +442,10 @@ def test_accumulation_warns_when_microbatches_change_the_loss(tmp_path):
     assert len(caught["MeanSquared"]) == 1 and "nonlinear function of the batch" in caught["MeanSquared"][0]
     assert caught["TokenMean"] == []
     assert len(caught["Counter"]) == 1 and "buffer 'steps' is written in forward" in caught["Counter"][0]
+    # sweep 7: the microbatch's graph lacked the whole batch's branch (2 SGD steps, DP 2x2, K = 2: loss 0.9961
+    # against one process's 0.9475, gradients 2e-2 off, without a warning before)
+    assert len(caught["BatchBranch"]) == 1 and "branches on the batch size" in caught["BatchBranch"][0]
+    assert "aten.mul.Tensor" in caught["BatchBranch"][0]
     # position ids (T,) as an input, T = B = 8: cut to 4 rows, the capture died with torch's broadcast error alone
     assert caught["cut"].startswith("the model captures with the whole batch of 8 but not with a microbatch of its "
                                     "first 4 rows"), caught["cut"]

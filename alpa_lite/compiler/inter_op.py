@@ -20,10 +20,11 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 
-from ..core.capture import CapturedGraph, stage_view
+from ..core.capture import CapturedGraph, batch_specialization, stage_view
 from ..core.mesh import LogicalMesh
 from ..core.options import PipelineOptions, PlanOptions
 from ..core.plan import PipelinePlan, Plan, StagePlan
@@ -77,7 +78,8 @@ def _cpu_count() -> int:
 
 
 def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh: LogicalMesh,
-                  options: PlanOptions, pipeline: PipelineOptions, progress=None, cache=None) -> PipelinePlan:
+                  options: PlanOptions, pipeline: PipelineOptions, progress=None, cache=None,
+                  capture_batch: Callable[[], CapturedGraph | None] | None = None) -> PipelinePlan:
     """Plan stages, submeshes, microbatches and every stage's intra-op plan (Alpa, section 5).
 
     Args:
@@ -90,6 +92,10 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
         pipeline: the ``PipelineOptions`` (stages, schedule, microbatches, layers, pruning).
         progress: ``progress(message)`` as planning advances.
         cache: a ``plan_cache.PlanCache`` the stage ILP answers are read from and added to.
+        capture_batch: ``capture_batch()`` -> the ``CapturedGraph`` of the whole batch, whose ops a
+            microbatch's must repeat (``core.capture.batch_specialization``: a branch on the batch
+            size is a problem for microbatches), or None where they are known to (export's graph
+            for any batch size answered); default ``capture_rows(batch)``.
 
     Returns:
         the ``PipelinePlan``.
@@ -195,6 +201,10 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
         raise PipelinePlanError("no pipeline plan: " + "; ".join(f"B={k}: {v}" for k, v in tried.items()) + refused)
     res, cg, layers, costs = best
     reduction = loss_reduction(cg)
+    if res.num_microbatches > 1:  # a branch on the batch size: each microbatch runs the branch of its own size
+        whole = capture_batch() if capture_batch is not None else capture_rows(batch)
+        branch = whole is not None and batch_specialization(whole, cg, batch, batch // res.num_microbatches)
+        reduction = replace(reduction, problems=(*reduction.problems, branch)) if branch else reduction
     if res.num_microbatches > 1 and reduction.problems:
         warnings.warn(f"{res.num_microbatches} microbatches change the loss: " + "; ".join(reduction.problems),
                       stacklevel=3)

@@ -186,6 +186,46 @@ def rows(tree, start: int, stop: int):
     return pytree.tree_map(lambda x: x[start:stop] if isinstance(x, torch.Tensor) and x.dim() > 0 else x, tree)
 
 
+_LAYOUT_OPS = {"view", "_unsafe_view", "reshape", "expand", "squeeze", "unsqueeze", "clone", "contiguous",
+               "alias", "detach", "permute", "transpose", "t", "flatten", "unflatten", "_assert_tensor_metadata"}
+"""Ops that only change a tensor's shape or layout: a microbatch of one row may capture with one
+more or fewer (an ``expand`` of a size-1 dim export leaves out, a ``view`` it adds)."""
+
+
+def _compute_ops(cg: CapturedGraph) -> list[tuple[str, str]]:
+    """``(node name, op)`` of each call of ``cg``'s graph that computes (not ``_LAYOUT_OPS``), in order."""
+    out = []
+    for n in cg.graph.nodes:
+        if n.op != "call_function":
+            continue
+        packet = getattr(n.target, "overloadpacket", None)
+        if getattr(packet, "__name__", None) in _LAYOUT_OPS:
+            continue
+        out.append((n.name, str(n.target)))
+    return out
+
+
+def batch_specialization(whole: CapturedGraph, part: CapturedGraph, whole_rows: int, part_rows: int) -> str | None:
+    """Why the graph of a microbatch of ``part_rows`` rows computes something else than the
+    graph of the whole batch of ``whole_rows`` rows, or None when their ops (layout ops aside)
+    are the same, in the same order. Export runs Python: code that branches on the batch size
+    (``if x.shape[0] >= 8``, a loop over the rows) records only the branch of the size it saw,
+    so each microbatch would run its own branch, and their gradients are not the whole batch's
+    (a pipeline's microbatches, gradient accumulation: ``UserWarning`` naming it). Constants
+    computed from the size (``h * x.shape[0]``) are not compared: the divisor of a mean differs
+    too, and rightly (``compiler/loss_reduction.py``)."""
+    a, b = _compute_ops(whole), _compute_ops(part)
+    if [t for _, t in a] == [t for _, t in b]:
+        return None
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x[1] != y[1]), min(len(a), len(b)))
+    at = (f"the whole batch's graph runs {a[i][1]} ({a[i][0]})" if i < len(a) else "the whole batch's graph ends") + \
+        (f" where the microbatch's runs {b[i][1]} ({b[i][0]})" if i < len(b) else " where the microbatch's ends")
+    return (f"the graph captured for a microbatch of {part_rows} rows is not the graph of the whole batch of "
+            f"{whole_rows} rows ({len(a)} and {len(b)} ops; first difference: {at}): the model branches on the "
+            f"batch size (Python control flow on x.shape[0]), so each microbatch runs another computation than the "
+            f"whole batch")
+
+
 def check_microbatch_rows(inputs: tuple, targets: tuple, kwargs: dict | None, what: str) -> None:
     """Microbatches (a pipeline's, gradient accumulation's) cut dim 0 of every tensor leaf with a
     dim (``rows``) and pass a 0-dim one whole: refuse a leaf whose dim 0 is not the batch's

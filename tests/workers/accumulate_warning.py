@@ -1,5 +1,5 @@
 """Run by torchrun (1 rank): ``parallelize(..., accumulate=K)`` of losses that K microbatches change
-(in-batch negatives, a square of the batch mean, a step counter written in forward) and of one they do not (a token mean); rank 0
+(in-batch negatives, a square of the batch mean, a step counter written in forward, a branch on the batch size) and of one they do not (a token mean); rank 0
 writes the warnings each gave, and the error of position ids ``(T,)`` given as an input with ``T``
 the batch size (``"cut"``: cut into the microbatches' rows too)."""
 import argparse
@@ -54,6 +54,20 @@ class Counter(nn.Module):
         return self.fc(x).pow(2).mean()
 
 
+class BatchBranch(nn.Module):
+    """Python control flow on the batch size: export records the branch of the size it saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if x.shape[0] >= 8:
+            h = h * 0.5
+        return h.pow(2).mean()
+
+
 class PosInput(nn.Module):
     def __init__(self):
         super().__init__()
@@ -70,7 +84,7 @@ def main():
     init_distributed(60)
     x = torch.randn(8, 8)
     out = {}
-    for model in (Pairs(), MeanSquared(), TokenMean(), Counter()):
+    for model in (Pairs(), MeanSquared(), TokenMean(), Counter(), BatchBranch()):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             parallelize(model, (1, 1), (x,), force_data_parallel=True, accumulate=2)
