@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
 from ..core.options import compute_dtype_of
 from ..core.plan import PipelinePlan
@@ -273,6 +274,20 @@ def _judge(ref: _Trace, par: _Trace, plan_line: str, compute: torch.dtype | None
     return VerifyReport(_worst(rows), par.losses, ref.losses, plan_line)
 
 
+def _low_precision(cg) -> torch.dtype | None:
+    """The low-precision float dtype (of ``RTOL``'s, the loosest) that ``cg`` computes some values
+    in without mixed precision: a ``torch.autocast`` region inside the model's ``forward``
+    (capture inlines its casts), a layer kept in bf16. Both runs compute those values in it, summed
+    in another order on a sharded run (a batch split into partial products rounded to bf16 each),
+    so they agree to its rounding, not to fp32's: verify held such a model to fp32's bounds and
+    called every plan of it different (sweep 7: ``torch.autocast("cpu", bfloat16)`` around an
+    MLP, gradients 6e-5 to 2.4e-4 apart under data parallel, Megatron, ZeRO-3 and a pipeline, fp32
+    bound 1.3e-6). None when every float value is fp32 or wider."""
+    low = {v.dtype for n in cg.graph.nodes for v in pytree.tree_leaves(n.meta.get("val"))
+           if isinstance(v, torch.Tensor) and v.dtype in (torch.bfloat16, torch.float16)}
+    return max(low, key=_rtol) if low else None
+
+
 def _call(batch, keywords: bool) -> tuple[tuple, dict]:
     """A batch of :func:`verify` as the ``(args, kwargs)`` of one call."""
     if not keywords:
@@ -336,7 +351,7 @@ def verify(model: torch.nn.Module, inputs, mesh, *, loss_fn: Callable | None = N
         try:
             ref = _reference(model, batches, loss_fn, len(inputs), optimizer, default_device(), compute,
                              plan_options.get("max_grad_norm"))
-            box[0] = _judge(ref, par, _plan_line(trainer.plan), compute)
+            box[0] = _judge(ref, par, _plan_line(trainer.plan), compute or _low_precision(trainer.cg))
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             box[0] = e
     failure = box[0] if isinstance(box[0], Exception) else None

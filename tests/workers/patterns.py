@@ -1135,3 +1135,20 @@ class PosIds(_LM):
 def pos_ids(batch, seq=None, device="cpu", seed=0):
     model, (ids, targets) = _lm(PosIds, batch, seq, seed)
     return model, (ids, torch.arange(ids.shape[1]), targets)
+
+
+# --- sweep 7: an autocast region inside forward ---
+
+class Autocast(_Base):
+    """``torch.autocast("cpu", dtype=torch.bfloat16)`` inside ``forward`` around the MLP, without
+    ``mixed_precision``: the sharded run rounds other partial sums to bf16 than one process does,
+    and verify held it to fp32's bounds (every plan "differed", gradients 6e-5 to 2.4e-4 apart)."""
+
+    def forward(self, x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.fc2(F.relu(self.fc1(x)))
+        return F.mse_loss(h.float(), y)
+
+
+def autocast(batch, seq=None, device="cpu", seed=0):
+    return _regression(Autocast, batch, seq, seed)
