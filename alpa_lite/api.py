@@ -20,6 +20,7 @@ import torch.distributed as dist
 from .compiler.ilp import MemoryBudgetError
 from .compiler.inter_op import plan_pipeline
 from .compiler.intra_op import plan_intra_op
+from .compiler.loss_reduction import check_batch_indices
 from .compiler.plan_cache import PlanCache, capture_cached
 from .compiler.stage_dp import PipelinePlanError
 from .core.capture import (CaptureError, CapturedGraph, batch_size, batch_specialization, capture,
@@ -91,7 +92,8 @@ def plan(model: torch.nn.Module, example_inputs, mesh: LogicalMesh, loss_fn=None
         TypeError: an unknown option keyword (the message lists the fields).
         ValueError: an option out of range, or naming something the model does not have (a forced
             spec that does not divide its tensor, an input spec for no input ...); with a pipeline, a
-            tensor input whose dim 0 is not the batch (``check_microbatch_rows``).
+            tensor input whose dim 0 is not the batch (``check_microbatch_rows``), or an index into
+            the batch's rows read from an input (``compiler.loss_reduction.check_batch_indices``).
         MemoryBudgetError / PipelinePlanError: nothing fits (the message gives the minimum needed
             or the limits).
     """
@@ -176,7 +178,8 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
     Raises:
         ValueError: the mesh does not match the world size, or an option is invalid (``accumulate``
             with a pipelined plan, or one that does not divide the batch, or microbatches with a
-            tensor input whose dim 0 is not the batch: ``check_microbatch_rows``; ``compile`` with the
+            tensor input whose dim 0 is not the batch: ``check_microbatch_rows``, or with an index into
+            the batch's rows read from an input: ``check_batch_indices``; ``compile`` with the
             ZB-H1 schedule, or a plan with in-place writes to stored tensors).
         PlanError: the plan is corrupt or was made for another model or mesh.
     """
@@ -206,6 +209,7 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
         if not isinstance(plan, PipelinePlan):
             captured = plan.captured or capture(model, inputs, loss_fn, targets, example_kwargs, compute_dtype)
             if accumulate != 1:  # a branch on the batch size: each microbatch runs the branch of its own size
+                check_batch_indices(captured, f"accumulate={accumulate}")
                 full = capture(model, whole[0], loss_fn, whole[1], whole[2], compute_dtype)
                 branch = batch_specialization(full, captured, batch_size((whole[0], whole[2])),
                                               batch_size((inputs, example_kwargs)))
@@ -220,6 +224,8 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
                             f"batch is {batch}")
         n = batch // plan.num_microbatches
         captured = plan.captured or _capture_rows(model, inputs, loss_fn, targets, example_kwargs, n, compute_dtype)
+        if plan.num_microbatches > 1:  # a plan made elsewhere: planning refuses these
+            check_batch_indices(captured, f"{plan.num_microbatches} microbatches")
         trainer = PipelineTrainer(model, captured, plan, optimizer, seed, init_fn, compile)
     else:
         trainer = ParallelTrainer(model, dmesh, captured, plan, optimizer, seed, init_fn, accumulate, compile)

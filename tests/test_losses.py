@@ -302,6 +302,90 @@ def test_a_branch_on_the_batch_size_is_a_problem_for_microbatches():
     assert not [w for w in caught if "branches on the batch size" in str(w.message)]
 
 
+class _Mixup(nn.Module):
+    """Mixup over the batch's rows: ``x[perm]`` (``index_select``, ``gather(0, ...)``) with the
+    permutation given as an input (``how`` ends in ``-input``) or drawn in forward."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.fc1, self.fc2, self.how = nn.Linear(8, 8), nn.Linear(8, 8), how
+
+    def forward(self, x, perm):
+        if self.how == "forward":
+            perm = torch.randperm(x.shape[0])
+        if self.how == "gather-input":
+            xm = x.gather(0, perm[:, None].expand(x.shape))
+        elif self.how == "index_select-input":
+            xm = x.index_select(0, perm)
+        else:
+            xm = x[perm]
+        return self.fc2(torch.relu(self.fc1(0.7 * x + 0.3 * xm))).pow(2).mean()
+
+
+@pytest.mark.parametrize("how", ["index-input", "index_select-input", "gather-input"])
+def test_an_index_into_the_batch_from_an_input_is_refused_for_microbatches(how):
+    """Mixup with its permutation as an input (sweep 7): a 2-stage pipeline of 2 microbatches
+    warned, then died on one stage with ``IndexError: index 7 is out of bounds for dimension 0 with
+    size 4`` while the other waited out the 120 s collective timeout (accumulate=2 alike:
+    test_accumulation_warns_...). Planning refuses it now, naming the op and the input. Without
+    microbatches it plans (data parallel keeps the indexed dim whole: 2 SGD steps on 2x2 equal one
+    process for x[perm], index_select and gather), and a permutation drawn in forward numbers the
+    microbatch's own rows (a warning, no error)."""
+    x, perm = torch.randn(8, 8), torch.randperm(8)
+    pipe = {"num_stages": 2, "num_microbatches": 2, "num_layers": 2}
+    op = {"index-input": "aten.index.Tensor", "index_select-input": "aten.index_select.default",
+          "gather-input": "aten.gather.default"}[how]
+    with pytest.raises(ValueError, match=rf"2 microbatches cannot cut this batch: \w+ \({op}\) picks rows of the "
+                                         r"batch with indices from input args_1 \(tensor input 1 of the call\).*"
+                                         r"torch.randperm\(x.shape\[0\]\)"):
+        plan(_Mixup(how), (x, perm), LogicalMesh((1, 2)), **pipe)
+    plan(_Mixup(how), (x, perm), LogicalMesh((1, 2)), force_data_parallel=True)
+    with pytest.warns(UserWarning, match="2 microbatches change the loss: index"):
+        plan(_Mixup("forward"), (x, perm), LogicalMesh((1, 2)), **pipe)
+
+
+class _DPO(nn.Module):
+    """DPO: the batch is chosen rows then rejected rows; ``-logsigmoid`` of their margin."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        logp = self.fc2(torch.relu(self.fc1(x))).squeeze(-1)
+        n = x.shape[0] // 2
+        return -F.logsigmoid(logp[:n] - logp[n:]).mean()
+
+
+def test_halves_of_the_batch_are_named_for_microbatches():
+    """DPO's ``logp[:B // 2] - logp[B // 2:]`` pairs chosen and rejected rows that microbatches put
+    apart (sweep 7: 2-stage pipeline and accumulate=2 on 2x2, step-2 loss 0.7768 against one
+    process's 0.6315). The warning blamed ``log_sigmoid`` ("not a sum, mean or ratio"), which had
+    no sharding rule and so lost the batch dim; it names the slice now."""
+    with pytest.warns(UserWarning) as caught:
+        plan(_DPO(), (torch.randn(8, 8),), LogicalMesh((1, 2)), num_stages=2, num_microbatches=2, num_layers=2)
+    [message] = [str(w.message) for w in caught if "microbatches change the loss" in str(w.message)]
+    assert "slice_1 (aten.slice.Tensor) cuts the batch dim into parts" in message, message
+    assert "log_sigmoid" not in message, message
+
+
+def test_a_one_row_microbatch_keeps_the_batch_through_reshapes():
+    """HF GPT-2 at microbatches of one row: ``(1, T, V) -> (T, V)`` gave the size-1 batch dim a
+    label of its own, so the logits lost the batch and the token mean read as "cross_entropy_loss
+    ... nonlinear function of the batch": a false warning and a loss combined as a mean of
+    microbatch means, not a token mean. Labels with -100 past 1 to 7 valid tokens per row, 2-stage
+    pipeline of 8 microbatches on 2x2, 2 SGD steps: losses 4.2674 / 4.2504 against one process's
+    4.2363 / 4.2272, gradients up to 0.26 off; now equal (ratio over cross_entropy_loss)."""
+    model, inputs = build_model("gpt2-hf", 8, 8, device="meta")
+    for rows in (1, 2):
+        r = loss_reduction(capture(model, tuple(x[:rows] for x in inputs)))
+        assert r == LossReduction("ratio", "cross_entropy_loss", ()), (rows, r)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*microbatches change the loss")
+        p = plan(model, inputs, LogicalMesh((1, 2)), num_stages=2, num_microbatches=8)
+    assert p.loss_reduction == LossReduction("ratio", "cross_entropy_loss", ())
+
+
 def test_pipeline_plan_warns_when_microbatches_change_the_loss():
     x, y = torch.randint(0, 11, (4, 6)), torch.randint(0, 11, (4, 6))
     mesh = LogicalMesh((1, 2))
@@ -432,7 +516,8 @@ def test_sum_over_numel_over_microbatches_equals_single_process(tmp_path):
 def test_accumulation_warns_when_microbatches_change_the_loss(tmp_path):
     """``accumulate=K`` warns when its K microbatches change the loss: in-batch negatives (read as
     a plain token mean before, trained silently) and a square of the batch mean; a token mean does
-    not warn. An unbatched input of the batch's size, cut, is named in the error."""
+    not warn. An unbatched input of the batch's size, cut, is named in the error, and so is a
+    permutation of the batch's rows given as an input."""
     out = tmp_path / "warnings.json"
     assert torchrun([str(Path(WORKER).parent / "accumulate_warning.py"), "--out", str(out)], nproc=1,
                     timeout_s=300) == 0
@@ -450,6 +535,9 @@ def test_accumulation_warns_when_microbatches_change_the_loss(tmp_path):
     assert caught["cut"].startswith("the model captures with the whole batch of 8 but not with a microbatch of its "
                                     "first 4 rows"), caught["cut"]
     assert "Attempting to broadcast" in caught["cut"]
+    # mixup's x[perm] with perm an input: the microbatch of 4 rows died with IndexError: index 7 is out of bounds
+    assert caught["mixup"].startswith("accumulate=2 cannot cut this batch: index (aten.index.Tensor) picks rows of "
+                                      "the batch with indices from input args_1"), caught["mixup"]
 
 
 def _check_kinds(res: dict) -> None:

@@ -32,7 +32,7 @@ from ..core.schedules import SCHEDULES, get_schedule, step_seconds
 from .clustering import cluster_layers
 from .constraints import check_names
 from .ilp import solver_limits
-from .loss_reduction import loss_reduction
+from .loss_reduction import check_batch_indices, loss_reduction
 from .stage_costs import GraphStageCosts, layer_budget, send_gather_seconds, solve_stage
 from .stage_dp import (CostFn, PipelinePlanError, StageChoice, bubble_fraction, check_stage_count, in_flight, stage_dp,
                        submesh_shapes)
@@ -202,6 +202,7 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
     res, cg, layers, costs = best
     reduction = loss_reduction(cg)
     if res.num_microbatches > 1:  # a branch on the batch size: each microbatch runs the branch of its own size
+        check_batch_indices(cg, f"{res.num_microbatches} microbatches")
         whole = capture_batch() if capture_batch is not None else capture_rows(batch)
         branch = whole is not None and batch_specialization(whole, cg, batch, batch // res.num_microbatches)
         reduction = replace(reduction, problems=(*reduction.problems, branch)) if branch else reduction

@@ -14,6 +14,8 @@ What cannot be combined exactly (a nonlinear function of a batch statistic such 
 load-balancing loss, batch-norm statistics, terms of different kinds, a buffer the forward
 writes such as a step counter: K writes per step) is reported in
 ``LossReduction.problems``; the planner warns with them when it cuts microbatches.
+What microbatches cannot run at all, an index into the batch's rows whose values come from the
+batch's inputs (mixup's ``x[perm]`` with ``perm`` an input), is refused by ``check_batch_indices``.
 """
 from __future__ import annotations
 
@@ -48,6 +50,9 @@ _LINEAR = {aten.neg.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype
            aten.expand.default, aten.type_as.default}
 _BATCH_NORMS = {aten.batch_norm.default, aten._native_batch_norm_legit_functional.default,
                 aten.native_batch_norm.default, aten._native_batch_norm_legit.default}
+# ops that take some of the rows of their operand's dim: on the batch dim, part of the batch
+_CUTS = {aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.select.int,
+         aten.narrow.default}
 _ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
 # an index into the batch's rows is right per microbatch
 _INDEX_OPS = {aten.index.Tensor, aten._unsafe_index.Tensor, aten.index_select.default, aten.gather.default,
@@ -72,6 +77,29 @@ def loss_reduction(cg, table: dict | None = None) -> LossReduction:
     return _Reader(cg, table if table is not None else build_strategies(cg, LogicalMesh((1, 1)))).result()
 
 
+def check_batch_indices(cg, what: str, table: dict | None = None) -> None:
+    """Refuse to cut ``cg``'s batch into microbatches (``what``: a pipeline's, ``accumulate=K``)
+    when an index op picks rows of the batch (``x[perm]``, ``index_select(0, perm)``,
+    ``gather(0, idx)``) with index values read from the batch's inputs. They number rows of the
+    whole batch (mixup's permutation given as an input), while a microbatch holds rows
+    ``[m n, (m + 1) n)`` numbered from 0: its index points past its rows (an ``IndexError`` on the
+    stage running it while the others wait) or at other rows. An index made in forward
+    (``torch.randperm(x.shape[0])``, an ``argsort`` over the batch) numbers the microbatch's own
+    rows; splitting the batch over devices (data parallel) keeps the indexed dim whole.
+    ``table`` as for ``loss_reduction``.
+
+    Raises:
+        ValueError: naming each such op and the input its indices come from, and what to do.
+    """
+    found = _Reader(cg, table if table is not None else build_strategies(cg, LogicalMesh((1, 1)))).indices
+    if found:
+        raise ValueError(f"{what} cannot cut this batch: {'; '.join(found)}. These indices number the rows of the "
+                         "whole batch, but each microbatch holds only its own rows, numbered from 0, so they point past "
+                         "them or at other rows (mixup's x[perm] with perm an input). Make the index in forward from "
+                         "the rows it sees (torch.randperm(x.shape[0])), or train without microbatches "
+                         "(num_microbatches=1, accumulate=1; a data-parallel plan indexes the whole batch)")
+
+
 class _Reader:
     def __init__(self, cg, table):
         self.cg = cg
@@ -83,6 +111,7 @@ class _Reader:
         self.counts: dict[str, bool] = {}  # an integer arange over the batch's rows (an index)
         self.counted: dict[str, bool] = {}  # values made from one (an embedding of it, a float cast)
         self.problems: list[str] = []
+        self.indices: list[str] = []  # check_batch_indices
         rows = {shape_of(cg.node(n))[self.batch[n]] for n in cg.input_names if self.batch.get(n) is not None}
         self.rows = rows.pop() if len(rows) == 1 else None  # the batch size the graph was captured at
         for node in cg.graph.nodes:
@@ -100,6 +129,27 @@ class _Reader:
                     node.target is aten.embedding.default and self.counts[node.args[1].name]
                     or node.target in _LINEAR and self.counts[ins[0].name] and _floating(node)))
             self._row_positions(node, sig)
+            self._batch_index(node, sig)
+
+    def _batch_index(self, node, sig) -> None:
+        """``check_batch_indices``: ``node`` indexes the batch dim of its first operand with integer
+        values from a batched input (not made by an op that combines samples, such as an argsort)."""
+        if sig is None or node.target not in _INDEX_OPS:
+            return
+        x, *others = node.all_input_nodes
+        b = self.batch.get(x.name)
+        if b is None or b >= len(sig.inputs[0]) or sig.inputs[0][b] not in sig.fixed:
+            return  # not along the batch's rows: a token index, a class index
+        for i in others:
+            val = i.meta.get("val")
+            if not (self.depends[i.name] and isinstance(val, torch.Tensor) and not val.is_floating_point()
+                    and val.dtype != torch.bool and not self.mixed[i.name]):
+                continue
+            source = next(n for n in _upstream(i) if n.name in self.cg.input_names and self.batch.get(n.name) is not None)
+            self.indices.append(
+                f"{node.name} ({node.target}) picks rows of the batch with indices from input {source.name} (tensor "
+                f"input {self.cg.input_names.index(source.name)} of the call)")
+            return
 
     def _row_positions(self, node, sig) -> None:
         """A value made without the batch (``torch.arange(x.shape[0])``, an embedding of it) meeting
@@ -133,6 +183,10 @@ class _Reader:
         at_rows = set()  # the labels of the operands' batch dims
         for labels, i in zip(sig.inputs if sig is not None else (), node.all_input_nodes):
             b = self.batch.get(i.name)
+            if b is not None and b < len(labels) and labels[b] in sig.fixed and node.target in _CUTS:
+                return (f"{what} cuts the batch dim into parts: each microbatch cuts its own rows so, and its parts "
+                        f"pair or pick other rows than the whole batch's (chosen rows then rejected rows, DPO's "
+                        f"logp[:B // 2] - logp[B // 2:], fall into different microbatches)")
             if b is not None and b < len(labels) and labels[b] in sig.fixed:
                 return f"{what} combines the samples of the batch"
             if b is not None and b < len(labels) and self.depends[i.name]:
@@ -259,6 +313,17 @@ class _Reader:
         self.problems.append(f"{node.name} ({node.target}) is not a sum, mean or ratio of batch reductions: "
                              "the loss is a nonlinear function of the batch")
         return []
+
+
+def _upstream(node):
+    """``node`` and the nodes it is computed from, nearest first."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop(0)
+        if n.name not in seen:
+            seen.add(n.name)
+            yield n
+            todo += n.all_input_nodes
 
 
 def _floating(node) -> bool:

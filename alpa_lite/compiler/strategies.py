@@ -309,6 +309,7 @@ def build_strategies(cg: CapturedGraph, mesh: LogicalMesh, *, warn=None, nodes: 
     """
     table: dict[str, NodeStrategies] = {}
     producer = lambda name: table[name] if name in table else context[name]  # noqa: E731
+    one_row = {cg.node(n).meta["val"].shape[0] for n in cg.input_names if cg.node(n).meta["val"].dim() > 0} == {1}
     warned = set()
     for node in cg.graph.nodes:
         if nodes is not None and node.name not in nodes:
@@ -347,19 +348,39 @@ def build_strategies(cg: CapturedGraph, mesh: LogicalMesh, *, warn=None, nodes: 
         table[node.name] = NodeStrategies(node.name, strategies, [n.name for n in ins], [0] * len(ins),
                                           node.target in FOLLOWER_TARGETS or _unary_pointwise(node), supported,
                                           requires_grad=node.name in cg.requires_grad,
-                                          batch_dims=_batch_dims(sig, [producer(n.name) for n in ins], len(strategies[0].out_specs)))
+                                          batch_dims=_batch_dims(node, sig, [producer(n.name) for n in ins],
+                                                                 len(strategies[0].out_specs), one_row))
     return table
 
 
-def _batch_dims(sig: OpSignature | None, producers: list[NodeStrategies], n_out: int) -> tuple[int | None, ...]:
-    """Follow the inputs' batch dim through the op's labels (Alpa's batch-dim tracking)."""
+_RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+
+
+def _batch_dims(node, sig: OpSignature | None, producers: list[NodeStrategies], n_out: int,
+                one_row: bool = False) -> tuple[int | None, ...]:
+    """Follow the inputs' batch dim through the op's labels (Alpa's batch-dim tracking).
+
+    In a graph of one row (``one_row``: a microbatch of one sequence) a reshape gives a dim of
+    size 1 a label of its own (a dim of one splits nowhere), so the batch would be lost where the
+    same code merges it at more rows: ``(1, T, V) -> (T, V)`` as ``(B, T, V) -> (B T, V)``, and
+    ``(T, H) -> (1, T, H)`` as ``(B T, H) -> (B, T, H)``. There the batch follows the dim it merges
+    into, and comes back to the size-1 dims split off before it."""
     if sig is None:
         return (None,) * n_out
-    for labels, producer in zip(sig.inputs, producers):
+    operands = [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    for labels, producer, operand in zip(sig.inputs, producers, operands):
         b = producer.batch_dims[0] if len(producer.batch_dims) == 1 else None
         if b is not None and b < len(labels):
-            label = labels[b]
-            return tuple(out.index(label) if label in out else None for out in sig.outputs)
+            if not (one_row and node.target in _RESHAPES):
+                return tuple(out.index(labels[b]) if labels[b] in out else None for out in sig.outputs)
+            shape, out, out_shape = operand.meta["val"].shape, sig.outputs[0], node.meta["val"].shape
+            k = next((k for k in range(b, len(labels)) if shape[k] != 1 or labels[k] in out), None)
+            if k is None or labels[k] not in out:
+                return (None,)
+            j = out.index(labels[k])
+            while j > 0 and out_shape[j - 1] == 1 and out[j - 1] not in labels:
+                j -= 1
+            return (j,)
     return (None,) * n_out
 
 

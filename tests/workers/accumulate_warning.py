@@ -1,7 +1,8 @@
 """Run by torchrun (1 rank): ``parallelize(..., accumulate=K)`` of losses that K microbatches change
 (in-batch negatives, a square of the batch mean, a step counter written in forward, a branch on the batch size) and of one they do not (a token mean); rank 0
 writes the warnings each gave, and the error of position ids ``(T,)`` given as an input with ``T``
-the batch size (``"cut"``: cut into the microbatches' rows too)."""
+the batch size (``"cut"``: cut into the microbatches' rows too), and of a permutation of the
+batch's rows given as an input (``"mixup"``)."""
 import argparse
 import json
 import warnings
@@ -68,6 +69,17 @@ class BatchBranch(nn.Module):
         return h.pow(2).mean()
 
 
+class Mixup(nn.Module):
+    """Mixup with the batch's permutation given as an input: cut into microbatches, it indexes past them."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, perm):
+        return self.fc(0.7 * x + 0.3 * x[perm]).pow(2).mean()
+
+
 class PosInput(nn.Module):
     def __init__(self):
         super().__init__()
@@ -94,6 +106,11 @@ def main():
         out["cut"] = None
     except CaptureError as e:
         out["cut"] = str(e)
+    try:
+        parallelize(Mixup(), (1, 1), (x, torch.randperm(8)), force_data_parallel=True, accumulate=2)
+        out["mixup"] = None
+    except ValueError as e:
+        out["mixup"] = str(e)
     finish(out, args.out)
 
 
