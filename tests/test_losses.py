@@ -386,6 +386,45 @@ def test_a_one_row_microbatch_keeps_the_batch_through_reshapes():
     assert p.loss_reduction == LossReduction("ratio", "cross_entropy_loss", ())
 
 
+@pytest.mark.parametrize("name", ["bert", "t5"])
+def test_hf_masks_and_decoder_inputs_keep_the_batch(name):
+    """BERT's attention mask cast with ``to(device)`` and indexed ``mask[arange(B)[:, None, None,
+    None], kv]``, T5's decoder inputs shifted right with ``slice_scatter`` / ``select_scatter``: each
+    lost the batch dim ("has no sharding rule, so alpa-lite cannot tell whether it combines
+    samples"), a false warning: 2-stage pipeline, 4 microbatches of 2 rows on 2x2, 2 SGD steps,
+    equal to one process (loss 0 / 4.8e-7 off, bounds 7.0e-4 / 5.8e-4)."""
+    model, inputs = build_model(name, 4, 16, device="meta")
+    for rows in (1, 2, 4):
+        r = loss_reduction(capture(model, tuple(x[:rows] for x in inputs)))
+        assert r == LossReduction("ratio", "cross_entropy_loss", ()), (name, rows, r)
+
+
+class _DPO3(nn.Module):
+    """DPO with chosen and rejected rows as two inputs concatenated in forward (TRL's
+    concatenated forward), split back at ``n = chosen.shape[0]`` or, wrongly, elsewhere."""
+
+    def __init__(self, cut):
+        super().__init__()
+        self.fc1, self.fc2, self.cut = nn.Linear(8, 8), nn.Linear(8, 1), cut
+
+    def forward(self, chosen, rejected):
+        logp = self.fc2(torch.relu(self.fc1(torch.cat([chosen, rejected])))).squeeze(-1)
+        n = self.cut(chosen.shape[0])
+        return -F.logsigmoid(logp[:n] - logp[n:2 * n]).mean()
+
+
+def test_chosen_and_rejected_inputs_concatenated_pair_their_rows():
+    """A microbatch concatenates its own chosen and rejected rows and splits them back at its own
+    row count: the pairs are the whole batch's (sweep 7's ``dpo3`` trains equal to one process).
+    It was reported as "cat (aten.cat.default) combines the samples of the batch"; a split of the
+    concatenation inside a block still pairs other rows and is reported."""
+    for rows in (1, 2, 4):
+        x = (torch.randn(rows, 8), torch.randn(rows, 8))
+        assert loss_reduction(capture(_DPO3(lambda b: b), x)) == LossReduction("mean", None, ()), rows
+    [problem] = loss_reduction(capture(_DPO3(lambda b: b // 2), (torch.randn(4, 8), torch.randn(4, 8)))).problems
+    assert "slice_1 (aten.slice.Tensor) cuts the batch dim into parts" in problem, problem
+
+
 def test_pipeline_plan_warns_when_microbatches_change_the_loss():
     x, y = torch.randint(0, 11, (4, 6)), torch.randint(0, 11, (4, 6))
     mesh = LogicalMesh((1, 2))

@@ -53,6 +53,7 @@ _BATCH_NORMS = {aten.batch_norm.default, aten._native_batch_norm_legit_functiona
 # ops that take some of the rows of their operand's dim: on the batch dim, part of the batch
 _CUTS = {aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.select.int,
          aten.narrow.default}
+_VIEWS = {aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten.expand.default}  # same values
 _ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
 # an index into the batch's rows is right per microbatch
 _INDEX_OPS = {aten.index.Tensor, aten._unsafe_index.Tensor, aten.index_select.default, aten.gather.default,
@@ -110,6 +111,7 @@ class _Reader:
         self.mixed: dict[str, str | None] = {}  # first op upstream that combines samples (a message)
         self.counts: dict[str, bool] = {}  # an integer arange over the batch's rows (an index)
         self.counted: dict[str, bool] = {}  # values made from one (an embedding of it, a float cast)
+        self.parts: dict[str, int | None] = {}  # blocks of the batch's rows stacked along its dim (_parts)
         self.problems: list[str] = []
         self.indices: list[str] = []  # check_batch_indices
         rows = {shape_of(cg.node(n))[self.batch[n]] for n in cg.input_names if self.batch.get(n) is not None}
@@ -120,6 +122,7 @@ class _Reader:
                 node.target not in _SHAPE_ONLY and any(self.depends[i.name] for i in ins))
             upstream = next((self.mixed[i.name] for i in ins if self.mixed[i.name]), None)
             sig = signature(node) if node.op == "call_function" else None
+            self.parts[node.name] = self._parts(node)
             self.mixed[node.name] = upstream or self._mixes(node, sig)
             self.counts[node.name] = not self.depends[node.name] and (
                 node.target in _ARANGES and shape_of(node) == (self.rows,) or node.target in _LINEAR
@@ -177,9 +180,13 @@ class _Reader:
         what = f"{node.name} ({node.target})"
         if node.target in _BATCH_NORMS and bind_args(node.target, node.args, node.kwargs)["training"]:
             return f"{what} normalizes with statistics over the batch"
+        if self._row_pick(node):
+            return None
         if self.batch.get(node.name) is None:
             return (f"{what} reduces over the batch" if sig is not None else
                     f"{what} has no sharding rule, so alpa-lite cannot tell whether it combines samples")
+        if node.target in (aten.cat.default, aten.slice.Tensor) and self.parts[node.name]:
+            return None
         at_rows = set()  # the labels of the operands' batch dims
         for labels, i in zip(sig.inputs if sig is not None else (), node.all_input_nodes):
             b = self.batch.get(i.name)
@@ -194,6 +201,48 @@ class _Reader:
         if len(at_rows) > 1:  # a @ b.T over the batch: in-batch negatives, a Gram matrix of the samples
             return f"{what} pairs the samples of the batch with each other"
         return None
+
+    def _parts(self, node) -> int | None:
+        """How many blocks of the batch's rows ``node`` holds along its batch dim, in order: a
+        ``torch.cat`` of batched tensors along their batch dim (chosen and rejected rows given as two
+        inputs, TRL's concatenated forward) stacks their blocks, a slice at whole blocks
+        (``logp[:n]``, ``n`` the rows) takes some back: a microbatch stacks and takes the same
+        blocks of its own rows. None: a cat or slice of the batch dim that does neither."""
+        b = self.batch.get(node.name)
+        ins = [i for i in node.all_input_nodes if self.batch.get(i.name) is not None and self.depends[i.name]]
+        if node.target not in (aten.cat.default, aten.slice.Tensor) or b is None:
+            return max((self.parts[i.name] or 1 for i in ins), default=1)
+        if not self.rows:
+            return None
+        a = bind_args(node.target, node.args, node.kwargs)
+        x = node.args[0][0] if node.target is aten.cat.default else node.args[0]
+        if a["dim"] % len(shape_of(x)) != self.batch[x.name]:
+            return max((self.parts[i.name] or 1 for i in ins), default=1)  # along another dim
+        if node.target is aten.cat.default:
+            if any(i not in ins or self.batch[i.name] != b or not self.parts[i.name]
+                   or shape_of(i)[b] != self.parts[i.name] * self.rows for i in node.args[0]):
+                return None
+            return sum(self.parts[i.name] for i in node.args[0])
+        size = shape_of(x)[b]
+        start, end = (min(max(0, i + size if i < 0 else i), size) for i in (a["start"] or 0, size if a["end"] is None
+                                                                              else a["end"]))
+        if x not in ins or not self.parts[x.name] or a["step"] != 1 or start % self.rows or end % self.rows:
+            return None
+        return (end - start) // self.rows or None
+
+    def _row_pick(self, node) -> bool:
+        """``x[arange(B)[:, None], j]``: an index whose tensor along ``x``'s batch dim numbers the
+        batch's rows in order (HF's attention-mask functions), so row ``r`` of the result is read
+        from row ``r`` of ``x``: per sample, in a microbatch as in the whole batch."""
+        if node.target is not aten.index.Tensor:
+            return False
+        x, idx = node.args[:2]
+        b = self.batch.get(x.name)
+        at = idx[b] if b is not None and b < len(idx) else None
+        while isinstance(at, torch.fx.Node) and at.target in _VIEWS:
+            at = at.args[0]
+        return isinstance(at, torch.fx.Node) and at.target is aten.arange.default and shape_of(at) == (self.rows,) \
+            and all(i is None or not self.depends[i.name] for i in idx)
 
     def result(self) -> LossReduction:
         self._buffer_writes()

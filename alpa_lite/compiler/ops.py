@@ -583,6 +583,15 @@ def _index_select(node, fresh):
     return OpSignature([inp, il], [inp[:d] + (il or (fresh(),)) + inp[d + 1:]], fixed={inp[d]})
 
 
+def _select_scatter(node, fresh):
+    """``select_scatter(self, src, dim, index)``: ``src`` (``self`` less ``dim``) written at one
+    position of ``dim``, which stays whole; the other dims split with ``src``'s."""
+    a = op_args(node)
+    inp = _dims("d", len(_shape(a["self"])))
+    d = a["dim"] % len(inp)
+    return OpSignature([inp, inp[:d] + inp[d + 1:]], [inp], fixed={inp[d]})
+
+
 def _pad(node, fresh):
     """``pad`` / ``constant_pad_nd``: the padded dims stay whole, the others split."""
     a = op_args(node)
@@ -640,7 +649,7 @@ _TABLE = {
     aten.flatten.using_ints: _view, aten.expand.default: _expand,
     aten.contiguous.default: _same_labels, aten.clone.default: _same_labels, aten.alias.default: _same_labels,
     aten.detach.default: _same_labels, aten._to_copy.default: _same_labels, aten.to.dtype: _same_labels,
-    aten.to.dtype_layout: _same_labels, aten.dropout.default: _same_labels, aten.type_as.default: _pointwise,
+    aten.to.dtype_layout: _same_labels, aten.to.device: _same_labels, aten.dropout.default: _same_labels, aten.type_as.default: _pointwise,
     aten.split.Tensor: _split, aten.split_with_sizes.default: _split, aten.chunk.default: _split,
     aten.unbind.int: _unbind, aten.cat.default: _cat, aten.slice.Tensor: _slice, aten.select.int: _select,
     aten.scaled_dot_product_attention.default: _sdpa, aten.embedding.default: _embedding,
@@ -661,6 +670,8 @@ _TABLE = {
                             aten._upsample_bilinear2d_aa.vec, aten._upsample_bicubic2d_aa.vec)},
     aten.triu.default: lambda n, f: _normalize(n, f, [-1, -2]), aten.tril.default: lambda n, f: _normalize(n, f, [-1, -2]),
     aten.cumsum.default: lambda n, f: _normalize(n, f, [op_args(n)["dim"]]), aten.one_hot.default: _one_hot,
+    aten.slice_scatter.default: lambda n, f: _normalize(n, f, [op_args(n)["dim"]]),  # src into self along dim
+    aten.select_scatter.default: _select_scatter,
     aten.ones_like.default: _same_labels, aten.zeros_like.default: _same_labels, aten.full_like.default: _same_labels,
     aten.empty_like.default: _same_labels, aten.index.Tensor: _index, aten.pad.default: _pad,
     aten.gather.default: _gather, aten.index_select.default: _index_select,
