@@ -399,3 +399,15 @@ def test_pooling_keeps_its_window_dims_whole(fn, shape, target):
     lead = "S0S1" if len(shape) - nd == 2 else "S01"
     results = check(lambda x: fn(x * 2), (torch.randn(shape),), target, {lead + "R" * nd})
     assert all(s.in_specs[0].dims[d] == () for s, _, _ in results for d in range(len(shape) - nd, len(shape)))
+
+
+@pytest.mark.parametrize("fn,inputs,target,expect", [
+    (lambda x, s: torch.slice_scatter(x, s, 1, 2, 6), (torch.randn(4, 8, 6), torch.randn(4, 4, 6)),
+     aten.slice_scatter.default, {"S0RS1", "S01RR", "S1RS0"}),
+    (lambda x, s: torch.select_scatter(x, s, 1, 3), (torch.randn(4, 8, 6), torch.randn(4, 6)),
+     aten.select_scatter.default, {"S0RS1", "S01RR", "S1RS0"})], ids=["slice_scatter", "select_scatter"])
+def test_scatters_keep_the_scattered_dim_whole(fn, inputs, target, expect):
+    """T5's shifted decoder inputs (``slice_scatter`` / ``select_scatter`` of the first position):
+    the other dims split with ``src``'s, the scattered one stays whole."""
+    results = check(fn, inputs, target, expect)
+    assert all(not s.out_spec.dims[1] for s, _, _ in results)
