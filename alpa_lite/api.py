@@ -20,11 +20,10 @@ import torch.distributed as dist
 from .compiler.ilp import MemoryBudgetError
 from .compiler.inter_op import plan_pipeline
 from .compiler.intra_op import plan_intra_op
-from .compiler.loss_reduction import check_batch_indices
+from .compiler.loss_reduction import check_batch_indices, whole_batch_problems
 from .compiler.plan_cache import PlanCache, capture_cached
 from .compiler.stage_dp import PipelinePlanError
-from .core.capture import (CaptureError, CapturedGraph, batch_size, batch_specialization, capture,
-                           check_microbatch_rows, rows)
+from .core.capture import CaptureError, CapturedGraph, batch_size, capture, check_microbatch_rows, rows
 from .core.mesh import LogicalMesh
 from .core.options import PipelineOptions, PlanOptions, compute_dtype_of, split_options
 from .core.plan import PipelinePlan, Plan, PlanError, load_plan
@@ -211,10 +210,11 @@ def parallelize(model: torch.nn.Module, mesh, example_inputs=(), loss_fn=None, *
             if accumulate != 1:  # a branch on the batch size: each microbatch runs the branch of its own size
                 check_batch_indices(captured, f"accumulate={accumulate}")
                 full = capture(model, whole[0], loss_fn, whole[1], whole[2], compute_dtype)
-                branch = batch_specialization(full, captured, batch_size((whole[0], whole[2])),
-                                              batch_size((inputs, example_kwargs)))
-                if branch:
-                    warnings.warn(f"accumulating {accumulate} microbatches changes the loss: {branch}", stacklevel=2)
+                more = whole_batch_problems(full, captured, batch_size((whole[0], whole[2])),
+                                            batch_size((inputs, example_kwargs)), plan.loss_reduction.problems)
+                if more:  # (the trainer warns with the plan's own)
+                    warnings.warn(f"accumulating {accumulate} microbatches changes the loss: {'; '.join(more)}",
+                                  stacklevel=2)
     optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
     if isinstance(plan, PipelinePlan):
         check_microbatch_rows(inputs, targets, example_kwargs, "a pipeline's microbatches")

@@ -584,3 +584,12 @@ def _check_kinds(res: dict) -> None:
              "plain_mean": "mean", "sum_numel": "mean"}
     for name, r in res.items():
         assert r["loss_reduction"] == next(v for k, v in kinds.items() if k in name), name
+
+
+def test_one_row_microbatches_of_a_model_routing_across_rows_warn():
+    """The zoo MoE routes tokens in groups of 64 over several rows (capacity and drops per group):
+    8 microbatches of one row trained 9.1e-3 off one process's loss without a warning, as the
+    one-row graph has no rows to combine; the whole batch's graph shows it."""
+    model, inputs = build_model("moe", 8, 16, device="meta")
+    with pytest.warns(UserWarning, match=r"8 microbatches change the loss: .*holds the batch.s 8 rows in groups of 4 .*microbatches of 1 rows cut"):
+        plan(model, inputs, LogicalMesh((1, 2)), num_stages=2, num_microbatches=8)

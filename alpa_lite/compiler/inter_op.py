@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..core.capture import CapturedGraph, batch_specialization, stage_view
+from ..core.capture import CapturedGraph, stage_view
 from ..core.mesh import LogicalMesh
 from ..core.options import PipelineOptions, PlanOptions
 from ..core.plan import PipelinePlan, Plan, StagePlan
@@ -32,7 +32,7 @@ from ..core.schedules import SCHEDULES, get_schedule, step_seconds
 from .clustering import cluster_layers
 from .constraints import check_names
 from .ilp import solver_limits
-from .loss_reduction import check_batch_indices, loss_reduction
+from .loss_reduction import check_batch_indices, loss_reduction, whole_batch_problems
 from .stage_costs import GraphStageCosts, layer_budget, send_gather_seconds, solve_stage
 from .stage_dp import (CostFn, PipelinePlanError, StageChoice, bubble_fraction, check_stage_count, in_flight, stage_dp,
                        submesh_shapes)
@@ -204,8 +204,9 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
     if res.num_microbatches > 1:  # a branch on the batch size: each microbatch runs the branch of its own size
         check_batch_indices(cg, f"{res.num_microbatches} microbatches")
         whole = capture_batch() if capture_batch is not None else capture_rows(batch)
-        branch = whole is not None and batch_specialization(whole, cg, batch, batch // res.num_microbatches)
-        reduction = replace(reduction, problems=(*reduction.problems, branch)) if branch else reduction
+        if whole is not None:
+            more = whole_batch_problems(whole, cg, batch, batch // res.num_microbatches, reduction.problems)
+            reduction = replace(reduction, problems=(*reduction.problems, *more))
     if res.num_microbatches > 1 and reduction.problems:
         warnings.warn(f"{res.num_microbatches} microbatches change the loss: " + "; ".join(reduction.problems),
                       stacklevel=3)

@@ -26,7 +26,7 @@ import torch
 import torch.fx
 
 from ..core.aten import bind_args
-from ..core.capture import shape_of
+from ..core.capture import batch_specialization, shape_of
 from ..core.losses import RATIO_OPS, SUM, LossReduction
 from ..core.mesh import LogicalMesh
 from .ops import signature
@@ -78,6 +78,26 @@ def loss_reduction(cg, table: dict | None = None) -> LossReduction:
     return _Reader(cg, table if table is not None else build_strategies(cg, LogicalMesh((1, 1)))).result()
 
 
+def whole_batch_problems(whole, part, whole_rows: int, part_rows: int, found) -> list[str]:
+    """What cutting a batch of ``whole_rows`` rows (graph ``whole``) into microbatches of
+    ``part_rows`` rows (graph ``part``) changes that ``found`` (``loss_reduction(part).problems``)
+    does not say: the microbatch computing other ops (``core.capture.batch_specialization``: a
+    branch on the batch size), groups of rows the whole batch's graph makes that a microbatch cuts
+    (the zoo MoE routes tokens in groups of 64, 4 rows of 16 tokens, and drops them per group over
+    its capacity: 8 one-row microbatches trained 9.1e-3 off one process's loss, silently, as a
+    one-row graph has no rows to combine), and, where the microbatch's graph shows no problem,
+    those of the whole batch's."""
+    branch = batch_specialization(whole, part, whole_rows, part_rows)
+    reader = _Reader(whole, build_strategies(whole, LogicalMesh((1, 1))))
+    out = [branch] if branch else []
+    if reader.grouped and part_rows % reader.grouped[1]:
+        what, unit = reader.grouped
+        out.append(f"{what} holds the batch's {whole_rows} rows in groups of {unit} (a reshape that merges rows, "
+                   f"such as tokens routed in groups): microbatches of {part_rows} rows cut those groups, so they "
+                   f"compute other groups than the whole batch")
+    return out + ([] if found else list(reader.result().problems))
+
+
 def check_batch_indices(cg, what: str, table: dict | None = None) -> None:
     """Refuse to cut ``cg``'s batch into microbatches (``what``: a pipeline's, ``accumulate=K``)
     when an index op picks rows of the batch (``x[perm]``, ``index_select(0, perm)``,
@@ -114,6 +134,7 @@ class _Reader:
         self.parts: dict[str, int | None] = {}  # blocks of the batch's rows stacked along its dim (_parts)
         self.problems: list[str] = []
         self.indices: list[str] = []  # check_batch_indices
+        self.grouped: tuple[str, int] | None = None  # the first node holding several rows per index of its batch dim
         rows = {shape_of(cg.node(n))[self.batch[n]] for n in cg.input_names if self.batch.get(n) is not None}
         self.rows = rows.pop() if len(rows) == 1 else None  # the batch size the graph was captured at
         for node in cg.graph.nodes:
@@ -123,6 +144,10 @@ class _Reader:
             upstream = next((self.mixed[i.name] for i in ins if self.mixed[i.name]), None)
             sig = signature(node) if node.op == "call_function" else None
             self.parts[node.name] = self._parts(node)
+            b = self.batch.get(node.name)
+            if self.grouped is None and self.rows and b is not None and shape_of(node) and shape_of(node)[b] < self.rows:
+                size = shape_of(node)[b]  # a reshape of rows into groups (tokens routed in groups of several rows)
+                self.grouped = (f"{node.name} ({node.target})", self.rows // size if self.rows % size == 0 else self.rows)
             self.mixed[node.name] = upstream or self._mixes(node, sig)
             self.counts[node.name] = not self.depends[node.name] and (
                 node.target in _ARANGES and shape_of(node) == (self.rows,) or node.target in _LINEAR
