@@ -197,6 +197,8 @@ def _profile_one(d, args):
     assert (spec.intra_node, spec.inter_node, spec.num_devices) == (base.intra_node, base.inter_node, base.num_devices)
     flops = spec.measurements["compute"]["matmul_flops"]
     assert set(flops) >= {"float32", "bfloat16"} and spec.peak_flops == flops["float32"]
+    sizes = spec.measurements["compute"]["matmul_sizes"]  # float32 at --matmul-n; others may be smaller
+    assert sizes["float32"] == 1024 and set(sizes) == set(flops) and all(8 <= n <= 1024 for n in sizes.values())
     assert set(spec.kernel_flops) == {"attention", "pointwise"} and spec.mem_bandwidth > 1e8
 
 

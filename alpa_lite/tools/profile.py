@@ -22,7 +22,10 @@ axis-0 groups the columns) the workers measure:
 - send/recv between rank 0 and the last rank (ping-pong, half the round trip);
 - one device's matmul FLOP/s (``2 n^3`` FLOPs per ``n x n`` matmul) in each dtype of
   :data:`MATMUL_DTYPES` (``peak_flops`` is the one of ``--dtype``, the dtype the model trains in;
-  every dtype's figure is kept under ``measurements["compute"]["matmul_flops"]``) and memory bandwidth
+  every dtype's figure is kept under ``measurements["compute"]["matmul_flops"]``; ``--dtype``'s at
+  ``n = --matmul-n``, another at the largest ``n`` up to it, halving, whose call takes under
+  ``SEGMENT_SECONDS``, so a dtype without a fast kernel costs seconds, not minutes; the sizes
+  are under ``"matmul_sizes"``) and memory bandwidth
   (a large tensor copy moves ``2 x`` its bytes: read + write) as an SPMD step sees them: every
   rank runs the same segment of back-to-back calls (about ``SEGMENT_SECONDS`` long) between two
   world barriers, so the segment lasts until the slowest rank is done, as a compute segment
@@ -304,9 +307,33 @@ def _worker(args: argparse.Namespace) -> int:
     # --- compute: matmul FLOP/s per dtype and copy bandwidth, on every rank at once
     mm_n = args.matmul_n or (8192 if cuda else 1024)
     mm_dtype = getattr(torch, args.dtype)
+
+    def matmul_size(name: str) -> int:
+        # --dtype's figure is the planner's peak: always mm_n. Another dtype may have no fast kernel
+        # here (bfloat16 on a CPU without AMX: ~1 GFLOP/s, 2 s a 1024^3 call, 16 s on 4 ranks of 2
+        # cores); it is measured at the largest n <= mm_n (halving) whose call a probe at mm_n / 8
+        # (times 8^3) puts under SEGMENT_SECONDS, the same n on every rank.
+        if name == args.dtype:
+            return mm_n
+        n = max(1, mm_n // 8)
+        a = torch.randn(n, n, device=dev, dtype=getattr(torch, name))
+        torch.mm(a, a)
+        sync()
+        t0 = time.perf_counter()
+        torch.mm(a, a)
+        sync()
+        probe = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=dev)
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX)
+        call, size = float(probe.item()) * (mm_n / n) ** 3, mm_n
+        while call > SEGMENT_SECONDS and size > n:
+            call, size = call / 8, size // 2
+        return size
+
+    mm_sizes = {}
     for name in dtypes:
-        a = torch.randn(mm_n, mm_n, device=dev, dtype=getattr(torch, name))
-        b = torch.randn(mm_n, mm_n, device=dev, dtype=getattr(torch, name))
+        mm_sizes[name] = n = matmul_size(name)
+        a = torch.randn(n, n, device=dev, dtype=getattr(torch, name))
+        b = torch.randn(n, n, device=dev, dtype=getattr(torch, name))
         medians.append(lockstep_seconds(lambda: torch.mm(a, b)))
         del a, b
         progress.step(f"matmul {name}")
@@ -401,7 +428,7 @@ def _worker(args: argparse.Namespace) -> int:
                 t[span] = again.cpu().tolist()
         start += len(xs)
     if rank == 0:
-        spec = _build_cluster(args, t, points, p2p_bytes, groups, (n0, n1), world, mm_n, dtypes, copy_bytes, warmup,
+        spec = _build_cluster(args, t, points, p2p_bytes, groups, (n0, n1), world, mm_sizes, copy_bytes, warmup,
                               repeats, cuda, dev, kernels, compute_only)
         Path(args.out).write_text(spec.to_json())
     dist.barrier()
@@ -409,15 +436,16 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _build_cluster(args, t, points, p2p_bytes, groups, shape, world, mm_n, dtypes, copy_bytes, warmup, repeats,
+def _build_cluster(args, t, points, p2p_bytes, groups, shape, world, mm_sizes, copy_bytes, warmup, repeats,
                    cuda, dev, kernels: dict[str, float], compute_only: bool) -> ClusterSpec:
     import torch
     import torch.distributed as dist
 
     n0, n1 = shape
     key = f"{n0}x{n1}"
-    matmul_flops = {name: 2.0 * mm_n**3 / seconds for name, seconds in zip(dtypes, t)}
-    t = t[len(dtypes):]
+    matmul_flops = {name: 2.0 * n**3 / seconds for (name, n), seconds in zip(mm_sizes.items(), t)}
+    t = t[len(mm_sizes):]
+    mm_n = mm_sizes[args.dtype]
     copy_s = t[0]
     kernel_flops = {kind: flops / seconds for (kind, flops), seconds in zip(kernels.items(), t[1:3])}
     coll_t, p2p_t = t[3:3 + len(points)], t[3 + len(points):]
@@ -430,7 +458,7 @@ def _build_cluster(args, t, points, p2p_bytes, groups, shape, world, mm_n, dtype
         memory = _memory_bytes_total() / world  # the ranks share this machine's memory
         device_name = "cpu"
     compute = {"matmul_n": mm_n, "matmul_dtype": args.dtype, "matmul_seconds": 2.0 * mm_n**3 / peak_flops,
-               "matmul_flops": matmul_flops, "peak_flops": peak_flops, "copy_bytes": copy_bytes,
+               "matmul_flops": matmul_flops, "matmul_sizes": mm_sizes, "peak_flops": peak_flops, "copy_bytes": copy_bytes,
                "copy_seconds": copy_s, "mem_bandwidth": mem_bw, "memory_bytes": memory,
                "kernel_flops": kernel_flops, "kernel_flops_per_call": kernels}
     about = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -673,9 +701,11 @@ def print_report(spec: ClusterSpec, console=None) -> None:
                               f"{1 / e['beta'] / 1e9:.3f}", f"{e['residual']:.1%}")
         console.print(table)
     c = m.get("compute", {})
-    others = {k: v for k, v in c.get("matmul_flops", {}).items() if k != c.get("matmul_dtype")}
+    sizes = c.get("matmul_sizes", {})
+    others = "".join(f"; {k} {v / 1e9:.1f} at {sizes.get(k, '?')}^3" for k, v in c.get("matmul_flops", {}).items()
+                     if k != c.get("matmul_dtype"))
     console.print(f"device: {spec.peak_flops / 1e9:.1f} GFLOP/s ({c.get('matmul_n', '?')}^3 {c.get('matmul_dtype', '')} "
-                  f"matmul{''.join(f'; {k} {v / 1e9:.1f}' for k, v in others.items())}), "
+                  f"matmul{others}), "
                   f"{spec.mem_bandwidth / 1e9:.2f} GB/s copy, {spec.memory_bytes / GiB:.2f} GiB memory"
                   + "".join(f", {kind} {rate / 1e9:.1f} GFLOP/s" for kind, rate in spec.kernel_flops.items()))
     if "network_from" in m:
