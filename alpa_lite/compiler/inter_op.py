@@ -148,6 +148,7 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
         one_stage = bool(linear) and pipeline.num_stages in (None, 1) and mesh.shape in shapes
         if one_stage and math.isinf(bound):  # first when no plan is held, else with the other pairs
             say(f"stage costs on submesh {mesh.shape[0]}x{mesh.shape[1]} (the whole model, one stage)")
+            costs.prefetch([whole], workers)  # its logical meshes in parallel
             bound = _one_stage_seconds(costs(*whole), b, budget, linear)
         floors = _pipeline_floors(costs, len(layers), shapes, devices, b, linear, pipeline.num_stages, budget)
         within, pruned = _within(costs, layers, floors, bound, devices, b, pipeline, "interleaved" in schedules)

@@ -36,8 +36,8 @@ hides), per microbatch and once per step (``core.plan.step_parts``).
 Planning time. The memory sweeps above re-ask the same per-layer ILP under other constraints
 ``w + s a <= M``; an answer found under a looser one that satisfies the tighter one is its
 optimum too, and an infeasible one stays infeasible, so those are reused (``_solve``). The
-options of different submeshes share no ILP (their logical shapes differ): ``prefetch`` computes
-them in forked worker processes, one submesh per task. No ILP is built for a range whose least
+ILPs of different logical shapes share nothing (the shape is in every ILP's key): ``prefetch``
+solves them in forked worker processes, one (submesh, logical shape) per task. No ILP is built for a range whose least
 weights and ``s`` times its least activations exceed the memory (``_may_fit``: no options for ``s``
 or more microbatches in flight, though each layer alone may fit), nor for a stage ILP whose
 nodes' least memory exceeds its row (``_check_memory``); ``lower_bound`` bounds every option's time for the
@@ -143,7 +143,8 @@ class GraphStageCosts:
         self.limits: list[dict] = []
         self.refusals: dict[str, None] = {}
         self.schedules = (schedule,) if isinstance(schedule, str) else tuple(schedule)
-        self._chains: dict[tuple, dict] = {}
+        self._chains: dict[tuple, dict] = {}  # (start, logical shape, in flight, budget) -> the chain so far
+        self._shaped: dict[tuple, list] = {}  # (start, end, submesh, shape, 1) -> a worker's ``_shape_options``
         self.memory_bytes, self.max_in_flight = memory_bytes, max_in_flight
         self.options = options or PlanOptions()
         self.shapes = shapes or (lambda submesh: logical_shapes(submesh, cluster.devices_per_node))
@@ -293,64 +294,59 @@ class GraphStageCosts:
 
     def prefetch(self, keys: Sequence[tuple[int, int, tuple[int, int]]], workers: int = 1,
                  progress: Callable[[str], None] | None = None) -> None:
-        """Compute ``self(start, end, submesh)`` for every key of ``keys``, in up to ``workers``
-        forked processes, one task per submesh. Submeshes of different sizes have disjoint
-        logical shapes, so the tasks share no ILP and the options equal a serial run's.
-        ``progress(message)`` is called as each submesh's task starts."""
+        """Compute ``self(start, end, submesh)`` for every key of ``keys``, the stage ILPs in up to
+        ``workers`` forked processes, one task per (submesh, logical shape): each solves its shape's
+        ILPs at one microbatch in flight (``_shape_options``), which no other shape's depend on, and
+        sends back its answers; this process then computes the options from them in order,
+        solving here the few at more microbatches in flight (they depend on every shape's best).
+        The ILPs of two tasks never share a key (the logical shape is in it), so each is solved as
+        a serial run solves it. ``progress(message)`` is called as the tasks start."""
         say = progress or (lambda message: None)
         groups: dict[tuple[int, int], list] = {}
         for key in keys:
             if key not in self._memo:
                 groups.setdefault(key[2], []).append(key)
-        tasks = sorted(groups.values(), key=len, reverse=True)
-        if workers <= 1 or len(tasks) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-            for task in tasks:
-                say(f"stage costs on submesh {task[0][2][0]}x{task[0][2][1]} ({len(task)} layer ranges)")
+        tasks = [(shape, task) for task in sorted(groups.values(), key=len, reverse=True)
+                 for shape in self.shapes(task[0][2])]
+        if workers > 1 and len(tasks) > 1 and "fork" in multiprocessing.get_all_start_methods():
+            global _PREFETCHING
+            _PREFETCHING = self  # what the forked workers inherit
+            try:
+                with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("fork")) as pool:
+                    say(f"stage costs on submeshes {', '.join(f'{q[0]}x{q[1]}' for q in groups)} "
+                        f"({len(tasks)} logical meshes) in {min(workers, len(tasks))} processes")
+                    for shaped, chains, answers, stats, disk, limits, refusals in pool.map(_prefetch_task, tasks):
+                        self._shaped |= shaped
+                        self._chains |= chains
+                        for key, entries in answers.items():
+                            self._cache.setdefault(key, []).extend(entries)
+                        self.limits += limits
+                        self.refusals |= refusals
+                        for key, answer in disk.items():
+                            self._disk.put(key, answer)
+                        for k, v in stats.items():
+                            self.stats[k] += v
+            finally:
+                _PREFETCHING = None
+            for task in groups.values():
                 for key in task:
                     self(*key)
             return
-        global _PREFETCHING
-        _PREFETCHING = self  # what the forked workers inherit
-        try:
-            with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("fork")) as pool:
-                say(f"stage costs on submeshes {', '.join(f'{t[0][2][0]}x{t[0][2][1]}' for t in tasks)} in "
-                    f"{min(workers, len(tasks))} processes")
-                for memo, stats, answers, limits in pool.map(_prefetch_task, tasks):
-                    self._memo.update(memo)
-                    self.limits += limits
-                    for key, answer in answers.items():
-                        self._disk.put(key, answer)
-                    for k, v in stats.items():
-                        self.stats[k] += v
-        finally:
-            _PREFETCHING = None
+        for task in groups.values():
+            say(f"stage costs on submesh {task[0][2][0]}x{task[0][2][1]} ({len(task)} layer ranges)")
+            for key in task:
+                self(*key)
 
     def _options(self, start, end, submesh) -> list[StageOption]:
-        names = self.subset(start, end) if self.mode == "exact" else None
-        sig = self._signature(names) if self.mode == "exact" else None
         transfer = self.transfer_seconds(start, submesh)
         options: list[StageOption] = []
         scale = 1
         while scale == 1 or self._may_fit(start, end, submesh, scale):  # (scale 1: ``__call__`` checked)
-            best = None
             found = []
             for shape in self.shapes(submesh):
-                if self.mode == "exact":
-                    tried = [self._solve_cached(sig, names, shape, scale, start, end, submesh)]
-                else:
-                    opt, layers_fit = self._chained(start, end, shape, scale, submesh)
-                    tried = [opt]
-                    if opt is None and layers_fit or (start, end) == (0, len(self.layers)):
-                        # one ILP: the memory split between layers failed, or the stage is the whole
-                        # model (the intra-op pass's ILP: the search holds the plan without pipelining)
-                        subset = self.subset(start, end)
-                        tried.append(self._solve_cached(self._signature(subset), subset, shape, scale, start, end,
-                                                        submesh))
-                for opt in tried:
-                    if opt is not None:
-                        found.append(opt)
-                        if best is None or opt.seconds + opt.once_seconds < best.seconds + best.once_seconds:
-                            best = opt
+                shaped = self._shaped.pop((start, end, submesh, shape, scale), None)  # a worker's (``prefetch``)
+                found += self._shape_options(start, end, submesh, shape, scale) if shaped is None else shaped
+            best = min(found, key=lambda o: o.seconds + o.once_seconds, default=None)
             options += [o for o in found if o not in options]
             need = self.in_flight_need(start, end, submesh)
             if best is not None and best.fits(need, self.memory_bytes) or scale >= need:
@@ -358,6 +354,22 @@ class GraphStageCosts:
             scale *= 2
         kept = [o for o in options if not any(_dominates(p, o) for p in options if p is not o)]
         return [replace(o, seconds=o.seconds + transfer) for o in kept]
+
+    def _shape_options(self, start, end, submesh, shape, scale) -> list[StageOption]:
+        """The options of layers ``[start, end)`` on logical ``shape`` of ``submesh`` for ``scale``
+        microbatches in flight (``mode``): the chain, and the one ILP over the range where the
+        chain's memory split failed or the stage is the whole model (the intra-op pass's ILP: the
+        search holds the plan without pipelining)."""
+        if self.mode == "exact":
+            names = self.subset(start, end)
+            tried = [self._solve_cached(self._signature(names), names, shape, scale, start, end, submesh)]
+        else:
+            opt, layers_fit = self._chained(start, end, shape, scale, submesh)
+            tried = [opt]
+            if opt is None and layers_fit or (start, end) == (0, len(self.layers)):
+                names = self.subset(start, end)
+                tried.append(self._solve_cached(self._signature(names), names, shape, scale, start, end, submesh))
+        return [opt for opt in tried if opt is not None]
 
     def in_flight_need(self, start: int, end: int, submesh: tuple[int, int]) -> int:
         """The most microbatches a stage of layers ``[start, end)`` on ``submesh`` holds in any
@@ -580,12 +592,21 @@ def layer_budget(budget: float | tuple[float, ...], i: int) -> float:
 _PREFETCHING: GraphStageCosts | None = None
 
 
-def _prefetch_task(keys):
+def _prefetch_task(task):
+    """A worker of ``GraphStageCosts.prefetch``: the options of ``task = (shape, keys)`` on that
+    logical shape at one microbatch in flight, with the chains, ILP answers, stats, limits and
+    refusals they added."""
+    shape, keys = task
     costs = _PREFETCHING
-    before, seen = dict(costs.stats), len(costs.limits)
-    memo = {key: costs(*key) for key in keys}
-    return (memo, {k: v - before[k] for k, v in costs.stats.items()}, costs._disk.new if costs._disk else {},
-            costs.limits[seen:])
+    stats, limits, refusals = dict(costs.stats), len(costs.limits), set(costs.refusals)
+    known = {key: len(entries) for key, entries in costs._cache.items()}
+    shaped = {(*key, shape, 1): costs._shape_options(*key, shape, 1) for key in keys if costs._may_fit(*key)}
+    answers = {key: entries[known.get(key, 0):] for key, entries in costs._cache.items()
+               if len(entries) > known.get(key, 0)}
+    chains = {key: chain for key, chain in costs._chains.items() if key[1] == shape}
+    return (shaped, chains, answers, {k: v - stats[k] for k, v in costs.stats.items()},
+            costs._disk.new if costs._disk else {}, costs.limits[limits:],
+            {r: None for r in costs.refusals if r not in refusals})
 
 
 def least_activation_bytes(cg, node: torch.fx.Node, devices: int) -> float:
