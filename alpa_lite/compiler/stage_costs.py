@@ -154,12 +154,18 @@ class GraphStageCosts:
         holders = {ph: [j for j, layer in enumerate(layers) if ph in layer.placeholders] for ph in cg.param_fqns}
         self._zero_params = [ph for ph, js in holders.items() if len(js) == 1]
         self._shared = {ph: (js[0], js[-1] + 1) for ph, js in holders.items() if len(js) > 1}  # tied weights
+        last: dict[str, int] = {}
+        self._held_before: list[list[tuple[str, int]]] = []  # per layer: (placeholder, the last layer before
+        for j, layer in enumerate(layers):                   # it holding it, or -1), graph order
+            held = sorted(set(layer.placeholders), key=self._order.__getitem__)
+            self._held_before.append([(ph, last.get(ph, -1)) for ph in held])
+            last.update(dict.fromkeys(held, j))
         self._cache: dict[tuple, list] = {}  # ILP key -> [(scale, budget, result, memory terms)]
         self._tables: dict[tuple, dict] = {}
         self._context = None
         self._memo: dict[tuple, list[StageOption]] = {}
-        self._least: dict[tuple, float] = {}  # (node, logical shape) -> least_compute_seconds, ("act", node, devices)
-        # -> least_activation_bytes, ("compute", start, end, logical shape) -> _range_compute
+        self._least: dict[tuple, object] = {}  # ("act", node, devices) -> least_activation_bytes, ("compute", start,
+        # end, devices) -> _range_compute, ("rooflines", layer) -> op_rooflines of its nodes
         self._bounds: dict[tuple, float] = {}  # (start, end, submesh) -> lower_bound
         self._fit: dict[tuple, float] = {}  # (start, end, submesh, in flight) -> _may_fit; the least bytes (kind first)
         self.stats = {"ilp_solves": 0, "cache_hits": 0, "disk_hits": 0, "ilp_s": 0.0, "memory_skips": 0}
@@ -199,8 +205,8 @@ class GraphStageCosts:
         """A lower bound on the ``seconds`` of every option of layers ``[start, end)`` on ``submesh``
         (no ILP): the least compute of each of their nodes (not the parameters' updates, paid once
         per step: ``core.plan.step_parts``) over the submesh's
-        ``d`` devices (``least_compute_seconds`` / ``d``, on the logical mesh of the submesh where
-        that sum is least), plus the input transfer every option pays. An option's per-microbatch
+        ``d`` devices (``least_compute_seconds`` / ``d``, the same on every logical mesh of the
+        submesh), plus the input transfer every option pays. An option's per-microbatch
         ``seconds`` is its compute plus collectives less hidden ZeRO-3 reduce-scatters (at most
         those collectives: ``core.plan.step_parts``), plus sends, so no option is faster; a chain
         prices each layer on its own, counting a weight two layers share twice, one ILP once.
@@ -209,26 +215,25 @@ class GraphStageCosts:
         if key not in self._bounds and not self._may_fit(*key):  # no option: no time bounds it
             self._bounds[key] = math.inf
         if key not in self._bounds:
-            least = min(self._range_compute(start, end, shape) for shape in self.shapes(submesh))
-            self._bounds[key] = least / (submesh[0] * submesh[1]) + self.transfer_seconds(start, submesh)
+            devices = submesh[0] * submesh[1]
+            self._bounds[key] = self._range_compute(start, end, devices) / devices + self.transfer_seconds(start, submesh)
         return self._bounds[key]
 
-    def _range_compute(self, start: int, end: int, shape: tuple[int, int]) -> float:
-        """The sum of ``_least_compute`` over the nodes of layers ``[start, end)`` (not their
-        placeholders: the optimizer update is once per step, an input or buffer computes nothing),
-        summed on from ``[start, end - 1)``'s: each range costs one layer's nodes, not all of them."""
+    def _range_compute(self, start: int, end: int, devices: int) -> float:
+        """The sum of ``least_compute_seconds`` over the nodes of layers ``[start, end)`` on
+        ``devices`` (not their placeholders: the optimizer update is once per step, an input or
+        buffer computes nothing), summed on from ``[start, end - 1)``'s: each range costs one
+        layer's nodes, not all of them; each node's rooflines (``op_rooflines``) are read once."""
         if start == end:
             return 0.0
-        key = ("compute", start, end, shape)
+        key = ("compute", start, end, devices)
         if key not in self._least:
-            before = self._range_compute(start, end - 1, shape)
-            self._least[key] = sum((self._least_compute(n, shape) for n in self.layers[end - 1].nodes), before)
-        return self._least[key]
-
-    def _least_compute(self, name: str, shape: tuple[int, int]) -> float:
-        key = (name, shape)
-        if key not in self._least:
-            self._least[key] = least_compute_seconds(self.cg, self.cg.node(name), self.cluster.logical_mesh(shape))
+            before = self._range_compute(start, end - 1, devices)
+            if ("rooflines", end - 1) not in self._least:
+                mesh = self.cluster.logical_mesh((1, 1))  # the cluster's rates: any logical mesh's
+                self._least["rooflines", end - 1] = [op_rooflines(self.cg.node(n), mesh) for n in self.layers[end - 1].nodes]
+            self._least[key] = sum(((1 + BACKWARD_FLOPS_FACTOR) * min(devices * replicated, split)
+                                    for replicated, split in self._least["rooflines", end - 1]), before)
         return self._least[key]
 
     def least_weight_bytes(self, start: int, end: int, submesh: tuple[int, int]) -> float:
@@ -238,18 +243,17 @@ class GraphStageCosts:
         devices. No strategy (a split spec, ZeRO-1/2/3) stores less of any of them per device, so
         a range above the memory budget by this alone has no option that fits."""
         key = ("weights", start, end, submesh)
-        if key in self._fit:
-            return self._fit[key]
-        devices = submesh[0] * submesh[1]
-        total = 0.0
-        for ph in {p for layer in self.layers[start:end] for p in layer.placeholders}:
-            share = nbytes_of(self.cg.node(ph).meta["val"]) / devices
-            if ph in self.cg.param_fqns:
-                total += sum(training_state_bytes(share))
-            elif ph in self.cg.buffer_fqns:
-                total += share
-        self._fit[key] = total
-        return total
+        if key not in self._fit:
+            devices = submesh[0] * submesh[1]
+            total = self.least_weight_bytes(start, end - 1, submesh) if end - 1 > start else 0.0
+            for ph in self._first_holds(start, end - 1):
+                share = nbytes_of(self.cg.node(ph).meta["val"]) / devices
+                if ph in self.cg.param_fqns:
+                    total += sum(training_state_bytes(share))
+                elif ph in self.cg.buffer_fqns:
+                    total += share
+            self._fit[key] = total
+        return self._fit[key]
 
     def least_act_bytes(self, start: int, end: int, submesh: tuple[int, int]) -> float:
         """A lower bound on the ``act_bytes`` of every option of layers ``[start, end)`` on
@@ -258,9 +262,17 @@ class GraphStageCosts:
         key = ("activations", start, end, submesh)
         if key not in self._fit:
             d = submesh[0] * submesh[1]
-            again = {n for layer in self.remat(start, end) for n in layer}
-            self._fit[key] = sum(self._least_act(n, d) for n in self.subset(start, end) if n not in again)
+            total = self.least_act_bytes(start, end - 1, submesh) if end - 1 > start else 0.0
+            total += sum(self._least_act(ph, d) for ph in self._first_holds(start, end - 1))
+            if not self.remat(end - 1, end):
+                total += sum(self._least_act(n, d) for n in self.layers[end - 1].nodes)
+            self._fit[key] = total
         return self._fit[key]
+
+    def _first_holds(self, start: int, j: int) -> list[str]:
+        """The placeholders of layer ``j`` that no layer of ``[start, j)`` holds (graph order): a
+        range's sums over its placeholders add each once, layer by layer."""
+        return [ph for ph, before in self._held_before[j] if before < start]
 
     def _least_act(self, name: str, devices: int) -> float:
         key = ("act", name, devices)  # a node is in O(L^2) ranges: its bound is computed once
@@ -642,19 +654,30 @@ def least_compute_seconds(cg, node: torch.fx.Node, mesh: LogicalMesh) -> float:
     parameter's AdamW update (any storage or ZeRO stage) reads and writes at least ``1 / d`` of
     ``ADAM_UPDATE_BYTES_FACTOR`` x its bytes; a ``getitem``, an input or a buffer computes nothing.
     Recomputing a layer only adds compute."""
-    val = node.meta.get("val")
     if node.op == "placeholder":
+        val = node.meta.get("val")
         return mesh.compute_cost(0.0, ADAM_UPDATE_BYTES_FACTOR * nbytes_of(val)) if node.name in cg.param_fqns else 0.0
+    replicated, split = op_rooflines(node, mesh)
+    return (1 + BACKWARD_FLOPS_FACTOR) * min(mesh.num_devices * replicated, split)
+
+
+def op_rooflines(node: torch.fx.Node, mesh: LogicalMesh) -> tuple[float, float]:
+    """The two forward rooflines, seconds, whose least ``least_compute_seconds`` takes for an op:
+    replicated (all its FLOPs, whole tensors) on one device, and split over every device (``F``
+    and the bytes of the signature's tensors, ``d`` times ``1 / d`` of each); inf without a
+    signature, ``(0, 0)`` for what computes nothing. Neither depends on the mesh's shape or size
+    (the rates are the cluster's), so a stage search computes them once per node."""
+    val = node.meta.get("val")
     if node.op != "call_function" or node.target is operator.getitem or not tensor_values(val):
-        return 0.0
+        return 0.0, 0.0
     ins = [n.meta["val"] for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
     kernel = kernel_class(node)
-    least = mesh.num_devices * mesh.compute_cost(flops(node, None), sum(map(nbytes_of, ins)) + nbytes_of(val), kernel)
+    replicated = mesh.compute_cost(flops(node, None), sum(map(nbytes_of, ins)) + nbytes_of(val), kernel)
     sig = signature(node)
-    if sig is not None:  # enumerate_strategies pairs the tensors with the signature's label lists
-        tensors = (ins + tensor_values(val))[:len(sig.inputs) + len(sig.outputs)]
-        least = min(least, mesh.compute_cost(flops(node, sig), sum(map(nbytes_of, tensors)), kernel))
-    return (1 + BACKWARD_FLOPS_FACTOR) * least
+    if sig is None:
+        return replicated, math.inf
+    tensors = (ins + tensor_values(val))[:len(sig.inputs) + len(sig.outputs)]  # paired as enumerate_strategies does
+    return replicated, mesh.compute_cost(flops(node, sig), sum(map(nbytes_of, tensors)), kernel)
 
 
 def _dominates(a: StageOption, b: StageOption) -> bool:

@@ -23,6 +23,7 @@ with the buffers, so it gets no gradient, no gradient sync and no optimizer stat
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import operator
@@ -116,10 +117,12 @@ class CapturedGraph:
                                  f"captured (and specialized) with {value!r}")
         return [x for i, x in enumerate(leaves) if i not in self.static_inputs]
 
-    @property
+    @functools.cached_property
     def param_casts(self) -> dict[str, str]:
         """Node name -> parameter placeholder, for every dtype cast (``_to_copy``) of a trainable
-        parameter (mixed precision's low-precision copy: its uses are the parameter's uses)."""
+        parameter (mixed precision's low-precision copy: its uses are the parameter's uses).
+        Read once per instance (the graph is final once captured; ``stage_view`` makes another):
+        the cost graphs ask it per node."""
         return {n.name: n.args[0].name for n in self.graph.nodes
                 if n.target in _CASTS and getattr(n.args[0], "name", None) in self.param_fqns}
 
