@@ -348,7 +348,7 @@ def build_strategies(cg: CapturedGraph, mesh: LogicalMesh, *, warn=None, nodes: 
         table[node.name] = NodeStrategies(node.name, strategies, [n.name for n in ins], [0] * len(ins),
                                           node.target in FOLLOWER_TARGETS or _unary_pointwise(node), supported,
                                           requires_grad=node.name in cg.requires_grad,
-                                          batch_dims=_batch_dims(node, sig, [producer(n.name) for n in ins],
+                                          batch_dims=_batch_dims(node, sig, ins, [producer(n.name) for n in ins],
                                                                  len(strategies[0].out_specs), one_row))
     return table
 
@@ -356,8 +356,8 @@ def build_strategies(cg: CapturedGraph, mesh: LogicalMesh, *, warn=None, nodes: 
 _RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
 
-def _batch_dims(node, sig: OpSignature | None, producers: list[NodeStrategies], n_out: int,
-                one_row: bool = False) -> tuple[int | None, ...]:
+def _batch_dims(node, sig: OpSignature | None, operands: list[torch.fx.Node], producers: list[NodeStrategies],
+                n_out: int, one_row: bool = False) -> tuple[int | None, ...]:
     """Follow the inputs' batch dim through the op's labels (Alpa's batch-dim tracking).
 
     In a graph of one row (``one_row``: a microbatch of one sequence) a reshape gives a dim of
@@ -367,7 +367,6 @@ def _batch_dims(node, sig: OpSignature | None, producers: list[NodeStrategies], 
     into, and comes back to the size-1 dims split off before it."""
     if sig is None:
         return (None,) * n_out
-    operands = [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
     for labels, producer, operand in zip(sig.inputs, producers, operands):
         b = producer.batch_dims[0] if len(producer.batch_dims) == 1 else None
         if b is not None and b < len(labels):
