@@ -411,3 +411,10 @@ def test_scatters_keep_the_scattered_dim_whole(fn, inputs, target, expect):
     the other dims split with ``src``'s, the scattered one stays whole."""
     results = check(fn, inputs, target, expect)
     assert all(not s.out_spec.dims[1] for s, _, _ in results)
+
+
+def test_fill_with_a_tensor_value_follows_its_input():
+    """``aten.fill.Tensor`` (T5's decoder start token written into the shifted inputs on a CPU
+    capture) ran replicated and lost the batch dim: a false microbatch warning."""
+    check(lambda x, v: torch.ops.aten.fill.Tensor(x * 2, v), (torch.randn(4, 8), torch.tensor(3.0)),
+          aten.fill.Tensor, {"S0S1", "S01R", "RS01"})

@@ -639,6 +639,7 @@ _TABLE = {
     aten.any.dims: _fixed_reduction, aten.all.dim: _fixed_reduction, aten.all.dims: _fixed_reduction,
     aten.__and__.Tensor: _pointwise, aten.__or__.Tensor: _pointwise,  # bool masks' & and |: no pointwise tag
     aten.log_sigmoid.default: _pointwise,  # F.logsigmoid (DPO's loss): no pointwise tag
+    aten.fill.Tensor: _pointwise,  # a 0-dim value broadcast over self (T5's decoder start token): no pointwise tag
     aten.softmax.int: _softmax, aten._softmax.default: _softmax, aten.log_softmax.int: _softmax,
     aten._log_softmax.default: _softmax,
     aten.layer_norm.default: _layer_norm, aten.rms_norm.default: _layer_norm,
