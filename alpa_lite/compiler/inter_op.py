@@ -34,6 +34,7 @@ from .constraints import check_names
 from .ilp import solver_limits
 from .loss_reduction import check_batch_indices, loss_reduction, whole_batch_problems
 from .stage_costs import GraphStageCosts, layer_budget, send_gather_seconds, solve_stage
+from .strategies import build_strategies
 from .stage_dp import (CostFn, PipelinePlanError, StageChoice, bubble_fraction, check_stage_count, in_flight, stage_dp,
                        submesh_shapes)
 from .training_step import param_specs_of, training_step
@@ -201,9 +202,10 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
         refused = f"; some layer ranges have no stage plan under these options: {' | '.join(refusals)}" if refusals else ""
         raise PipelinePlanError("no pipeline plan: " + "; ".join(f"B={k}: {v}" for k, v in tried.items()) + refused)
     res, cg, layers, costs = best
-    reduction = loss_reduction(cg)
-    if res.num_microbatches > 1:  # a branch on the batch size: each microbatch runs the branch of its own size
-        check_batch_indices(cg, f"{res.num_microbatches} microbatches")
+    table = build_strategies(cg, LogicalMesh((1, 1)))  # the batch dims both readers follow, built once
+    reduction = loss_reduction(cg, table)
+    if res.num_microbatches > 1:  # what the microbatch's graph cannot show: the whole batch's (a branch, row groups)
+        check_batch_indices(cg, f"{res.num_microbatches} microbatches", table)
         whole = capture_batch() if capture_batch is not None else capture_rows(batch)
         if whole is not None:
             more = whole_batch_problems(whole, cg, batch, batch // res.num_microbatches, reduction.problems)
