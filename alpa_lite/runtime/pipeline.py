@@ -187,7 +187,8 @@ class PipelineTrainer(Trainer):
             self.chunks.append({k: getattr(self, k) for k in _CHUNK_STATE})
         self.params, self.buffers = params, buffers
         # none on a stage with nothing to train
-        self.optimizer = build_optimizer(optimizer, self._zero_partitions()) if params else None
+        self.optimizer = (build_optimizer(optimizer, self._zero_partitions(), model, self._local_state) if params
+                          else None)
         self.tied_groups = self._tied_groups()
         self.peak_activation_bytes = 0
         self.busy_seconds = self.schedule_seconds = 0.0

@@ -115,8 +115,8 @@ class Trainer:
         self.bucket_sync = BucketSync(self.buckets, {ph: self.params[fqn] for ph, fqn in self.view.param_fqns.items()},
                                       self.groups, self.reduce_dtype, self.zero, self.view.param_fqns,
                                       in_program=self.buckets_in_program)
-        self.optimizer = build_optimizer(optimizer, [self.zero]) if self.params else None
         self._placeholders = {fqn: ph for ph, fqn in {**self.view.param_fqns, **self.view.buffer_fqns}.items()}
+        self.optimizer = build_optimizer(optimizer, [self.zero], model, self._local_state) if self.params else None
         # the buffers the model's own state_dict() leaves out (register_buffer(..., persistent=False): LLaMA's RoPE
         # inv_freq): state_dict() and save_full leave them out too, or the model refuses its own export
         self.non_persistent = ({k for k, _ in model.named_buffers(remove_duplicate=False)}
@@ -128,6 +128,12 @@ class Trainer:
 
     def _spec(self, placeholder: str) -> ShardingSpec:
         return self._local_plan().nodes[placeholder].out_specs[0]
+
+    def _local_state(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of ``full``, a tensor shaped like parameter ``fqn`` (an optimizer state
+        made for the model's own parameter: ``build_optimizer``)."""
+        self._select(fqn)
+        return local_slice(full.detach(), self._spec(self._placeholders[fqn]), self.groups).to(self.device).clone()
 
     # ---------------------------------------------------------------- a step
     def step(self, *batch, **kwargs) -> float:

@@ -16,6 +16,7 @@ each bucket of updated slices is all-gathered into the shards (``Plan.collective
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -139,17 +140,29 @@ class ZeroPartition:
         return out
 
 
-def build_optimizer(factory, partitions: list[ZeroPartition]) -> torch.optim.Optimizer:
+def build_optimizer(factory, partitions: list[ZeroPartition], model: torch.nn.Module | None = None,
+                    localize: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> torch.optim.Optimizer:
     """``factory(params)`` on the parameters as this rank holds them (each shard, of its shape),
     then every ZeRO-1/2 one replaced in the optimizer's parameter groups by its flat slice
     (``ZeroPartition.slices``), with any state the optimizer made when built (Adagrad's
     ``sum``) sliced the same way. The factory sees the same tensors, shapes and order
     under every plan, so the groups it makes by shape or identity hold (nanoGPT's weight decay
-    for ``p.dim() >= 2`` only: given the 1-D slices, it decayed no ZeRO-1/2 weight)."""
+    for ``p.dim() >= 2`` only: given the 1-D slices, it decayed no ZeRO-1/2 weight).
+
+    A factory may also build its groups from ``model``'s own parameters (HF's and nanoGPT's
+    ``no_decay`` groups by name, ``model.named_parameters()``): each is replaced by this rank's
+    shard of it (state made when built: ``localize(fqn, value)``), or dropped from its group where
+    this rank does not train it (a frozen one, another pipeline stage's). Before, the optimizer
+    stepped the model's own tensors, which no gradient reaches: nothing trained, with no error.
+
+    Raises:
+        ValueError: a group holds a tensor that is neither one of ``params`` nor one of ``model``'s.
+    """
     params = [p for z in partitions for p in z.params.values()]
     optimizer = factory(params)
     if optimizer is None:  # a pipeline chunk's placeholder factory (``lambda _: None``)
         return None
+    _use_shards(optimizer, partitions, model, localize)
     swap = {id(z.params[fqn]): (z, fqn) for z in partitions for fqn in z.slices}
     for group in optimizer.param_groups:
         for i, p in enumerate(group["params"]):
@@ -160,3 +173,38 @@ def build_optimizer(factory, partitions: list[ZeroPartition]) -> torch.optim.Opt
                     optimizer.state[z.slices[fqn]] = {k: z.slice(fqn, v) if torch.is_tensor(v) and v.shape == p.shape
                                                       else v for k, v in optimizer.state.pop(p).items()}
     return optimizer
+
+
+def _use_shards(optimizer: torch.optim.Optimizer, partitions: list[ZeroPartition], model: torch.nn.Module | None,
+                localize: Callable[[str, torch.Tensor], torch.Tensor] | None) -> None:
+    """Replace each of ``model``'s parameters in ``optimizer``'s groups by this rank's shard of it,
+    or drop it where this rank holds none (``build_optimizer``)."""
+    held = {id(p) for z in partitions for p in z.params.values()}
+    if all(id(p) in held for group in optimizer.param_groups for p in group["params"]):
+        return
+    names: dict[int, list[str]] = {}
+    for name, p in (model.named_parameters(remove_duplicate=False) if model is not None else ()):
+        names.setdefault(id(p), []).append(name)
+    where = {fqn: z for z in partitions for fqn in z.params}
+    for group in optimizer.param_groups:
+        kept = []
+        for p in group["params"]:
+            if id(p) in held:
+                kept.append(p)
+                continue
+            if id(p) not in names:
+                raise ValueError(f"the optimizer factory put a tensor of shape {tuple(p.shape)} in its parameter "
+                                 "groups that is neither one of the parameters it was given (this rank's shards) "
+                                 "nor one of the model's parameters: build the optimizer from the parameters "
+                                 "passed to the factory, or from the model's own (model.named_parameters())")
+            state = optimizer.state.pop(p, {})
+            fqn = next((n for n in names[id(p)] if n in where), None)
+            if fqn is None:  # frozen, or trained by another pipeline stage
+                continue
+            shard = where[fqn].params[fqn]
+            if state:
+                optimizer.state[shard] = {k: localize(fqn, v) if localize is not None and torch.is_tensor(v)
+                                          and v.dim() > 0 and v.shape == p.shape else v for k, v in state.items()}
+            if all(shard is not q for q in kept):
+                kept.append(shard)
+        group["params"] = kept

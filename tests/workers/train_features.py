@@ -302,6 +302,50 @@ def checkpoint_errors(batches, source, path: Path, root: Path) -> dict:
     return errors
 
 
+def _named_groups(m, optimizer="adamw"):
+    """HF's / nanoGPT's optimizer groups by name, from the model's own parameters: no weight
+    decay for biases and norms."""
+    named = dict(m.named_parameters())
+    plain = [p for n, p in named.items() if n.endswith("bias") or ".ln" in n or n.startswith("ln")]
+    decay = [p for n, p in named.items() if all(p is not q for q in plain)]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}]
+    if optimizer == "adagrad":  # state made when built (its ``sum``), shaped like the whole parameter
+        return torch.optim.Adagrad(groups, lr=LR, initial_accumulator_value=0.1)
+    return torch.optim.AdamW(groups, lr=LR)
+
+
+def named_groups(model, batches) -> dict:
+    """An optimizer factory that builds its groups from ``model.named_parameters()`` (not from the
+    shards it is given) trains as one process with the same groups (before: the optimizer held the
+    model's own tensors, which no gradient reaches, and nothing trained: every loss the first)."""
+    out = {}
+    for plan, optimizer in (("megatron", "adamw"), ("zero2", "adamw"), ("zero3", "adamw"), ("pipeline", "adamw"),
+                            ("2d", "adagrad"), ("zero1", "adagrad")):
+        m = copy.deepcopy(model)
+        ref = copy.deepcopy(model)
+        opt = _named_groups(ref, optimizer)
+        ref_losses = []
+        for b in batches:
+            opt.zero_grad()
+            loss = ref(*b)
+            loss.backward()
+            opt.step()
+            ref_losses.append(float(loss))
+        mesh, options = PLANS[plan]
+        trainer = parallelize(m, mesh, batches[0], optimizer=lambda _, m=m, o=optimizer: _named_groups(m, o),
+                              **options)
+        out[f"{plan}_{optimizer}"] = {"losses": [trainer.step(*b) for b in batches], "ref_losses": ref_losses,
+                                      "param_err": err(trainer.state_dict(), dict(ref.named_parameters()))}
+    bad = copy.deepcopy(model)
+    try:
+        parallelize(copy.deepcopy(model), (2, 2), batches[0], force_data_parallel=True,
+                    optimizer=lambda _: torch.optim.SGD(bad.parameters(), lr=LR))
+        out["foreign"] = "no error"
+    except ValueError as e:
+        out["foreign"] = str(e)
+    return out
+
+
 def timeouts(model, batches) -> dict:
     """The collective timeouts (seconds) of the default group and of a trainer's groups: the
     job's (``init_distributed(60)``) when ``parallelize`` is given none, for SPMD and pipeline
@@ -330,7 +374,8 @@ def main():
     if args.resume:
         return finish(resumed_on_fewer_ranks(model, batches, Path(args.dir)), args.out)
     results = {"accumulation_and_clipping": accumulation_and_clipping(model, batches),
-               "checkpoints": checkpoints(model, batches, Path(args.dir)), "timeouts": timeouts(model, batches)}
+               "checkpoints": checkpoints(model, batches, Path(args.dir)), "timeouts": timeouts(model, batches),
+               "named_groups": named_groups(model, batches)}
     finish(results, args.out)
 
 
