@@ -184,6 +184,35 @@ def test_a_buffer_written_in_forward_is_a_problem_for_microbatches():
     assert len(loss_reduction(capture(_Net(bn=True), (x,), lambda o, y: _ce(o, y), (y,))).problems) == 1
 
 
+class _Teacher(nn.Module):
+    """BYOL / DINO: a frozen teacher ``t`` updated in forward as an EMA of the student ``s``."""
+
+    def __init__(self, renorm=False):
+        super().__init__()
+        self.s, self.t = nn.Linear(8, 8), nn.Linear(8, 8).requires_grad_(False)
+        self.emb = nn.Embedding(11, 8, max_norm=1.0) if renorm else None
+
+    def forward(self, x, y):
+        if self.emb is not None:
+            return (self.s(x) - self.emb(y)).pow(2).mean()
+        with torch.no_grad():
+            self.t.weight.mul_(0.9).add_(self.s.weight, alpha=0.1)
+        return (self.s(x) - self.t(y)).pow(2).mean()
+
+
+def test_a_parameter_written_in_forward_is_a_problem_for_microbatches():
+    """An EMA teacher written in forward is updated once per microbatch: K times a step (sweep 8:
+    a 2-stage pipeline of 2 microbatches on 2x2, 2 SGD steps, trained it silently off one process,
+    student gradients up to 1.1e-5 against a bound of 9e-7). ``max_norm``'s renorm is not named:
+    per microbatch it gives what the whole batch does."""
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    r = loss_reduction(capture(_Teacher(), (x, y)))
+    assert len(r.problems) == 1 and "parameter 't.weight' is written in forward" in r.problems[0], r.problems
+    with pytest.warns(UserWarning, match=r"2 microbatches change the loss: parameter 't.weight' is written in forward"):
+        plan(_Teacher(), (x, y), LogicalMesh((1, 2)), num_stages=2, num_microbatches=2, num_layers=2)
+    assert loss_reduction(capture(_Teacher(renorm=True), (x, torch.randint(0, 11, (8,))))).problems == ()
+
+
 class _RowEmbedding(nn.Module):
     """An embedding of each sample's row number: ``emb(torch.arange(B))`` added to the batch."""
 

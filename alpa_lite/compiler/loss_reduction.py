@@ -48,6 +48,7 @@ _LINEAR = {aten.neg.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype
            aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default,
            aten.contiguous.default, aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim,
            aten.expand.default, aten.type_as.default}
+_IDEMPOTENT_WRITES = {aten.embedding_renorm.default}
 _BATCH_NORMS = {aten.batch_norm.default, aten._native_batch_norm_legit_functional.default,
                 aten.native_batch_norm.default, aten._native_batch_norm_legit.default}
 # ops that take some of the rows of their operand's dim: on the batch dim, part of the batch
@@ -296,6 +297,16 @@ class _Reader:
             if fqn.rpartition(".")[0] not in norms:
                 self.problems.append(f"buffer {fqn!r} is written in forward ({name}, {node.target}): once per "
                                      "microbatch, so several times per step")
+        # a parameter written in forward under no_grad (a frozen EMA teacher, BYOL / DINO: t.mul_(m).add_(s,
+        # alpha=1 - m); a decay): K times per step too (sweep 8: a 2-stage pipeline of 2 microbatches
+        # trained such a teacher silently off one process). max_norm's renorm is not named: it
+        # rescales only the rows a microbatch looks up, to the same norm however often it runs
+        fqns = {**self.cg.param_fqns, **self.cg.buffer_fqns}
+        for name, ph in sorted(self.cg.param_mutations.items()):
+            target = self.cg.node(name).target
+            if target not in _IDEMPOTENT_WRITES:
+                self.problems.append(f"parameter {fqns.get(ph, ph)!r} is written in forward ({name}, {target}): "
+                                     "once per microbatch, so several times per step")
 
     def _terms(self, node) -> list:
         """The leaves of the affine expression ``node``: ``(kind, denominator)`` or ``"const"``."""
