@@ -16,10 +16,11 @@ import torch.nn.functional as F
 from alpa_lite import LogicalMesh
 from alpa_lite.compiler.ops import signature
 from alpa_lite.compiler.strategies import build_strategies
+from alpa_lite.core.aten import written_args
 from alpa_lite.core.capture import capture
 from alpa_lite.core.spec import ShardingSpec
 from alpa_lite.runtime.collectives import MeshGroups, local_slice
-from alpa_lite.runtime.executor import local_arguments
+from alpa_lite.runtime.executor import _SHAPE_ARG, Dispatch, local_arguments
 
 aten = torch.ops.aten
 MESH = LogicalMesh((2, 2), mesh_alpha=(1e-5, 1e-5), mesh_beta=(1e-9, 2e-9), peak_flops=1e12,
@@ -38,9 +39,10 @@ def _values(cg, inputs, stop):
     """Every value of the graph up to node ``stop``, computed densely."""
     values = dict(zip(cg.input_names, inputs))
     for node in cg.graph.nodes:
-        if node.op == "call_function":
-            values[node.name] = node.target(*torch.fx.node.map_arg(node.args, lambda n: values[n.name]),
-                                            **torch.fx.node.map_arg(node.kwargs, lambda n: values[n.name]))
+        if node.op == "call_function":  # an in-place op writes a copy: its operand keeps its value
+            read = (lambda n: values[n.name].clone()) if written_args(node.target) else (lambda n: values[n.name])
+            values[node.name] = node.target(*torch.fx.node.map_arg(node.args, read),
+                                            **torch.fx.node.map_arg(node.kwargs, read))
         if node is stop:
             return values
 
@@ -58,16 +60,20 @@ def simulate(fn, inputs, target):
         local = {}
         for c in DEVICES:
             view = MeshGroups(MESH.shape, c, (None, None))
-            operands = {n.name: local_slice(values[n.name], spec, view)
+            operands = {n.name: local_slice(values[n.name], spec, view).clone()  # an in-place op writes it
                         for n, spec in zip(node.all_input_nodes, s.in_specs)}
             summed = set(s.partial_axes) | set(s.out_spec.partial)
             for i in signature(node).post_reduce if any(c[a] for a in summed) else ():
                 bias = node.all_input_nodes[i].name  # added once, after the reduction (executor._partial)
                 operands[bias] = torch.zeros_like(operands[bias])
-            args = torch.fx.node.map_arg(node.args, lambda n: operands[n.name])
-            kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: operands[n.name])
-            args, kwargs = local_arguments(node.target, args, kwargs, s.in_specs, MESH.shape)
-            local[c] = node.target(*args, **kwargs)
+            target, args, kwargs = node.target, node.args, node.kwargs
+            if target in _SHAPE_ARG:  # shape arguments: the local shape, as the executor writes them
+                d = Dispatch(node, s, [], list(s.out_spec.local_shape(tuple(full.shape), MESH.shape)), "cpu", None)
+                target, args, kwargs = d.target, d.args, d.kwargs
+            args = torch.fx.node.map_arg(args, lambda n: operands[n.name])
+            kwargs = torch.fx.node.map_arg(kwargs, lambda n: operands[n.name])
+            args, kwargs = local_arguments(target, args, kwargs, s.in_specs, MESH.shape)
+            local[c] = target(*args, **kwargs)
         summed = set(s.partial_axes) | set(s.out_spec.partial)  # reduced in the op, or left partial
         if summed:
             scale = 1 / math.prod(MESH.shape[a] for a in summed) if s.reduce == "mean" else 1
@@ -418,3 +424,68 @@ def test_fill_with_a_tensor_value_follows_its_input():
     capture) ran replicated and lost the batch dim: a false microbatch warning."""
     check(lambda x, v: torch.ops.aten.fill.Tensor(x * 2, v), (torch.randn(4, 8), torch.tensor(3.0)),
           aten.fill.Tensor, {"S0S1", "S01R", "RS01"})
+
+
+@pytest.mark.parametrize("fn,shape,expect", [
+    (lambda x: x.unflatten(1, (2, 4)), (4, 8, 6), {"S0S1RR", "S01RRR", "S0RRS1"}),
+    (lambda x: x.unflatten(-1, (3, 2)), (4, 8, 6), {"S0S1RR", "S01RRR"}),
+    (lambda x: x.unflatten(0, (2, 2)), (4, 8, 6), {"S0RS1R", "RRS01R"})], ids=["middle", "last", "batch"])
+def test_unflatten_follows_the_reshape_rule(fn, shape, expect):
+    """``unflatten`` (``nn.MultiheadAttention(batch_first=True)``'s packed q/k/v projection) is a
+    reshape: its split dim keeps its split on the major dim it unflattens into, and runs as a
+    reshape to the local shape (its ``sizes`` are the whole dim's). It ran replicated, and a
+    pipeline reported that microbatches change the loss ("unflatten has no sharding rule")."""
+    check(lambda x: fn(x * 2), (torch.randn(shape),), aten.unflatten.int, expect)
+
+
+INPLACE = [  # in-place ops torch tags ``inplace`` but not ``pointwise``: their functional op's rule
+    (lambda x, m: (x * 2).masked_fill_(m > 0, -1.0), aten.masked_fill_.Scalar, {"S0S1R", "S01RR", "RS01R"}),
+    (lambda x, m: (x * 2).masked_fill_(m > 0, m[0, 0, 0]), aten.masked_fill_.Tensor, {"S0S1R", "S01RR"}),
+    (lambda x, m: (x * 2).masked_fill(m > 0, m[0, 0, 0]), aten.masked_fill.Tensor, {"S0S1R", "S01RR"}),
+    (lambda x, m: aten.gelu_(x * m), aten.gelu_.default, {"S0S1R", "S01RR"}),
+    (lambda x, m: F.threshold(x * m, 0.1, 0.0, inplace=True), aten.threshold_.default, {"S0S1R", "S01RR"}),
+    (lambda x, m: (x * m).tril_(), aten.tril_.default, {"S0RR", "S01RR"}),
+    (lambda x, m: (x * m).cumsum_(1), aten.cumsum_.default, {"S0RS1", "S01RR"}),
+    (lambda x, m: (x * m).fill_(2.0), aten.fill_.Scalar, {"S0S1R", "RS01R"}),
+]
+
+
+@pytest.mark.parametrize("fn,target,expect", INPLACE, ids=[
+    "masked_fill_", "masked_fill_tensor_", "masked_fill_tensor", "gelu_", "threshold_", "tril_", "cumsum_", "fill_"])
+def test_inplace_ops_take_their_functional_rule(fn, target, expect):
+    """``zeros_like(mask).masked_fill_(mask, -inf)`` (``nn.MultiheadAttention``'s ``key_padding_mask``)
+    and other in-place variants carry torch's ``inplace`` tag but not ``pointwise``: they ran
+    replicated with a warning and lost the batch dim (a false "microbatches change the loss")."""
+    results = check(fn, (torch.randn(4, 8, 6), torch.randn(4, 1, 6)), target, expect)
+    if target in (aten.tril_.default, aten.cumsum_.default):
+        whole = (1, 2) if target is aten.tril_.default else (1,)
+        assert all(s.out_spec.dims[d] == () for s, _, _ in results for d in whole)
+
+
+def test_inplace_views_and_addmm_keep_no_rule():
+    """An in-place view (``t_``) or ``addmm_`` (its ``self`` is the bias added after the reduction)
+    does not take its functional op's rule."""
+    from alpa_lite.compiler.ops import _rule
+    assert _rule(aten.t_.default) is None and _rule(aten.squeeze_.dim) is None and _rule(aten.addmm_.default) is None
+
+
+@pytest.mark.parametrize("fn,shapes,target,expect", [
+    (lambda a, b: torch.mv(a, b), ((8, 12), (12,)), aten.mv.default, {"S0", "S01", "R"}),
+    (lambda a, b: torch.vdot(a, b), ((12,), (12,)), aten.vdot.default, {""}),
+    (lambda a, b: torch.dot(a, b), ((12,), (12,)), aten.dot.default, {""})], ids=["mv", "vdot", "dot"])
+def test_matrix_vector_and_dot_products(fn, shapes, target, expect):
+    """``spectral_norm``'s power iteration (``mv``) and ``sigma`` (``vdot``): the contraction splits as
+    a partial sum, ``mv``'s rows split."""
+    results = check(lambda a, b: fn(a * 2, b * 2), tuple(torch.randn(s) for s in shapes), target, expect)
+    assert any(s.partial_axes for s, _, _ in results)
+
+
+@pytest.mark.parametrize("v,g,dim,split", [((8, 6), (8, 1), 0, {"S0R", "S01R"}), ((4, 8, 6), (1, 8, 1), 1,
+                                                                                      {"RS01R", "RS0R"}),
+                                           ((8, 6), (), -1, {"RR"})], ids=["dim0", "dim1", "whole"])
+def test_weight_norm_splits_its_dim_only(v, g, dim, split):
+    """``weight_norm``'s ``_weight_norm(v, g, dim)``: the norm over every other dim keeps them whole;
+    ``dim=-1`` (``weight_norm(dim=None)``) norms the whole tensor."""
+    results = check(lambda v, g: torch._weight_norm(v * 2, g * 2, dim), (torch.randn(v), torch.rand(g) + 0.5),
+                    aten._weight_norm.default, split)
+    assert all(s.out_spec.dims[d] == () for s, _, _ in results for d in range(len(v)) if dim == -1 or d != dim)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from ..core.aten import CONV_OPS, is_transposed_conv, op_args
+from ..core.aten import CONV_OPS, is_transposed_conv, op_args, written_args
 
 aten = torch.ops.aten
 Labels = tuple[str, ...]
@@ -159,6 +159,28 @@ def _layer_norm(node, fresh):
 
 def _mm(node, fresh):
     return OpSignature([("m", "k"), ("k", "n")], [("m", "n")])
+
+
+def _mv(node, fresh):
+    """``mv(matrix, vector)`` (spectral norm's power iteration): ``k`` contracted."""
+    return OpSignature([("m", "k"), ("k",)], [("m",)])
+
+
+def _vdot(node, fresh):
+    """``vdot`` of two vectors (spectral norm's ``sigma``): ``k`` contracted to a 0-dim result."""
+    return OpSignature([("k",), ("k",)], [()])
+
+
+def _weight_norm(node, fresh):
+    """``_weight_norm(v, g, dim)``: ``g * v / ||v||`` with the norm over every dim of ``v`` but
+    ``dim`` (``dim=-1``: over the whole tensor, ``weight_norm(dim=None)``). ``dim`` splits, with ``g``
+    (size 1 elsewhere); the normed dims stay whole."""
+    a = op_args(node)
+    shape = _shape(a["v"])
+    out = _dims("d", len(shape))
+    dim = a["dim"]
+    g = _broadcast(_shape(a["g"]), out, shape, fresh)
+    return OpSignature([out, g], [out], fixed={lab for i, lab in enumerate(out) if dim == -1 or i != dim})
 
 
 def _bmm(node, fresh):
@@ -343,10 +365,15 @@ def _unsqueeze(node, fresh):
 
 
 def _squeeze(node, fresh):
-    x = _shape(op_args(node)["self"])
-    inp = tuple(lab if size != 1 else fresh() for lab, size in zip(_dims("d", len(x)), x))
+    """squeeze of every size-1 dim, or of ``dim`` / ``dims`` only (other size-1 dims stay)."""
+    a = op_args(node)
+    x = _shape(a["self"])
+    dims = a.get("dim", a.get("dims"))
+    dims = range(len(x)) if dims is None else [dims] if isinstance(dims, int) else dims
+    dropped = {d % len(x) for d in dims if x[d % len(x)] == 1} if x else set()
+    inp = tuple(lab if i not in dropped else fresh() for i, lab in enumerate(_dims("d", len(x))))
     out_shape = _shape(node)
-    out = tuple(lab for lab, size in zip(inp, x) if size != 1)
+    out = tuple(lab for i, lab in enumerate(inp) if i not in dropped)
     if len(out) != len(out_shape):  # squeeze of a dim that is not size 1 in some positions
         return None
     return OpSignature([inp], [out])
@@ -621,13 +648,14 @@ FOLLOWER_TARGETS = {
     aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
     aten.contiguous.default, aten.clone.default, aten.alias.default, aten.detach.default,
     aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_as.default, aten.expand.default,
-    aten.flatten.using_ints, operator.getitem,
+    aten.flatten.using_ints, aten.unflatten.int, operator.getitem,
 }
 
 _TABLE = {
     aten.mm.default: _mm, aten.bmm.default: _bmm, aten.addmm.default: _addmm_like(_mm),
     aten.baddbmm.default: _addmm_like(_bmm), aten.linear.default: _linear, aten.matmul.default: _matmul,
-    aten.einsum.default: _einsum,
+    aten.einsum.default: _einsum, aten.mv.default: _mv, aten.vdot.default: _vdot, aten.dot.default: _vdot,
+    aten._weight_norm.default: _weight_norm, aten.fill.Scalar: _same_labels,
     aten.sum.dim_IntList: _reduction("sum"), aten.mean.dim: _reduction("mean"),
     aten.sum.default: _full_reduction("sum"), aten.mean.default: _full_reduction("mean"),
     aten.amax.default: _fixed_reduction, aten.max.dim: _fixed_reduction, aten.argmax.default: _fixed_reduction,
@@ -640,6 +668,7 @@ _TABLE = {
     aten.__and__.Tensor: _pointwise, aten.__or__.Tensor: _pointwise,  # bool masks' & and |: no pointwise tag
     aten.log_sigmoid.default: _pointwise,  # F.logsigmoid (DPO's loss): no pointwise tag
     aten.fill.Tensor: _pointwise,  # a 0-dim value broadcast over self (T5's decoder start token): no pointwise tag
+    aten.masked_fill.Tensor: _pointwise,  # a 0-dim value where the (broadcast) mask is set: no pointwise tag
     aten.softmax.int: _softmax, aten._softmax.default: _softmax, aten.log_softmax.int: _softmax,
     aten._log_softmax.default: _softmax,
     aten.layer_norm.default: _layer_norm, aten.rms_norm.default: _layer_norm,
@@ -647,7 +676,7 @@ _TABLE = {
     aten.unsqueeze.default: _unsqueeze, aten.squeeze.dim: _squeeze, aten.squeeze.dims: _squeeze,
     aten.squeeze.default: _squeeze,
     aten.view.default: _view, aten.reshape.default: _view, aten._unsafe_view.default: _view,
-    aten.flatten.using_ints: _view, aten.expand.default: _expand,
+    aten.flatten.using_ints: _view, aten.unflatten.int: _view, aten.expand.default: _expand,
     aten.contiguous.default: _same_labels, aten.clone.default: _same_labels, aten.alias.default: _same_labels,
     aten.detach.default: _same_labels, aten._to_copy.default: _same_labels, aten.to.dtype: _same_labels,
     aten.to.dtype_layout: _same_labels, aten.to.device: _same_labels, aten.dropout.default: _same_labels, aten.type_as.default: _pointwise,
@@ -688,7 +717,7 @@ _TABLE = {
 
 _LINEAR_UNARY = {
     aten.neg.default, aten.mul.Scalar, aten.div.Scalar, aten.view.default, aten.reshape.default,
-    aten._unsafe_view.default, aten.flatten.using_ints, aten.transpose.int, aten.t.default, aten.permute.default,
+    aten._unsafe_view.default, aten.flatten.using_ints, aten.unflatten.int, aten.transpose.int, aten.t.default, aten.permute.default,
     aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default,
     aten.contiguous.default, aten.clone.default, aten.alias.default, aten._to_copy.default, aten.to.dtype,
     aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default,
@@ -712,13 +741,40 @@ def linear_inputs(node: torch.fx.Node) -> tuple[tuple[int, ...], ...]:
     return ((0,),) if t in _LINEAR_UNARY and len(_tensor_inputs(node)) == 1 else ()
 
 
+# functional ops whose rule also holds for their in-place variant (``x.tril_()``: the same arguments,
+# the result written into ``self``, of ``self``'s shape); pointwise ones need no entry
+_INPLACE_OF = {aten.tril.default, aten.triu.default, aten.cumsum.default, aten.cumprod.default, aten.fill.Tensor,
+               aten.fill.Scalar, aten.masked_fill.Tensor}
+
+
+def _rule(target):
+    """The rule of an op: its entry of ``_TABLE``, ``_pointwise`` for an op tagged pointwise, or
+    for an in-place op without either (``masked_fill_``, ``gelu_``, ``threshold_``, ``eq_``,
+    ``tril_``, ``cumsum_``: torch tags most in-place variants ``inplace`` only, so MHA's
+    ``key_padding_mask`` fill ran replicated and microbatches were reported to change the loss)
+    the rule of its functional op when that one is pointwise or in ``_INPLACE_OF``. Not in-place
+    views (``t_``, ``squeeze_``) or ``addmm_`` (a bias added after the reduction is ``self``)."""
+    rule = _TABLE.get(target)
+    if rule is not None or not isinstance(target, torch._ops.OpOverload):
+        return rule
+    if torch.Tag.pointwise in target.tags:
+        return _pointwise
+    name = target._schema.name.split("::")[-1]
+    if torch.Tag.inplace not in target.tags or not name.endswith("_") or target.is_view:
+        return None
+    functional = getattr(getattr(aten, name[:-1], None), target._overloadname, None)
+    if functional is None or written_args(functional):
+        return None
+    if torch.Tag.pointwise in functional.tags or functional in _INPLACE_OF:
+        return _rule(functional)
+    return None
+
+
 def signature(node: torch.fx.Node) -> OpSignature | None:
     """The label signature of ``node``, or None when alpa-lite has no generator for its op
     (the node then runs replicated)."""
     fresh = _Fresh()
-    rule = _TABLE.get(node.target)
-    if rule is None and isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags:
-        rule = _pointwise
+    rule = _rule(node.target)
     if rule is None or not isinstance(_val(node), (torch.Tensor, tuple, list)):
         return None
     if not all(isinstance(_val(n), torch.Tensor) for n in _tensor_inputs(node)):
@@ -772,7 +828,7 @@ def flops(node: torch.fx.Node, sig: OpSignature | None) -> float:
             b, h, s, d = _shape(a["query"])
             t = _shape(a["key"])[2]
             return 4.0 * b * h * s * t * d
-        if sig.contraction and node.target in _TABLE and _TABLE[node.target] in (_mm, _bmm, _linear, _matmul, _einsum) \
+        if sig.contraction and node.target in _TABLE and _TABLE[node.target] in (_mm, _bmm, _linear, _matmul, _einsum, _mv, _vdot) \
                 or node.target in (aten.addmm.default, aten.baddbmm.default):
             return 2.0 * math.prod(sizes.values())
     val = _val(node)

@@ -69,7 +69,8 @@ from .collectives import (AllReducePartial, AllReduceShared, GatheredParameters,
 from .lowering import recomputed, seeded_call
 
 aten = torch.ops.aten
-_SHAPE_ARG = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+_SHAPE_ARG = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+              aten.unflatten.int}  # unflatten runs as a reshape to its local shape
 _BIAS_AFTER = {aten.linear.default: "bias", aten.addmm.default: "self", aten.baddbmm.default: "self",
                **{conv: "bias" for conv in CONV_OPS}}
 
@@ -116,7 +117,9 @@ class Dispatch:
         self.getitem = (node.args[0].name, node.args[1]) if node.target is operator.getitem else None
         args, kwargs = node.args, {k: (device if k == "device" else v) for k, v in node.kwargs.items()}
         target = node.target
-        if np_ is not None and target in _SHAPE_ARG:  # (self, size or shape, ...)
+        if np_ is not None and target is aten.unflatten.int:  # (self, dim, sizes): sizes of the whole dim
+            target, args, kwargs = aten.reshape.default, (bind_args(target, args, kwargs)["self"], local_shape), {}
+        elif np_ is not None and target in _SHAPE_ARG:  # (self, size or shape, ...)
             args, kwargs = with_arg(target, args, kwargs, target._schema.arguments[1].name, local_shape)
             if target in (aten.view.default, aten._unsafe_view.default):
                 # a view that was valid on the captured layout may not be on a resharded shard
