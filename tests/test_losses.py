@@ -454,6 +454,41 @@ def test_chosen_and_rejected_inputs_concatenated_pair_their_rows():
     assert "slice_1 (aten.slice.Tensor) cuts the batch dim into parts" in problem, problem
 
 
+class _MergedRows(nn.Module):
+    """The batch merged into a dim as a minor factor, ``(B, T, H) -> (T, B, H) -> (T B, H)`` (as
+    ``nn.MultiheadAttention`` does around its output projection), then back, or mixed while merged."""
+
+    def __init__(self, mix):
+        super().__init__()
+        self.fc1, self.fc2, self.mix = nn.Linear(8, 8), nn.Linear(8, 8), mix
+
+    def forward(self, x):
+        b, t, h = x.shape
+        m = self.fc1(x).transpose(0, 1).reshape(t * b, h)  # rows t * B + b: the batch a minor factor
+        m = m.softmax(0) if self.mix else torch.relu(m)  # softmax over all the T B rows mixes samples
+        return self.fc2(m.view(t, b, h).transpose(0, 1)).pow(2).mean()
+
+
+def test_a_batch_merged_into_a_dim_keeps_its_rows():
+    """``nn.MultiheadAttention(batch_first=True)`` with a ``key_padding_mask`` reshapes ``(T, B H, d)
+    -> (T B, E)`` for its output projection: the batch, a minor factor of the merged dim, had no dim
+    the strategies could follow, and the merge read as "reduces over the batch" (a false warning
+    under any pipeline; before the rules for ``unflatten`` and ``masked_fill_``, "has no sharding
+    rule" too). The reader follows it through the merge, the ops that keep that dim and the
+    reshape that gives it back; mixing the merged dim (a softmax over it) is still named."""
+    for rows in (1, 2, 4, 8):
+        model, inputs = patterns.mha_pad(rows, 8)
+        assert loss_reduction(capture(model, inputs)) == LossReduction("mean", None, ()), rows
+        assert loss_reduction(capture(_MergedRows(False), (torch.randn(rows, 6, 8),))) == \
+            LossReduction("mean", None, ()), rows
+    [problem] = loss_reduction(capture(_MergedRows(True), (torch.randn(4, 6, 8),))).problems
+    assert problem.startswith("softmax (aten.softmax.int) combines the samples of the batch"), problem
+    model, inputs = patterns.mha_pad(8, 8)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*(microbatches change the loss|no sharding strategy)")
+        plan(model, inputs, LogicalMesh((1, 2)), num_stages=2, num_microbatches=2, num_layers=2)
+
+
 def test_pipeline_plan_warns_when_microbatches_change_the_loss():
     x, y = torch.randint(0, 11, (4, 6)), torch.randint(0, 11, (4, 6))
     mesh = LogicalMesh((1, 2))

@@ -56,6 +56,9 @@ _CUTS = {aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, at
          aten.narrow.default}
 _VIEWS = {aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten.expand.default}  # same values
 _ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+# ops that regroup the elements of their operand in order (row-major): they mix no samples
+_RESHAPE_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+                aten.unflatten.int}
 # an index into the batch's rows is right per microbatch
 _INDEX_OPS = {aten.index.Tensor, aten._unsafe_index.Tensor, aten.index_select.default, aten.gather.default,
               aten.index_put.default, aten.index_put_.default, aten.scatter.src, aten.scatter_add.default}
@@ -133,6 +136,7 @@ class _Reader:
         self.counts: dict[str, bool] = {}  # an integer arange over the batch's rows (an index)
         self.counted: dict[str, bool] = {}  # values made from one (an embedding of it, a float cast)
         self.parts: dict[str, int | None] = {}  # blocks of the batch's rows stacked along its dim (_parts)
+        self.merged: dict[str, tuple[int, int]] = {}  # the batch merged into a dim as a minor factor (_merge)
         self.problems: list[str] = []
         self.indices: list[str] = []  # check_batch_indices
         self.grouped: tuple[str, int] | None = None  # the first node holding several rows per index of its batch dim
@@ -145,6 +149,7 @@ class _Reader:
             upstream = next((self.mixed[i.name] for i in ins if self.mixed[i.name]), None)
             sig = signature(node) if node.op == "call_function" else None
             self.parts[node.name] = self._parts(node)
+            self._merge(node, sig)
             b = self.batch.get(node.name)
             if self.grouped is None and self.rows and b is not None and shape_of(node) and shape_of(node)[b] < self.rows:
                 size = shape_of(node)[b]  # a reshape of rows into groups (tokens routed in groups of several rows)
@@ -159,6 +164,65 @@ class _Reader:
                     or node.target in _LINEAR and self.counts[ins[0].name] and _floating(node)))
             self._row_positions(node, sig)
             self._batch_index(node, sig)
+
+    def _position(self, x) -> tuple[int, int] | None:
+        """Where the batch's rows are in ``x``: ``(dim, inner)``, the batch a factor of dim ``dim``
+        whose index is ``(outer * rows + row) * inner + i``; None without rows."""
+        b = self.batch.get(x.name)
+        if b is not None:
+            shape = shape_of(x)
+            return (b, shape[b] // self.rows) if shape and self.rows and shape[b] % self.rows == 0 else None
+        return self.merged.get(x.name)
+
+    def _merge(self, node, sig) -> None:
+        """The batch's rows through an op that merges them into a dim with others (MHA's
+        ``(T, B H, d) -> (T B, E)`` reshape: the batch is no dim of its own there, and ops on that
+        dim row by row, the output projection, keep it so; a later reshape ``(T B, E) -> (T, B, E)``
+        gives it back). The strategies' batch dims follow only a dim the mesh can split (the major
+        factor of a merge), so the reader follows the rest itself (``merged``), and a reshape or an
+        op that keeps such a dim, its label, whole: before, the merge read as "reduces over the
+        batch", a false microbatch warning for every ``nn.MultiheadAttention``."""
+        reshape = node.target in _RESHAPE_OPS and self.rows == 1  # the table guesses where a row of 1 goes
+        if self.batch.get(node.name) is not None and not reshape or not self.rows or node.op != "call_function" \
+                or sig is None:
+            return
+        out_shape = shape_of(node)
+        if out_shape is None or len(sig.outputs) != 1:
+            return
+        if node.target in _RESHAPE_OPS:
+            x = node.args[0]
+            pos = self._position(x) if isinstance(x, torch.fx.Node) and self.depends[x.name] else None
+            if pos is None:
+                return
+            stride = pos[1] * math.prod(shape_of(x)[pos[0] + 1:])  # of a row in the flat (row-major) index
+            found = [(stride // step, j) for j, step in ((j, math.prod(out_shape[j + 1:])) for j in range(len(out_shape)))
+                     if stride % step == 0 and (step * out_shape[j]) % (stride * self.rows) == 0]
+            # a row of 1 fits several dims: a dim of its own (its size, its stride) first; then one it
+            # is a minor factor of, as a batch of several rows would be ((T, 1 H, d) -> (T 1, E): T,
+            # not E, whose major factor it also is); else the one it is the major factor of ((1, T, V)
+            # -> (T, V): T)
+            found.sort(key=lambda f: 0 if out_shape[f[1]] == self.rows and f[0] == 1 else
+                       1 if f[0] * self.rows < out_shape[f[1]] else 2)
+            inner, j = found[0] if found else (None, None)
+            own = inner is not None and inner * self.rows == out_shape[j]  # the major factor: its own dim
+            self.batch[node.name] = j if own else None
+            if inner is not None and not own:
+                self.merged[node.name] = (j, inner)
+            return
+        for labels, i in zip(sig.inputs, node.all_input_nodes):  # a merged batch, or one a reshape gave back
+            pos = self._position(i) if self.depends[i.name] else None
+            if pos is None or pos[0] >= len(labels):
+                continue
+            lab = labels[pos[0]]
+            if lab not in sig.outputs[0]:
+                return  # reduces that dim (_mixes); one it keeps whole (a softmax) combines its rows
+            j = sig.outputs[0].index(lab)
+            if out_shape[j] == shape_of(i)[pos[0]]:
+                if pos[1] * self.rows == out_shape[j]:
+                    self.batch[node.name] = j
+                else:
+                    self.merged[node.name] = (j, pos[1])
+            return
 
     def _batch_index(self, node, sig) -> None:
         """``check_batch_indices``: ``node`` indexes the batch dim of its first operand with integer
@@ -200,7 +264,7 @@ class _Reader:
 
     def _mixes(self, node, sig) -> str | None:
         """Why ``node`` combines samples of the batch (a message), or None."""
-        row_ins = [i for i in node.all_input_nodes if self.batch.get(i.name) is not None and self.depends[i.name]]
+        row_ins = [i for i in node.all_input_nodes if self._rows(i) and self.depends[i.name]]
         if not row_ins or node.target in _SHAPE_ONLY:
             return None
         what = f"{node.name} ({node.target})"
@@ -208,7 +272,7 @@ class _Reader:
             return f"{what} normalizes with statistics over the batch"
         if self._row_pick(node):
             return None
-        if self.batch.get(node.name) is None:
+        if not self._rows(node):
             return (f"{what} reduces over the batch" if sig is not None else
                     f"{what} has no sharding rule, so alpa-lite cannot tell whether it combines samples")
         if node.target in (aten.cat.default, aten.slice.Tensor) and self.parts[node.name]:
@@ -216,6 +280,8 @@ class _Reader:
         at_rows = set()  # the labels of the operands' batch dims
         for labels, i in zip(sig.inputs if sig is not None else (), node.all_input_nodes):
             b = self.batch.get(i.name)
+            if b is None and i.name in self.merged:
+                b = self.merged[i.name][0]
             if b is not None and b < len(labels) and labels[b] in sig.fixed and node.target in _CUTS:
                 return (f"{what} cuts the batch dim into parts: each microbatch cuts its own rows so, and its parts "
                         f"pair or pick other rows than the whole batch's (chosen rows then rejected rows, DPO's "
@@ -389,7 +455,7 @@ class _Reader:
         return None
 
     def _rows(self, x) -> bool:
-        return self.batch.get(x.name) is not None
+        return self.batch.get(x.name) is not None or x.name in self.merged
 
     def _depends(self, x) -> bool:
         return isinstance(x, torch.fx.Node) and self.depends[x.name]

@@ -1152,3 +1152,52 @@ class Autocast(_Base):
 
 def autocast(batch, seq=None, device="cpu", seed=0):
     return _regression(Autocast, batch, seq, seed)
+
+
+# --- sweep 8b: MHA with a key-padding mask, more loss classes ---
+
+class MHAPad(_Base):
+    """``nn.MultiheadAttention(batch_first=True)`` with a bool ``key_padding_mask`` input: the
+    packed q/k/v projection is ``unflatten``-ed, the mask becomes ``zeros_like(mask).masked_fill_(
+    mask, -inf)``; both ran replicated without a rule, and a pipeline warned falsely that
+    microbatches change the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(HIDDEN, 2, batch_first=True)
+
+    def forward(self, x, pad, y):
+        h, _ = self.mha(x, x, x, key_padding_mask=pad)
+        return F.mse_loss(self.fc2(F.relu(self.fc1(h))), y)
+
+
+def mha_pad(batch, seq=None, device="cpu", seed=0):
+    model, (x, y) = _regression(MHAPad, batch, seq, seed)
+    return model, (x, ~_keep(batch, x.shape[1]), y)
+
+
+class NLLWeightIgnore(CEWeight):
+    """``nll_loss(weight=, ignore_index=)``: the mean divides by the class weights of the valid
+    targets (a ratio of sums over microbatches and devices)."""
+
+    def forward(self, ids, targets):
+        logp = F.log_softmax(self.logits(ids), -1).flatten(0, 1)
+        return F.nll_loss(logp, targets.flatten(), weight=self.class_w, ignore_index=-100)
+
+
+def nll_weight_ignore(batch, seq=None, device="cpu", seed=0):
+    return _lm(NLLWeightIgnore, batch, seq, seed)
+
+
+class PairLosses(_Base):
+    """``margin_ranking_loss`` and ``huber_loss(delta=0.5)`` (means over equal parts)."""
+
+    def forward(self, x, y):
+        h = self.fc2(F.gelu(self.fc1(x)))  # (B, T, H)
+        sign = torch.where(y[:, 0, 0] > 0, 1.0, -1.0)
+        return (F.margin_ranking_loss(h[:, 0].sum(-1), h[:, 1].sum(-1), sign, margin=0.1)
+                + F.huber_loss(h, y, delta=0.5))
+
+
+def pair_losses(batch, seq=None, device="cpu", seed=0):
+    return _regression(PairLosses, batch, seq, seed)
