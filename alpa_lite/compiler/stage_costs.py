@@ -307,65 +307,85 @@ class GraphStageCosts:
     def prefetch(self, keys: Sequence[tuple[int, int, tuple[int, int]]], workers: int = 1,
                  progress: Callable[[str], None] | None = None) -> None:
         """Compute ``self(start, end, submesh)`` for every key of ``keys``, the stage ILPs in up to
-        ``workers`` forked processes, one task per (submesh, logical shape): each solves its shape's
-        ILPs at one microbatch in flight (``_shape_options``), which no other shape's depend on, and
-        sends back its answers; this process then computes the options from them in order,
-        solving here the few at more microbatches in flight (they depend on every shape's best).
-        The ILPs of two tasks never share a key (the logical shape is in it), so each is solved as
-        a serial run solves it. ``progress(message)`` is called as the tasks start."""
+        ``workers`` forked processes, one task per (submesh, logical shape) and number of
+        microbatches in flight: each solves its shape's ILPs (``_shape_options``) for the keys at
+        that scale, which no other shape's depend on, and sends back its answers. All keys start at
+        one microbatch; a key goes on to twice as many in flight when its answers from every shape
+        say so (``_next_scale``, as ``_options`` decides), in the next round of tasks. This process
+        then computes the options from the answers. The ILPs of two tasks of a round never share a
+        key (the logical shape is in it), so each is solved as a serial run solves it.
+        ``progress(message)`` is called as the tasks start."""
         say = progress or (lambda message: None)
-        groups: dict[tuple[int, int], list] = {}
-        for key in keys:
-            if key not in self._memo:
-                groups.setdefault(key[2], []).append(key)
-        tasks = [(shape, task) for task in sorted(groups.values(), key=len, reverse=True)
-                 for shape in self.shapes(task[0][2])]
-        if workers > 1 and len(tasks) > 1 and "fork" in multiprocessing.get_all_start_methods():
-            global _PREFETCHING
-            _PREFETCHING = self  # what the forked workers inherit
-            try:
-                with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("fork")) as pool:
-                    say(f"stage costs on submeshes {', '.join(f'{q[0]}x{q[1]}' for q in groups)} "
-                        f"({len(tasks)} logical meshes) in {min(workers, len(tasks))} processes")
-                    for shaped, chains, answers, stats, disk, limits, refusals in pool.map(_prefetch_task, tasks):
-                        self._shaped |= shaped
-                        self._chains |= chains
-                        for key, entries in answers.items():
-                            self._cache.setdefault(key, []).extend(entries)
-                        self.limits += limits
-                        self.refusals |= refusals
-                        for key, answer in disk.items():
-                            self._disk.put(key, answer)
-                        for k, v in stats.items():
-                            self.stats[k] += v
-            finally:
-                _PREFETCHING = None
-            for task in groups.values():
-                for key in task:
-                    self(*key)
-            return
-        for task in groups.values():
-            say(f"stage costs on submesh {task[0][2][0]}x{task[0][2][1]} ({len(task)} layer ranges)")
+        pending = {key: 1 for key in dict.fromkeys(keys) if key not in self._memo and self._may_fit(*key)}
+        if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
+            while pending:
+                groups: dict[tuple, list] = {}
+                for key, scale in pending.items():
+                    groups.setdefault((key[2], scale), []).append(key)
+                tasks = [(shape, scale, task) for (submesh, scale), task in
+                         sorted(groups.items(), key=lambda g: len(g[1]), reverse=True) for shape in self.shapes(submesh)]
+                if len(tasks) < 2:
+                    break
+                self._fork(tasks, workers, say)
+                pending = {key: nxt for key, scale in pending.items()
+                           if (nxt := self._next_scale(*key, scale, [o for shape in self.shapes(key[2])
+                                                                      for o in self._shaped[(*key, shape, scale)]]))}
+        for submesh in dict.fromkeys(key[2] for key in keys):
+            task = [key for key in keys if key[2] == submesh and key not in self._memo]
+            if task:
+                say(f"stage costs on submesh {submesh[0]}x{submesh[1]} ({len(task)} layer ranges)")
             for key in task:
                 self(*key)
+
+    def _fork(self, tasks: list, workers: int, say: Callable[[str], None]) -> None:
+        """Run ``tasks`` (``_prefetch_task``) in up to ``workers`` forked processes and take in what
+        they add: the options per (key, shape, scale), chains, ILP answers, stats, limits, refusals."""
+        global _PREFETCHING
+        _PREFETCHING = self  # what the forked workers inherit
+        try:
+            with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("fork")) as pool:
+                scales = sorted({scale for _, scale, _ in tasks})
+                say(f"stage costs on submeshes {', '.join(dict.fromkeys(f'{k[2][0]}x{k[2][1]}' for *_, t in tasks for k in t))} "
+                    f"({len(tasks)} logical meshes, {'/'.join(map(str, scales))} microbatches in flight) "
+                    f"in {min(workers, len(tasks))} processes")
+                for shaped, chains, answers, stats, disk, limits, refusals in pool.map(_prefetch_task, tasks):
+                    self._shaped |= shaped
+                    self._chains |= chains
+                    for key, entries in answers.items():
+                        self._cache.setdefault(key, []).extend(entries)
+                    self.limits += limits
+                    self.refusals |= refusals
+                    for key, answer in disk.items():
+                        self._disk.put(key, answer)
+                    for k, v in stats.items():
+                        self.stats[k] += v
+        finally:
+            _PREFETCHING = None
 
     def _options(self, start, end, submesh) -> list[StageOption]:
         transfer = self.transfer_seconds(start, submesh)
         options: list[StageOption] = []
-        scale = 1
-        while scale == 1 or self._may_fit(start, end, submesh, scale):  # (scale 1: ``__call__`` checked)
+        scale = 1  # (its ``_may_fit``: ``__call__`` checked)
+        while scale:
             found = []
             for shape in self.shapes(submesh):
                 shaped = self._shaped.pop((start, end, submesh, shape, scale), None)  # a worker's (``prefetch``)
                 found += self._shape_options(start, end, submesh, shape, scale) if shaped is None else shaped
-            best = min(found, key=lambda o: o.seconds + o.once_seconds, default=None)
             options += [o for o in found if o not in options]
-            need = self.in_flight_need(start, end, submesh)
-            if best is not None and best.fits(need, self.memory_bytes) or scale >= need:
-                break
-            scale *= 2
+            scale = self._next_scale(start, end, submesh, scale, found)
         kept = [o for o in options if not any(_dominates(p, o) for p in options if p is not o)]
         return [replace(o, seconds=o.seconds + transfer) for o in kept]
+
+    def _next_scale(self, start, end, submesh, scale, found) -> int | None:
+        """After the options ``found`` at ``scale`` microbatches in flight: ``2 * scale`` when the
+        fastest of them does not hold the stage's ``in_flight_need`` and twice as many may fit,
+        else None (the options stop)."""
+        best = min(found, key=lambda o: o.seconds + o.once_seconds, default=None)
+        need = self.in_flight_need(start, end, submesh)
+        if best is not None and best.fits(need, self.memory_bytes) or scale >= need \
+                or not self._may_fit(start, end, submesh, 2 * scale):
+            return None
+        return 2 * scale
 
     def _shape_options(self, start, end, submesh, shape, scale) -> list[StageOption]:
         """The options of layers ``[start, end)`` on logical ``shape`` of ``submesh`` for ``scale``
@@ -605,17 +625,17 @@ _PREFETCHING: GraphStageCosts | None = None
 
 
 def _prefetch_task(task):
-    """A worker of ``GraphStageCosts.prefetch``: the options of ``task = (shape, keys)`` on that
-    logical shape at one microbatch in flight, with the chains, ILP answers, stats, limits and
-    refusals they added."""
-    shape, keys = task
+    """A worker of ``GraphStageCosts.prefetch``: the options of ``task = (shape, scale, keys)`` on
+    that logical shape at ``scale`` microbatches in flight, with the chains, ILP answers, stats,
+    limits and refusals they added."""
+    shape, scale, keys = task
     costs = _PREFETCHING
     stats, limits, refusals = dict(costs.stats), len(costs.limits), set(costs.refusals)
     known = {key: len(entries) for key, entries in costs._cache.items()}
-    shaped = {(*key, shape, 1): costs._shape_options(*key, shape, 1) for key in keys if costs._may_fit(*key)}
+    shaped = {(*key, shape, scale): costs._shape_options(*key, shape, scale) for key in keys}
     answers = {key: entries[known.get(key, 0):] for key, entries in costs._cache.items()
                if len(entries) > known.get(key, 0)}
-    chains = {key: chain for key, chain in costs._chains.items() if key[1] == shape}
+    chains = {key: chain for key, chain in costs._chains.items() if key[1] == shape and key[2] == scale}
     return (shaped, chains, answers, {k: v - stats[k] for k, v in costs.stats.items()},
             costs._disk.new if costs._disk else {}, costs.limits[limits:],
             {r: None for r in costs.refusals if r not in refusals})
