@@ -489,3 +489,41 @@ def test_weight_norm_splits_its_dim_only(v, g, dim, split):
     results = check(lambda v, g: torch._weight_norm(v * 2, g * 2, dim), (torch.randn(v), torch.rand(g) + 0.5),
                     aten._weight_norm.default, split)
     assert all(s.out_spec.dims[d] == () for s, _, _ in results for d in range(len(v)) if dim == -1 or d != dim)
+
+
+ELEMENTWISE_LOSSES = [  # loss (x, y, reduction), its node
+    (lambda x, y, r: F.mse_loss(x, y, reduction=r), aten.mse_loss.default),
+    (lambda x, y, r: F.smooth_l1_loss(x, y, reduction=r, beta=0.5), aten.smooth_l1_loss.default),
+    (lambda x, y, r: F.huber_loss(x, y, reduction=r, delta=0.3), aten.huber_loss.default),
+    (lambda x, y, r: F.soft_margin_loss(x, y.sign(), reduction=r), aten.soft_margin_loss.default),
+    (lambda x, y, r: F.binary_cross_entropy(x.sigmoid(), y.sigmoid(), reduction=r), aten.binary_cross_entropy.default),
+    (lambda x, y, r: F.binary_cross_entropy_with_logits(x, y.sigmoid(), reduction=r,
+                                                      pos_weight=y[0, 0].abs() + 0.5),
+     aten.binary_cross_entropy_with_logits.default),
+    (lambda x, y, r: F.binary_cross_entropy_with_logits(x, y.sigmoid(), y[0].abs(), reduction=r),
+     aten.binary_cross_entropy_with_logits.default)]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("fn,target", ELEMENTWISE_LOSSES,
+                         ids=["mse", "smooth_l1", "huber", "soft_margin", "bce", "bce_logits_pos_weight",
+                              "bce_logits_weight"])
+def test_elementwise_losses_split_every_dim(fn, target, reduction):
+    """Losses of one term per element (sweep 8b: smooth L1, Huber, BCE with ``pos_weight`` ran
+    replicated, warning "no sharding strategy"): every dim of the input splits, a mean or sum of
+    split dims as partial means or sums, ``pos_weight`` / ``weight`` split with the dims they
+    broadcast along."""
+    results = check(lambda x, y: fn(x * 2, y * 2, reduction), (torch.randn(4, 8, 6), torch.randn(4, 8, 6)), target)
+    splits = {str(s.in_specs[0]) for s, _, _ in results}
+    assert {"S0S1R", "RS0S1", "S01RR"} <= splits, splits
+    assert all(s.partial_axes for s, _, _ in results if "S" in str(s.in_specs[0])) == (reduction != "none")
+
+
+@pytest.mark.parametrize("fn,target", [
+    (lambda c, x: torch.where(c > 0, 1.0, 0.0) * x, aten.where.Scalar),
+    (lambda c, x: torch.where(c > 0, 1.0, x), aten.where.ScalarSelf),
+    (lambda c, x: torch.where(c > 0, x, 0.5), aten.where.ScalarOther)], ids=["scalars", "scalar_self", "scalar_other"])
+def test_where_with_numbers_is_pointwise(fn, target):
+    """``torch.where`` with a Python number for a branch has no pointwise tag (sweep 8b: it ran
+    replicated): it splits as its tensor operands do."""
+    check(fn, (torch.randn(4, 8), torch.randn(4, 8)), target, {"S0S1", "S01R"})

@@ -62,7 +62,13 @@ with ``padding="same"``, groups and dilation, a strided, a depthwise and a trans
 ``nn.Upsample`` (``convs``: they ran replicated with a warning, and the pipeline reported the
 cross-entropy nonlinear in its microbatches) under data parallelism, the pipeline, and channels
 split on axis 1 (``convs-channels``: the grouped conv by whole groups, the depthwise one, the
-transposed one over its input channels, a partial sum with its bias added once).
+transposed one over its input channels, a partial sum with its bias added once). Sweep 8b's
+losses: per-element losses (BCE with ``pos_weight``, smooth L1, multi-margin, triplet,
+cosine-embedding; ``misc_losses``: they ran replicated, no rule) under Megatron and the pipeline,
+``margin_ranking`` + Huber under data parallelism, ``nll_loss(weight=, ignore_index=)`` accumulated
+(a ratio of weight sums), ``nn.MultiheadAttention`` with a key-padding mask in the pipeline
+(``mha_pad``: a false "microbatches change the loss" warning before its ops had rules) and
+``Embedding(max_norm=)``'s in-place renorm in the pipeline.
 """
 import json
 from pathlib import Path
@@ -96,6 +102,10 @@ EXTRA = {"ce_ignore-pipe_tp": ("ce_ignore", PIPE_TP), "num_items-accumulate": ("
          "attn_bias-heads": ("attn_bias", {"batch_axis": 0, "param_specs": {"q.weight": "S1R", "k.weight": "S1R",
                                                                              "v.weight": "S1R", "o.weight": "RS1"}}),
          "clip-zero3": ("clip", PLANS["dp"] | {"zero_stage": 3}),
+         "misc_losses-megatron": ("misc_losses", PLANS["megatron"]), "misc_losses-pipe": ("misc_losses", PLANS["pipe"]),
+         "pair_losses-dp": ("pair_losses", PLANS["dp"]), "mha_pad-pipe": ("mha_pad", PLANS["pipe"]),
+         "nll_weight_ignore-accumulate": ("nll_weight_ignore", ACCUMULATE),
+         "max_norm_emb-pipe": ("max_norm_emb", PLANS["pipe"]),
          "convs-dp": ("convs", PLANS["dp"]), "convs-pipe": ("convs", PLANS["pipe"]),
          "convs-channels": ("convs", {"batch_axis": 0, "param_specs": {
              "c1.weight": "S1RR", "c2.weight": "S1RRR", "dw.weight": "S1RRR", "ct.weight": "S1RRR"}})}

@@ -502,14 +502,20 @@ def _cross_entropy(node, fresh):
                        reduce="mean" if a["reduction"] == 1 else "sum")
 
 
-def _mse(node, fresh):
+def _elementwise_loss(node, fresh):
+    """A loss of one term per element of ``self`` (``mse_loss``, ``l1_loss``, ``smooth_l1_loss``,
+    ``huber_loss``, ``soft_margin_loss``, ``binary_cross_entropy[_with_logits]``): ``target`` of
+    ``self``'s shape, any ``weight`` / ``pos_weight`` broadcast to it. ``reduction="none"`` is
+    pointwise; a mean or sum of a split dim leaves partial means or sums."""
     a = op_args(node)
     if a["reduction"] == 0:
         return _pointwise(node, fresh)
-    if _shape(a["self"]) != _shape(a["target"]):
+    shape = _shape(a["self"])
+    if _shape(a["target"]) != shape:
         return None
-    x = _dims("d", len(_shape(a["self"])))
-    return OpSignature([x, x], [()], reduce="mean" if a["reduction"] == 1 else "sum")
+    x = _dims("d", len(shape))
+    return OpSignature([_broadcast(_shape(n), x, shape, fresh) for n in _tensor_inputs(node)], [()],
+                       reduce="mean" if a["reduction"] == 1 else "sum")
 
 
 def _conv(node, fresh):
@@ -651,6 +657,9 @@ FOLLOWER_TARGETS = {
     aten.flatten.using_ints, aten.unflatten.int, operator.getitem,
 }
 
+_ELEMENTWISE_LOSSES = (aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_loss.default,
+                       aten.huber_loss.default, aten.soft_margin_loss.default, aten.binary_cross_entropy.default,
+                       aten.binary_cross_entropy_with_logits.default)
 _TABLE = {
     aten.mm.default: _mm, aten.bmm.default: _bmm, aten.addmm.default: _addmm_like(_mm),
     aten.baddbmm.default: _addmm_like(_bmm), aten.linear.default: _linear, aten.matmul.default: _matmul,
@@ -669,6 +678,8 @@ _TABLE = {
     aten.log_sigmoid.default: _pointwise,  # F.logsigmoid (DPO's loss): no pointwise tag
     aten.fill.Tensor: _pointwise,  # a 0-dim value broadcast over self (T5's decoder start token): no pointwise tag
     aten.masked_fill.Tensor: _pointwise,  # a 0-dim value where the (broadcast) mask is set: no pointwise tag
+    # torch.where with a Python number on either side: no pointwise tag
+    aten.where.Scalar: _pointwise, aten.where.ScalarSelf: _pointwise, aten.where.ScalarOther: _pointwise,
     aten.softmax.int: _softmax, aten._softmax.default: _softmax, aten.log_softmax.int: _softmax,
     aten._log_softmax.default: _softmax,
     aten.layer_norm.default: _layer_norm, aten.rms_norm.default: _layer_norm,
@@ -684,7 +695,8 @@ _TABLE = {
     aten.unbind.int: _unbind, aten.cat.default: _cat, aten.slice.Tensor: _slice, aten.select.int: _select,
     aten.scaled_dot_product_attention.default: _sdpa, aten.embedding.default: _embedding,
     aten.broadcast_tensors.default: _broadcast_tensors, aten.cross_entropy_loss.default: _cross_entropy,
-    aten.nll_loss_nd.default: _cross_entropy, aten.nll_loss.default: _cross_entropy, aten.mse_loss.default: _mse,
+    aten.nll_loss_nd.default: _cross_entropy, aten.nll_loss.default: _cross_entropy,
+    **{loss: _elementwise_loss for loss in _ELEMENTWISE_LOSSES},
     **{conv: _conv for conv in CONV_OPS},
     aten.batch_norm.default: _batch_norm, aten._native_batch_norm_legit_functional.default: _batch_norm,
     **{pool: _pool for pool in (aten.max_pool1d.default, aten.max_pool2d.default, aten.max_pool3d.default,
