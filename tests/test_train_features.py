@@ -81,8 +81,10 @@ def test_checkpoint_resumes_under_other_plans(results):
     fresh = r["fresh_optimizer"]
     assert not math.isclose(fresh["losses"][1], ref[3], rel_tol=1e-3)  # the optimizer state matters
     assert fresh["param_err"] > 5e-3
-    # pipeline: 2 stages x 2 devices, pipeline_4x1: 4 stages x 1; zero2: loaded, one step, saved, loaded into DP
-    for plan in ("dp_1x4", "pipeline", "pipeline_4x1", "auto", "zero2"):
+    # pipeline: 2 stages x 2 devices, pipeline_4x1: 4 stages x 1; zero2: loaded, one step, saved, loaded into DP;
+    # interleaved: 2 stages on each rank (before, load read a parameter's shape from the rank's current
+    # stage and raised KeyError 'wte.weight' on ranks 2-3, while ranks 0-1 waited in dcp.load)
+    for plan in ("dp_1x4", "pipeline", "pipeline_4x1", "auto", "zero2", "interleaved"):
         assert r[plan]["extra"] == {"step": 2}, plan
         assert r[plan]["losses"] == pytest.approx(ref[2:], rel=1e-5), plan
         assert r[plan]["param_err"] < min(5e-4, fresh["param_err"] / 10), plan
@@ -146,6 +148,10 @@ def test_checkpoint_errors(results):
     assert "__0_0.distcp has 100 bytes" in e["c_short"]
     assert "no .metadata file" in e["c_nometa"]
     assert "has no 'model.layers.0.weight'" in e["other_model"]
+    # a parameter of the second stage missing: rank 0 (first stage) names rank 2's error, at once
+    assert "rank 2 failed: CheckpointError" in e["stage_missing"], e["stage_missing"]
+    assert "has no 'model.blocks.1.ffn.proj.weight'" in e["stage_missing"]
+    assert e["stage_missing_seconds"] < 30  # the job's collective timeout is 60 s
 
 
 def test_optimizer_groups_from_the_models_own_parameters(results):

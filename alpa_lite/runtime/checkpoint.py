@@ -181,11 +181,52 @@ def load(trainer, path: str | Path) -> dict:
     Raises:
         CheckpointError: no checkpoint at ``path``; a file the metadata names is missing or too
             short; ``.metadata`` is corrupt; a parameter of the model is not in the checkpoint
-            (the message names its key) or has another shape there (another model).
+            (the message names its key) or has another shape there (another model). Raised on
+            every rank, also where the rank failing is another (a pipeline stage's parameter
+            missing: the message names that rank); the failing rank raises its own error.
     """
+    path = Path(path)
+    try:
+        reader, saved, target = _load_target(trainer, path)
+        failure = None
+    except Exception as e:  # noqa: BLE001 - agreed on below, then raised as it was
+        error, failure = e, f"{type(e).__name__}: {e}"
+    # every rank checks its own shards' keys and shapes (a pipeline stage: its stage's): one that
+    # fails must not leave the others waiting in dcp.load's collectives until the job's timeout
+    failures = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    if failure is not None:
+        raise error
+    first = next((r for r, f in enumerate(failures) if f is not None), None)
+    if first is not None:
+        raise CheckpointError(f"cannot load checkpoint {path}: rank {first} failed: {failures[first]}")
+    try:
+        dcp.load(target, storage_reader=reader)
+    except Exception as e:  # noqa: BLE001 - DCP raises CheckpointException on every rank
+        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
+    local = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in target.items()}
+    with torch.no_grad():
+        for fqn, x in {**trainer.params, **trainer.buffers}.items():
+            if f"model.{fqn}" in local:
+                x.copy_(local[f"model.{fqn}"])
+    if trainer.optimizer is not None:
+        if COMPLETE not in saved:
+            missing = [f for f in trainer.params if not any(k.startswith(f"optim.state.{f}.") for k in saved)]
+            if missing:
+                warnings.warn(f"checkpoint {path} was not written by Trainer.save and has no optimizer state for "
+                              f"{len(missing)} of this rank's {len(trainer.params)} parameters (no "
+                              f"'optim.state.{missing[0]}.*'): they start with a fresh optimizer state", stacklevel=3)
+        _load_optimizer(trainer, local)
+    extra = path / EXTRA
+    return json.loads(extra.read_text()) if extra.is_file() else {}
+
+
+def _load_target(trainer, path: Path):
+    """``(reader, saved metadata by key, target)`` of ``load``: the DCP state dict of this
+    rank's shards to read, after checking the checkpoint's files and the keys and shapes of this
+    rank's parameters."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    path = Path(path)
     reader, metadata = _reader(path)
     saved = metadata.state_dict_metadata
     target: dict[str, object] = {}
@@ -212,25 +253,7 @@ def load(trainer, path: str | Path) -> dict:
                     target[key] = _dtensor(trainer, fqn, torch.empty_like(p.detach(), dtype=m.properties.dtype))
                 else:
                     target[key] = torch.empty(tuple(m.size), dtype=m.properties.dtype, device=p.device)
-    try:
-        dcp.load(target, storage_reader=reader)
-    except Exception as e:  # noqa: BLE001 - DCP raises CheckpointException on every rank
-        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
-    local = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in target.items()}
-    with torch.no_grad():
-        for fqn, x in {**trainer.params, **trainer.buffers}.items():
-            if f"model.{fqn}" in local:
-                x.copy_(local[f"model.{fqn}"])
-    if trainer.optimizer is not None:
-        if COMPLETE not in saved:
-            missing = [f for f in trainer.params if not any(k.startswith(f"optim.state.{f}.") for k in saved)]
-            if missing:
-                warnings.warn(f"checkpoint {path} was not written by Trainer.save and has no optimizer state for "
-                              f"{len(missing)} of this rank's {len(trainer.params)} parameters (no "
-                              f"'optim.state.{missing[0]}.*'): they start with a fresh optimizer state", stacklevel=3)
-        _load_optimizer(trainer, local)
-    extra = path / EXTRA
-    return json.loads(extra.read_text()) if extra.is_file() else {}
+    return reader, saved, target
 
 
 def _load_optimizer(trainer, local: dict[str, object]) -> None:

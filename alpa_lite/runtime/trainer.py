@@ -311,6 +311,7 @@ class Trainer:
 
     def global_shape(self, fqn: str) -> tuple[int, ...]:
         """The full shape of parameter / buffer ``fqn``."""
+        self._select(fqn)  # a pipeline rank's placeholders are its chunks' (interleaved: several)
         return tuple(self.cg.node(self._placeholders[fqn]).meta["val"].shape)
 
     def save(self, path: str | Path, extra: dict | None = None) -> None:
