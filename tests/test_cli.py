@@ -213,3 +213,25 @@ def test_plan_module_callable_bad_signature_is_one_clear_line(capsys):
     r = in_process(capsys, "plan", f"{__name__}:_not_a_pair", "--mesh", "1x2")
     err = " ".join(r.stderr.split())
     assert r.returncode == 2 and "must return (model, example_inputs), got Linear" in err, err
+
+
+def test_train_runs_a_pipelined_plan_file(tmp_path):
+    """``alpa-lite train --plan`` with a plan ``alpa-lite plan --pipeline`` wrote (2 stages x 1
+    device, 2 microbatches): its stage table, the SPMD run's losses and validation loss (the
+    pipeline's forward-only ``PipelineTrainer.loss``). Before, rank 0 died printing the SPMD
+    collective table ('PipelinePlan' object has no attribute 'collectives'), and the pipeline
+    trainer had no ``loss`` for the validation."""
+    flags = ["--nproc", "2", "--mesh", "1x2", "--seq", "16", "--batch", "8", "--steps", "2"]
+    plan = tmp_path / "pipe.json"
+    r = alpa_lite("plan", "gpt-tiny", "--mesh", "1x2", "--batch", "8", "--seq", "16", "--cluster", "cpu-gloo",
+                  "--pipeline", "2", "--microbatches", "2", "--json", str(plan))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    out = {}
+    for name, extra in {"spmd": [], "pipe": ["--plan", str(plan)]}.items():
+        r = alpa_lite("train", *flags, *extra, "--out", str(tmp_path / name))
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        out[name] = (r.stdout, [json.loads(x)["loss"] for x in (tmp_path / name / "log.jsonl").read_text().splitlines()],
+                     json.loads((tmp_path / name / "summary.json").read_text())["val_loss"])
+    assert "microbatches" in out["pipe"][0] and "collectives per training step" not in out["pipe"][0]
+    assert out["pipe"][1] == pytest.approx(out["spmd"][1], rel=1e-5)
+    assert out["pipe"][2] == pytest.approx(out["spmd"][2], rel=1e-5)

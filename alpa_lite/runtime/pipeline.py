@@ -482,6 +482,42 @@ class PipelineTrainer(Trainer):
                     holder.grad.div_(z)
         return loss
 
+    def loss(self, *batch, **kwargs) -> torch.Tensor:
+        """The loss of a global batch (``num_microbatches`` microbatches, combined as ``step``
+        combines them), forward only, on every rank: a 0-dim tensor without an autograd graph
+        (a pipeline's backward runs only inside ``step``). Each rank runs its stages' forwards of
+        every microbatch in stage order (GPipe's forward half), with the interpreter; buffers such
+        as batch-norm statistics are updated as in a forward, once per microbatch. No update.
+
+        Raises:
+            ValueError: the batch's structure or a tensor's shape is not the captured one.
+        """
+        flat = self._flat_batch(batch, kwargs)
+        self._pending, self._terms = [], []
+        programs = [chunk["program"] for chunk in self.chunks]
+        try:
+            for chunk in self.chunks:  # the interpreter: a compiled stage's forward is traced for backward
+                chunk["program"] = None
+            with torch.no_grad():
+                for stage in self.stages:  # ascending: a rank's earlier stage feeds a later stage of another rank
+                    self._enter(stage)
+                    for mb in range(self.num_microbatches):
+                        received = self._recv_acts(mb) if stage > 0 else {}
+                        gathered = self.executor.gathered_parameters()
+                        with self.executor.deferring(False):
+                            sent, _ = self._forward(mb, flat, received, gathered)
+                        if stage < self.num_stages - 1:
+                            self._send([t.detach() for t in sent], self._next_peers(), stage + 1, mb, 0)
+            for works, what in self._pending:
+                _wait(works, what)
+        finally:
+            for chunk, program in zip(self.chunks, programs):
+                chunk["program"] = program
+            self._pending = []
+        loss, _ = self._broadcast_loss()
+        self._terms = []
+        return torch.tensor(loss, device=self.device)
+
     def _backward_roots(self, sent: list[torch.Tensor], term, grads=None) -> tuple[list, list]:
         """``(tensors, their gradients)`` a microbatch's backward starts from: the weighted loss on
         the last stage (none when it adds nothing), else the sent values that need a gradient."""
