@@ -98,6 +98,16 @@ def test_checkpoint_resumes_a_lowered_learning_rate(results):
     assert r["param_err"] < 5e-4 < r["unlowered_err"]  # the rate matters: LR throughout ends far off
 
 
+def test_checkpoint_resumes_the_fp16_loss_scale(results):
+    """fp16: the first step overflows at 2^16 and is skipped; a run saved after 2 steps resumes at
+    the saved scale 2^15 and continues as the uninterrupted run (before, it restarted at 2^16 and
+    skipped step 3's update too: last loss 3.5e-2 off, parameters 2.7e-2)."""
+    r = results["fp16"]
+    assert r["skipped"] == 1 and r["saved_scale"] == r["loaded_scale"] == 2.0**15
+    assert r["resumed"] == pytest.approx(r["losses"], rel=1e-5)
+    assert r["param_err"] < 1e-5
+
+
 def test_checkpoint_without_optimizer_state(results):
     """A model-only checkpoint (``dcp.save`` of the parameters by another program) loads with a
     warning naming the missing optimizer key, and the optimizer starts fresh: the run continues as

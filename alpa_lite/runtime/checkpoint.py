@@ -30,6 +30,11 @@ checkpoint without it (a model-only one, written by another program with ``dcp.s
 fresh one (as on a first step), and ``load`` warns, naming the first one's missing
 ``optim.state.<fqn>.*`` key.
 
+Under fp16 the loss scaler's state (its scale, clean steps since the last change, steps skipped;
+``precision.LossScaler``) is saved as ``scaler.*`` scalars and restored by a trainer that has a
+scaler: before (sweep 9), a resumed fp16 run restarted at the initial 2^16 and overflowed again,
+skipping a batch the uninterrupted run had trained on.
+
 ``save_full(trainer, path)``: the full state dict (``Trainer.state_dict``) on rank 0, as
 safetensors for a ``.safetensors`` path, else ``torch.save``; also written to a temporary name
 and renamed.
@@ -49,6 +54,9 @@ import torch.distributed.checkpoint as dcp
 
 EXTRA = "extra.json"
 COMPLETE = "optim.complete"
+SCALER = {"scaler.scale": ("scale", torch.float64), "scaler.clean": ("_clean", torch.int64),
+          "scaler.skipped": ("skipped", torch.int64)}
+"""fp16's loss scaler (``precision.LossScaler``): checkpoint key -> (attribute, dtype)."""
 
 
 class CheckpointError(RuntimeError):
@@ -68,6 +76,8 @@ def _dtensor(trainer, fqn: str, local: torch.Tensor):
 def _sharded_state(trainer) -> dict[str, object]:
     """The flat DCP state dict of this rank (module docstring)."""
     state: dict[str, object] = {COMPLETE: torch.ones((), dtype=torch.int8)}
+    if getattr(trainer, "scaler", None) is not None:  # the same on every rank
+        state |= {key: torch.tensor(getattr(trainer.scaler, name), dtype=dtype) for key, (name, dtype) in SCALER.items()}
     for fqn, x in {**trainer.params, **trainer.buffers}.items():
         if trainer.owns(fqn):
             state[f"model.{fqn}"] = _dtensor(trainer, fqn, x.detach())
@@ -205,6 +215,9 @@ def load(trainer, path: str | Path) -> dict:
     except Exception as e:  # noqa: BLE001 - DCP raises CheckpointException on every rank
         raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
     local = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in target.items()}
+    for key, (name, _) in SCALER.items():
+        if key in local:
+            setattr(trainer.scaler, name, local[key].item())
     with torch.no_grad():
         for fqn, x in {**trainer.params, **trainer.buffers}.items():
             if f"model.{fqn}" in local:
@@ -230,6 +243,8 @@ def _load_target(trainer, path: Path):
     reader, metadata = _reader(path)
     saved = metadata.state_dict_metadata
     target: dict[str, object] = {}
+    if getattr(trainer, "scaler", None) is not None:  # a checkpoint without them: the scaler starts fresh
+        target |= {key: torch.empty((), dtype=dtype) for key, (_, dtype) in SCALER.items() if key in saved}
     for fqn, x in {**trainer.params, **trainer.buffers}.items():
         key = f"model.{fqn}"
         if key not in saved:

@@ -252,6 +252,29 @@ def lowered_learning_rate(model, batches, root: Path) -> dict:
             "unlowered_err": err(reference(model, batches, LR)[2], want)}
 
 
+def fp16_resume(model, batches, root: Path) -> dict:
+    """fp16 data parallel on 2x2: the first step overflows at the initial loss scale 2^16 (skipped,
+    scale halved). Saved after 2 steps and resumed (another seed), the run continues as the
+    uninterrupted one: the scaler's state is in the checkpoint (before, the resumed run restarted
+    at 2^16, overflowed again at step 3 and skipped its update: last loss 3.5e-2 off, parameters
+    2.7e-2)."""
+    options = {"force_data_parallel": True, "mixed_precision": "fp16"}
+
+    def make(seed):
+        return parallelize(copy.deepcopy(model), (2, 2), batches[0], optimizer=adamw, seed=seed, **options)
+    whole = make(0)
+    losses = [whole.step(*b) for b in batches]
+    first = make(0)
+    resumed = [first.step(*b) for b in batches[:2]]
+    first.save(root / "ckpt_fp16")
+    second = make(3)
+    second.load(root / "ckpt_fp16")
+    scale = second.scaler.scale
+    resumed += [second.step(*b) for b in batches[2:]]
+    return {"losses": losses, "resumed": resumed, "skipped": whole.scaler.skipped, "saved_scale": first.scaler.scale,
+            "loaded_scale": scale, "param_err": err(second.state_dict(), whole.state_dict())}
+
+
 def resumed_on_fewer_ranks(model, batches, root: Path) -> dict:
     """Load the checkpoint the 4-rank launch saved on 2x2 Megatron after 2 steps into plans of
     this launch's 2 ranks (another world size); continue as the uninterrupted run."""
@@ -387,7 +410,7 @@ def main():
         return finish(resumed_on_fewer_ranks(model, batches, Path(args.dir)), args.out)
     results = {"accumulation_and_clipping": accumulation_and_clipping(model, batches),
                "checkpoints": checkpoints(model, batches, Path(args.dir)), "timeouts": timeouts(model, batches),
-               "named_groups": named_groups(model, batches)}
+               "named_groups": named_groups(model, batches), "fp16": fp16_resume(model, batches, Path(args.dir))}
     finish(results, args.out)
 
 
