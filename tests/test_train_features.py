@@ -162,6 +162,9 @@ def test_checkpoint_errors(results):
     assert "rank 2 failed: CheckpointError" in e["stage_missing"], e["stage_missing"]
     assert "has no 'model.blocks.1.ffn.proj.weight'" in e["stage_missing"]
     assert e["stage_missing_seconds"] < 30  # the job's collective timeout is 60 s
+    # a save whose checks fail on rank 2 only (an optimizer state not shaped like its parameter)
+    assert "rank 2 failed: CheckpointError: optimizer state 'factored'" in e["save_one_rank"], e["save_one_rank"]
+    assert e["save_one_rank_seconds"] < 30
 
 
 def test_optimizer_groups_from_the_models_own_parameters(results):

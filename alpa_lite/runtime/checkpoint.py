@@ -118,15 +118,21 @@ def save(trainer, path: str | Path, extra: dict | None = None) -> None:
 
     Raises:
         ValueError: ``path``'s parent directory does not exist, or ``extra`` is not JSON-able.
-        CheckpointError: an optimizer state that is neither parameter-shaped nor a scalar.
+        CheckpointError: an optimizer state that is neither parameter-shaped nor a scalar; on
+            the other ranks, when one rank's checks failed (the message names it).
         torch.distributed.checkpoint.CheckpointException: a rank failed to write (on every rank;
             ``path`` is left as it was).
     """
     path = Path(path).absolute()
-    if not path.parent.is_dir():
-        raise ValueError(f"cannot save to {path}: the directory {path.parent} does not exist")
-    text = json.dumps(extra or {})  # fails here, on every rank, before anything is written
-    state = _sharded_state(trainer)
+    try:
+        if not path.parent.is_dir():
+            raise ValueError(f"cannot save to {path}: the directory {path.parent} does not exist")
+        text = json.dumps(extra or {})  # fails here, on every rank, before anything is written
+        state = _sharded_state(trainer)
+        error = None
+    except Exception as e:  # noqa: BLE001 - agreed on, then raised as it was
+        error = e
+    _agree(error, f"cannot save checkpoint {path}")
     box = [tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
            if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
@@ -148,6 +154,21 @@ def save(trainer, path: str | Path, extra: dict | None = None) -> None:
         else:
             os.replace(tmp, path)
     dist.barrier()
+
+
+def _agree(error: Exception | None, what: str) -> None:
+    """Raise on every rank when a rank's checks before DCP's collectives failed (``error``: this
+    rank's, or None): the failing rank raises its own error, the others a ``CheckpointError``
+    naming the first failing rank and its error. Each rank checks its own shards (a pipeline
+    stage: its stage's), and one that failed alone left the others waiting in ``dcp.save`` /
+    ``dcp.load`` (or the broadcast of the temporary directory) until the job's collective timeout."""
+    failures = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    first = next((r for r, f in enumerate(failures) if f is not None), None)
+    if first is not None:
+        raise CheckpointError(f"{what}: rank {first} failed: {failures[first]}")
 
 
 def _reader(path: Path):
@@ -198,18 +219,10 @@ def load(trainer, path: str | Path) -> dict:
     path = Path(path)
     try:
         reader, saved, target = _load_target(trainer, path)
-        failure = None
-    except Exception as e:  # noqa: BLE001 - agreed on below, then raised as it was
-        error, failure = e, f"{type(e).__name__}: {e}"
-    # every rank checks its own shards' keys and shapes (a pipeline stage: its stage's): one that
-    # fails must not leave the others waiting in dcp.load's collectives until the job's timeout
-    failures = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, failure)
-    if failure is not None:
-        raise error
-    first = next((r for r, f in enumerate(failures) if f is not None), None)
-    if first is not None:
-        raise CheckpointError(f"cannot load checkpoint {path}: rank {first} failed: {failures[first]}")
+        error = None
+    except Exception as e:  # noqa: BLE001 - agreed on, then raised as it was
+        error = e
+    _agree(error, f"cannot load checkpoint {path}")
     try:
         dcp.load(target, storage_reader=reader)
     except Exception as e:  # noqa: BLE001 - DCP raises CheckpointException on every rank
