@@ -416,10 +416,15 @@ def _solver(time_limit: float, name: str, node_limit: int | None):
         # there and presolved twice more, 40% of its time, for the same optimum. No probing
         # (presolve rule 15): it was 60% of that ILP's time (1.41 -> 0.52 s), and on 525 ILPs of
         # the planner (its tests, GPT-3 39B / 8x8 stages, Wide-ResNet 4B / V100 stages) it gave
-        # the same objective every time in 42% of the time (docs/plan_time.md)
+        # the same objective every time in 42% of the time (docs/plan_time.md). No dominated-column
+        # reduction (rule 5): on memory-tight MoE stage ILPs (V100 MoE 27B, a chain layer at 2-4
+        # microbatches in flight) HiGHS 1.16 with it rejected the optimum after postsolve ("untransformed
+        # violations: variable bound = 1") and returned a solution 1.85-2.26x worse as "Optimal" (or
+        # called the ILP infeasible); without it, CBC's optimum on all 17 such ILPs, and the same or a
+        # lower objective on 70 GPT-3 39B and Wide-ResNet 4B stage ILPs in the same time (docs/plan_time.md)
         nodes = {} if node_limit is None else {"mip_max_nodes": int(node_limit)}
         return _HiGHS(msg=False, timeLimit=time_limit, threads=1, random_seed=0, gapRel=1e-7, gapAbs=1e-12,
-                      mip_allow_restart=False, presolve_rule_off=1 << 15, **nodes)
+                      mip_allow_restart=False, presolve_rule_off=(1 << 15) | (1 << 5), **nodes)
     # CBC's primal heuristics cost more than they save on these small problems (3x on the
     # per-layer ILPs of GPT-3 39B): branch and bound from the feasible start ``solve`` gives.
     # No objective increment: the one CBC derives from the objective's coefficients pruned the
