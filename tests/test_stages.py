@@ -7,6 +7,7 @@ import pytest
 
 from alpa_lite import LogicalMesh, load_plan, plan
 from alpa_lite.zoo.models import build_model
+from alpa_lite.compiler.ilp import highs_available
 from alpa_lite.compiler.stage_dp import (
     PipelinePlanError,
     StageOption,
@@ -603,23 +604,19 @@ def test_stage_ilp_weighs_a_cast_parameters_gradient_sync_once_per_step():
     assert discounted[None] == discounted[torch.bfloat16] == uses
 
 
-@pytest.mark.skipif(not __import__("alpa_lite.compiler.ilp", fromlist=["x"]).highs_available(), reason="needs highspy")
+@pytest.mark.skipif(not highs_available(), reason="needs highspy")
 def test_memory_tight_moe_chain_same_with_highs_and_cbc():
-    """V100 MoE 27B / 4x8 at B = 64 (plan_quality's case): layers 0-3 as a chain on submesh 2x8,
-    logical 4x4, one then two microbatches in flight (the split budgets). HiGHS with its dominated-column presolve rejected the
-    optimum of a layer's ILP after postsolve and returned one 2.26x slower as "Optimal"
-    (docs/plan_time.md, tenth round): every chain part (a layer's ILP) must price as CBC's."""
-    import sys
-    from pathlib import Path
+    """V100 MoE 27B / 4x8 at B = 64 (benchmarks/plan_quality.py's case: batch 1024, seq 1024):
+    layers 0-3 as a chain on submesh 2x8, logical 4x4, one then two microbatches in flight (the
+    split budgets). HiGHS with its dominated-column presolve rejected the optimum of a layer's
+    ILP after postsolve and returned one 2.26x slower as "Optimal" (docs/plan_time.md, tenth
+    round): every chain part (a layer's ILP) must price as CBC's."""
     from alpa_lite.compiler.clustering import cluster_layers
     from alpa_lite.compiler.stage_costs import GraphStageCosts
     from alpa_lite.core.capture import capture
     from alpa_lite.core.options import PlanOptions
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-    from plan_quality import SUITES
-    suite = SUITES["moe"]
-    model, example = build_model("moe-27b", suite.global_batch // 64, suite.seq, device="meta", **dict(suite.overrides))
+    model, example = build_model("moe-27b", 1024 // 64, 1024, device="meta")
     cg = capture(model, example)
     layers = cluster_layers(cg, 8)
     mesh = LogicalMesh((4, 8), cluster="v100")
