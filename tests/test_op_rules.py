@@ -501,13 +501,16 @@ ELEMENTWISE_LOSSES = [  # loss (x, y, reduction), its node
                                                       pos_weight=y[0, 0].abs() + 0.5),
      aten.binary_cross_entropy_with_logits.default),
     (lambda x, y, r: F.binary_cross_entropy_with_logits(x, y.sigmoid(), y[0].abs(), reduction=r),
-     aten.binary_cross_entropy_with_logits.default)]
+     aten.binary_cross_entropy_with_logits.default),
+    (lambda x, y, r: F.hinge_embedding_loss(x, y.sign(), margin=0.5, reduction=r), aten.hinge_embedding_loss.default),
+    (lambda x, y, r: F.margin_ranking_loss(x, y, (x - y).sign(), margin=0.1, reduction=r),
+     aten.margin_ranking_loss.default)]
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("fn,target", ELEMENTWISE_LOSSES,
                          ids=["mse", "smooth_l1", "huber", "soft_margin", "bce", "bce_logits_pos_weight",
-                              "bce_logits_weight"])
+                              "bce_logits_weight", "hinge_embedding", "margin_ranking"])
 def test_elementwise_losses_split_every_dim(fn, target, reduction):
     """Losses of one term per element (sweep 8b: smooth L1, Huber, BCE with ``pos_weight`` ran
     replicated, warning "no sharding strategy"): every dim of the input splits, a mean or sum of

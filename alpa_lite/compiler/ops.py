@@ -504,13 +504,14 @@ def _cross_entropy(node, fresh):
 
 def _elementwise_loss(node, fresh):
     """A loss of one term per element of ``self`` (``mse_loss``, ``l1_loss``, ``smooth_l1_loss``,
-    ``huber_loss``, ``soft_margin_loss``, ``binary_cross_entropy[_with_logits]``): ``target`` of
-    ``self``'s shape, any ``weight`` / ``pos_weight`` broadcast to it. ``reduction="none"`` is
-    pointwise; a mean or sum of a split dim leaves partial means or sums."""
+    ``huber_loss``, ``soft_margin_loss``, ``hinge_embedding_loss``,
+    ``binary_cross_entropy[_with_logits]``; ``margin_ranking_loss``'s ``input1`` and ``input2``):
+    ``target`` of its shape, any ``weight`` / ``pos_weight`` broadcast to it. ``reduction="none"``
+    is pointwise; a mean or sum of a split dim leaves partial means or sums."""
     a = op_args(node)
     if a["reduction"] == 0:
         return _pointwise(node, fresh)
-    shape = _shape(a["self"])
+    shape = _shape(a["self"] if "self" in a else a["input1"])
     if _shape(a["target"]) != shape:
         return None
     x = _dims("d", len(shape))
@@ -659,7 +660,8 @@ FOLLOWER_TARGETS = {
 
 _ELEMENTWISE_LOSSES = (aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_loss.default,
                        aten.huber_loss.default, aten.soft_margin_loss.default, aten.binary_cross_entropy.default,
-                       aten.binary_cross_entropy_with_logits.default)
+                       aten.binary_cross_entropy_with_logits.default, aten.hinge_embedding_loss.default,
+                       aten.margin_ranking_loss.default)
 _TABLE = {
     aten.mm.default: _mm, aten.bmm.default: _bmm, aten.addmm.default: _addmm_like(_mm),
     aten.baddbmm.default: _addmm_like(_bmm), aten.linear.default: _linear, aten.matmul.default: _matmul,
