@@ -51,7 +51,7 @@ def cmd_plan(args) -> int:
     from .api import plan
     from .core.mesh import LogicalMesh, get_cluster, parse_mesh_shape
     from .core.plan import PipelinePlan
-    from .tools.explain import collective_table, node_table, param_table, summary_table
+    from .tools.explain import node_table, plan_tables
     from .tools.progress import PlanProgress
     from .zoo.models import build_model
 
@@ -93,15 +93,12 @@ def cmd_plan(args) -> int:
             Console(stderr=True).print(f"[yellow]warning:[/] {w.message}")
     if args.explain:
         explained = node_table(result, args.explain)  # an unknown name fails before the tables
-    console.print(summary_table(result, f"{args.model} on a {shape[0]}x{shape[1]} mesh, batch {args.batch}"))
-    console.print(param_table(result, max_rows=10**6 if args.all_params else 40))
-    if isinstance(result, PipelinePlan):
-        from .tools.display import schedule_chart, stages_table
-        console.print(stages_table(result))
-        if args.schedule_chart:
-            console.print(f"schedule chart written to {schedule_chart(result, args.schedule_chart)}")
-    else:
-        console.print(collective_table(result))
+    for table in plan_tables(result, f"{args.model} on a {shape[0]}x{shape[1]} mesh, batch {args.batch}",
+                             max_rows=10**6 if args.all_params else 40):
+        console.print(table)
+    if isinstance(result, PipelinePlan) and args.schedule_chart:
+        from .tools.display import schedule_chart
+        console.print(f"schedule chart written to {schedule_chart(result, args.schedule_chart)}")
     if args.explain:
         console.print(explained)
     if args.json:

@@ -75,9 +75,7 @@ def _worker(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from .zoo.data import batches, load_tokens
-    from .tools.explain import collective_table, param_table, summary_table
-    from .tools.display import stages_table
-    from .core.plan import PipelinePlan
+    from .tools.explain import plan_tables
     from .runtime.launch import init_distributed
     from .core.mesh import parse_mesh_shape
     from .zoo.models import build_model
@@ -106,13 +104,9 @@ def _worker(args) -> int:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         trainer.plan.to_json(out / "plan.json")
-        console.print(summary_table(trainer.plan, f"{args.model} on {world} {trainer.device.type.upper()} "
-                                                  f"process{'es' if world > 1 else ''}, mesh {args.mesh}"))
-        console.print(param_table(trainer.plan))
-        if isinstance(trainer.plan, PipelinePlan):  # a --plan written by `alpa-lite plan --pipeline`
-            console.print(stages_table(trainer.plan))
-        else:
-            console.print(collective_table(trainer.plan))
+        for table in plan_tables(trainer.plan, f"{args.model} on {world} {trainer.device.type.upper()} "
+                                               f"process{'es' if world > 1 else ''}, mesh {args.mesh}"):
+            console.print(table)  # a pipelined plan (a --plan of `alpa-lite plan --pipeline`): its stages
     log = open(out / "log.jsonl", "a" if start else "w") if rank == 0 else None
     losses = []
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),

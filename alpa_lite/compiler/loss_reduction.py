@@ -350,8 +350,9 @@ class _Reader:
         return LossReduction(kind[0], kind[1], tuple(self.problems))
 
     def _buffer_writes(self) -> None:
-        """A buffer the forward writes (a step counter ``self.steps += 1``, an EMA) is written once
-        per microbatch: K times per step. Batch-norm statistics are reported by their op."""
+        """A buffer the forward writes (a step counter ``self.steps += 1``, an EMA), or a parameter
+        it writes under ``no_grad``, is written once per microbatch: K times per step. Batch-norm
+        statistics are reported by their op."""
         writers = {}
         for name, fqn in sorted(self.cg.buffer_mutations.items()):
             node = self.cg.node(name)
@@ -367,11 +368,11 @@ class _Reader:
         # alpha=1 - m); a decay): K times per step too (sweep 8: a 2-stage pipeline of 2 microbatches
         # trained such a teacher silently off one process). max_norm's renorm is not named: it
         # rescales only the rows a microbatch looks up, to the same norm however often it runs
-        fqns = {**self.cg.param_fqns, **self.cg.buffer_fqns}
+        fqns = {**self.cg.param_fqns, **self.cg.buffer_fqns}  # a frozen parameter is held with the buffers
         for name, ph in sorted(self.cg.param_mutations.items()):
             target = self.cg.node(name).target
             if target not in _IDEMPOTENT_WRITES:
-                self.problems.append(f"parameter {fqns.get(ph, ph)!r} is written in forward ({name}, {target}): "
+                self.problems.append(f"parameter {fqns[ph]!r} is written in forward ({name}, {target}): "
                                      "once per microbatch, so several times per step")
 
     def _terms(self, node) -> list:

@@ -12,7 +12,7 @@ from collections import defaultdict
 from rich.table import Table
 
 from ..core.plan import PipelinePlan, Plan
-from .display import count
+from .display import count, stages_table
 
 
 def _seconds(s: float) -> str:
@@ -138,6 +138,14 @@ def collective_table(plan: Plan) -> Table:
     for (kind, phase, axis), (n, b, s) in sorted(agg.items()):
         t.add_row(kind, phase, axis, str(n), _bytes(b), _seconds(s))
     return t
+
+
+def plan_tables(plan: Plan | PipelinePlan, title: str, max_rows: int = 40) -> list[Table]:
+    """What ``alpa-lite plan`` and ``alpa-lite train`` print of a plan: its summary, parameter
+    specs (at most ``max_rows`` rows), and its stages (``display.stages_table``) for a pipelined
+    plan, else its collectives."""
+    last = stages_table(plan) if isinstance(plan, PipelinePlan) else collective_table(plan)
+    return [summary_table(plan, title), param_table(plan, max_rows), last]
 
 
 def node_table(plan: Plan, node: str) -> Table:
