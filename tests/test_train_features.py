@@ -108,6 +108,18 @@ def test_checkpoint_resumes_the_fp16_loss_scale(results):
     assert r["param_err"] < 1e-5
 
 
+def test_checkpoint_resumes_the_dropout_stream(results):
+    """With dropout, a run saved after 2 steps and resumed (by a trainer of another seed) under
+    Megatron and under a 2-stage pipeline continues with the uninterrupted run's losses and
+    parameters: the random ops' stream is in the checkpoint, so the masks are the ones the
+    uninterrupted run drew, not the first steps' again."""
+    for plan, r in results["dropout"].items():
+        assert r["resumed"] == pytest.approx(r["losses"], rel=1e-6), plan
+        assert r["param_err"] < 1e-6, plan
+        # a resume that repeated the first steps' masks is far from it (what the test tells apart)
+        assert max(abs(a / b - 1) for a, b in zip(r["repeated"], r["losses"][2:])) > 1e-4, plan
+
+
 def test_checkpoint_without_optimizer_state(results):
     """A model-only checkpoint (``dcp.save`` of the parameters by another program) loads with a
     warning naming the missing optimizer key, and the optimizer starts fresh: the run continues as

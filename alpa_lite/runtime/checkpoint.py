@@ -35,6 +35,13 @@ Under fp16 the loss scaler's state (its scale, clean steps since the last change
 scaler: before (sweep 9), a resumed fp16 run restarted at the initial 2^16 and overflowed again,
 skipping a batch the uninterrupted run had trained on.
 
+The random ops' stream (dropout masks; ``LocalExecutor.shard_seed``: the run's seed and its
+count of runs, the same on every rank at a step's end) is saved as ``rng.stream`` and restored,
+as a checkpoint restores torch's random state elsewhere: a resumed run draws the masks the
+uninterrupted one would have (before, its count restarted at 0, and the steps after a resume
+repeated the first steps' masks, with no error; the seed a resumed trainer was built with is
+replaced by the saved one).
+
 ``save_full(trainer, path)``: the full state dict (``Trainer.state_dict``) on rank 0, as
 safetensors for a ``.safetensors`` path, else ``torch.save``; also written to a temporary name
 and renamed.
@@ -57,6 +64,8 @@ COMPLETE = "optim.complete"
 SCALER = {"scaler.scale": ("scale", torch.float64), "scaler.clean": ("_clean", torch.int64),
           "scaler.skipped": ("skipped", torch.int64)}
 """fp16's loss scaler (``precision.LossScaler``): checkpoint key -> (attribute, dtype)."""
+RANDOM = "rng.stream"
+"""The random ops' stream: int64 ``[seed, calls]`` of the trainer's executors (module docstring)."""
 
 
 class CheckpointError(RuntimeError):
@@ -75,7 +84,9 @@ def _dtensor(trainer, fqn: str, local: torch.Tensor):
 
 def _sharded_state(trainer) -> dict[str, object]:
     """The flat DCP state dict of this rank (module docstring)."""
-    state: dict[str, object] = {COMPLETE: torch.ones((), dtype=torch.int8)}
+    executor = trainer.executors()[0]  # every executor of every rank is at the same place of its stream
+    state: dict[str, object] = {COMPLETE: torch.ones((), dtype=torch.int8),
+                                RANDOM: torch.tensor([executor.seed, executor.calls], dtype=torch.int64)}
     if getattr(trainer, "scaler", None) is not None:  # the same on every rank
         state |= {key: torch.tensor(getattr(trainer.scaler, name), dtype=dtype) for key, (name, dtype) in SCALER.items()}
     for fqn, x in {**trainer.params, **trainer.buffers}.items():
@@ -231,6 +242,9 @@ def load(trainer, path: str | Path) -> dict:
     for key, (name, _) in SCALER.items():
         if key in local:
             setattr(trainer.scaler, name, local[key].item())
+    if RANDOM in local:  # a checkpoint without it (written by another program): the stream goes on
+        for executor in trainer.executors():
+            executor.seed, executor.calls = local[RANDOM].tolist()
     with torch.no_grad():
         for fqn, x in {**trainer.params, **trainer.buffers}.items():
             if f"model.{fqn}" in local:
@@ -258,6 +272,8 @@ def _load_target(trainer, path: Path):
     target: dict[str, object] = {}
     if getattr(trainer, "scaler", None) is not None:  # a checkpoint without them: the scaler starts fresh
         target |= {key: torch.empty((), dtype=dtype) for key, (_, dtype) in SCALER.items() if key in saved}
+    if RANDOM in saved:
+        target[RANDOM] = torch.empty(2, dtype=torch.int64)
     for fqn, x in {**trainer.params, **trainer.buffers}.items():
         key = f"model.{fqn}"
         if key not in saved:

@@ -270,6 +270,9 @@ class PipelineTrainer(Trainer):
     def _local_plan(self) -> Plan:
         return self.sp.plan
 
+    def executors(self) -> list:
+        return [chunk["executor"] for chunk in self.chunks]
+
     def _select(self, fqn: str) -> None:
         self._enter(next(stage for stage, chunk in zip(self.stages, self.chunks) if fqn in chunk["_placeholders"]))
 

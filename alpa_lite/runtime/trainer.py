@@ -231,6 +231,11 @@ class Trainer:
         full = gather_full(x.detach(), self._spec(placeholder), shape, self.groups)
         return full.clone() if full.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() else full
 
+    def executors(self) -> list:
+        """This rank's ``LocalExecutor`` objects (a pipeline rank's: one per stage it holds); their
+        ``seed`` and ``calls`` place the random ops' stream (``LocalExecutor.shard_seed``)."""
+        return [self.executor]
+
     # ---------------------------------------------------------------- clipping
     def _select(self, fqn: str) -> None:
         """Make the state that holds parameter / buffer ``fqn`` the current one (a pipeline rank's
