@@ -204,6 +204,32 @@ def test_zero12_without_a_plan_names_the_parameters_and_ops(stage, mixed_precisi
     assert "aten.to" not in str(e.value) and "_to_copy" not in str(e.value)
 
 
+class _Outer(torch.nn.Module):
+    """An outer product of two parameter vectors, ``einsum("i,j->ij", u, v)``, read by a batch-split
+    matmul: ``u``'s gradient is partial over an axis only where ``v`` is split over it, and the
+    other way round."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.u, self.v = torch.nn.Linear(8, 8), torch.nn.Parameter(torch.ones(8)), torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.fc(x) @ torch.einsum("i,j->ij", self.u, self.v), y)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_names_an_op_that_takes_two_parameters_gradients_partial_only_one_at_a_time(stage):
+    """Each operand alone has a strategy leaving its gradient partial over the data-parallel axis,
+    but none leaves both: the check per operand found no blocker and the error was the solver's
+    bare "ILP solver status Infeasible ... no assignment satisfies the forced specs", naming no op
+    (sweep 10, an einsum outer product under zero_stage=2 on 2x2)."""
+    with pytest.raises(RuntimeError, match=rf"zero_stage={stage} has no plan: parameters u and v are read by einsum "
+                                           r"\(aten\.einsum\.default\), which cannot leave all their gradients partial"):
+        plan(_Outer(), (torch.zeros(4, 8), torch.zeros(4, 8)), MESH, force_data_parallel=True, zero_stage=stage)
+    p = plan(_Outer(), (torch.zeros(4, 8), torch.zeros(4, 8)), MESH, force_data_parallel=True, zero_stage=3)
+    assert p.zero_stages["fc.weight"][0] == 3
+
+
 @pytest.mark.parametrize("mixed_precision", [None, "bf16"])
 def test_zero3_keeps_a_0dim_parameter_with_a_complete_gradient_replicated(mixed_precision):
     """The error above says "use zero_stage=3"; there CLIP's 0-dim ``logit_scale`` (no dim to

@@ -208,21 +208,32 @@ def zero_stage_blockers(cg, table: dict[str, NodeStrategies], mesh, options: Pla
     axes = data_parallel_axes(options, mesh.shape)
     if options.zero_stage not in (1, 2) or not axes:
         return []
-    return [f"parameter {cg.param_fqns[ph]} is read by {name} ({cg.node(name).target}), which takes its gradient "
-            f"complete, not partial over mesh axes {list(axes)}" for ph, name in complete_gradient_uses(cg, table, axes)]
+    readers: dict[str, list[str]] = {}
+    for ph, name in complete_gradient_uses(cg, table, axes):
+        readers.setdefault(name, []).append(cg.param_fqns[ph])
+    return [f"parameter {fqns[0]} is read by {name} ({cg.node(name).target}), which takes its gradient complete, "
+            f"not partial over mesh axes {list(axes)}" if len(fqns) == 1 else
+            f"parameters {' and '.join(fqns)} are read by {name} ({cg.node(name).target}), which cannot leave "
+            f"all their gradients partial over mesh axes {list(axes)} at once" for name, fqns in readers.items()]
 
 
 def complete_gradient_uses(cg, table: dict[str, NodeStrategies], axes: tuple[int, ...]) -> list[tuple[str, str]]:
-    """``(parameter placeholder, node)`` of every use of a trainable parameter in ``table`` none of
-    whose strategies leaves the parameter's gradient partial over exactly ``axes``: such a
-    parameter cannot take ZeRO-1/2 over ``axes`` (``zero_stage_blockers``)."""
+    """``(parameter placeholder, node)`` of every use of a trainable parameter in ``table`` where no
+    strategy of the node leaves the gradients of all its trainable parameter operands partial over
+    exactly ``axes`` at once: such parameters cannot all take ZeRO-1/2 over ``axes``
+    (``zero_stage_blockers``). Jointly, not one operand at a time: an outer product of two
+    parameters, ``einsum("i,j->ij", u, v)``, leaves ``u``'s gradient partial only where ``v`` is
+    split and ``v``'s only where ``u`` is, never both (sweep 10: that ILP was infeasible under
+    ``zero_stage=2`` with a bare "no assignment satisfies" message naming no op)."""
     casts = cg.param_casts  # a cast passes the gradient through: its readers are its parameter's uses
     out = []
     for name, ns in table.items():
-        for i, src in enumerate(ns.inputs):
-            ph = casts.get(src, src)
-            if name not in casts and ph in cg.param_fqns and ph in table and not any(
-                    len(s.grad_partial) > i and s.grad_partial[i] is not None
-                    and tuple(sorted(s.grad_partial[i])) == axes for s in ns.strategies):
-                out.append((ph, name))
+        if name in casts:
+            continue
+        params = [(i, casts.get(src, src)) for i, src in enumerate(ns.inputs)]
+        params = [(i, ph) for i, ph in params if ph in cg.param_fqns and ph in table]
+        if params and not any(all(len(s.grad_partial) > i and s.grad_partial[i] is not None
+                                  and tuple(sorted(s.grad_partial[i])) == axes for i, _ in params)
+                              for s in ns.strategies):
+            out += [(ph, name) for ph in dict.fromkeys(ph for _, ph in params)]
     return out
