@@ -6,7 +6,7 @@ import math
 import time
 import warnings
 
-from ..core.aten import written_args
+from ..core.aten import stats_written, written_args
 from ..core.capture import CapturedGraph
 from ..core.mesh import LogicalMesh
 from ..core.options import PlanOptions
@@ -24,8 +24,9 @@ from .zero import add_zero_strategies, zero_stages
 
 def recomputable(cg: CapturedGraph, nodes) -> bool:
     """Whether a layer of ``nodes`` may be recomputed: none writes in place (recomputing would
-    write twice)."""
-    return not any(n in cg.param_mutations or written_args(cg.node(n).target) for n in nodes)
+    write twice), running statistics included (``stats_written``)."""
+    return not any(n in cg.param_mutations or written_args(cg.node(n).target) or stats_written(cg.node(n))
+                   for n in nodes)
 
 
 def remat_candidates(cg: CapturedGraph) -> list[tuple[str, ...]]:

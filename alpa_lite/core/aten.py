@@ -84,6 +84,24 @@ def written_args(target) -> list[str]:
     return [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write] if schema else []
 
 
+_STATS_WRITES = {torch.ops.aten.instance_norm.default: "use_input_stats", torch.ops.aten.batch_norm.default: "training"}
+"""Ops that update their ``running_mean`` / ``running_var`` arguments in place though their schema
+does not mark them written (``Tensor?``, not ``Tensor(a!)?``), and the flag under which they do."""
+
+
+def stats_written(node: torch.fx.Node) -> list[str]:
+    """The running-statistics arguments ``node`` updates in place without its schema saying so
+    (``_STATS_WRITES``): ``instance_norm(track_running_stats=True)`` in training keeps its composite
+    op in the captured graph (batch norm is functionalized), and ``written_args`` missed the write:
+    a recomputed layer ran it again in backward (sweep 10: ``remat="all"`` died "one of the
+    variables needed for gradient computation has been modified by an inplace operation")."""
+    flag = _STATS_WRITES.get(node.target)
+    if flag is None:
+        return []
+    a = op_args(node)
+    return [s for s in ("running_mean", "running_var") if a[flag] and isinstance(a[s], torch.fx.Node)]
+
+
 def is_random(target) -> bool:
     """Whether the op draws from the RNG (dropout, bernoulli, rand_like, attention dropout ...)."""
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
