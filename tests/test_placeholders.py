@@ -153,6 +153,21 @@ def test_refused_constructs_are_named_at_capture():
     with pytest.raises(CaptureError, match=r"cannot capture _MaskIndex: DynamicOutputShapeException: "
                                            r"aten\.nonzero.*torch\.where"):
         capture(_MaskIndex(), (x,))
+    # a count read into Python by .item(): named as such (it was called "a result whose shape depends
+    # on the values (x[mask], nonzero ...)")
+    with pytest.raises(CaptureError, match=r"cannot capture _ItemCount: .*_local_scalar_dense.*; a Python number "
+                                           r"or branch taken from a tensor's values \(float\(t\), int\(t\), t\.item\(\)"):
+        capture(_ItemCount(), (x,))
+
+
+class _ItemCount(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h.pow(2).sum() / (x > 0).sum().item()
 
 
 class _MaskIndex(nn.Module):

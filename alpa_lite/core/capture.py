@@ -417,9 +417,10 @@ def _capture(model, example_inputs, loss_fn, targets, example_kwargs, compute_dt
     try:
         tracked, mutated = _fake_run(ep.graph, trainable, store=any_batch)
     except (DynamicOutputShapeException, DataDependentOutputException) as e:  # export let it through
-        raise CaptureError(f"cannot capture {type(wrapper.model).__name__}: {_first_line(e)}: a result whose shape "
-                           "depends on the values (x[mask], nonzero, unique, masked_select): alpa-lite plans fixed "
-                           "shapes; use torch.where, masked_fill or a multiplied mask") from e
+        why = (f"; {_value_read()}" if "_local_scalar_dense" in str(e) else
+               ": a result whose shape depends on the values (x[mask], nonzero, unique, masked_select): alpa-lite "
+               "plans fixed shapes; use torch.where, masked_fill or a multiplied mask")
+        raise CaptureError(f"cannot capture {type(wrapper.model).__name__}: {_first_line(e)}{why}") from e
     except RuntimeError:  # a parameter written in place (a leaf that requires grad): look for writes without grad
         tracked, mutated = None, _fake_run(ep.graph, set(), store=any_batch)[1]
     through_view = _write_through_view(ep.graph)
@@ -512,7 +513,15 @@ def _data_dependent_hint(e: BaseException) -> str:
         return ""
     call = re.search(r"The following call raised this error:\s*\n\s*(File [^\n]+)\n\s*([^\n]+)", str(e))
     where = f" at {call.group(1)}: {call.group(2).strip()}" if call else ""
-    return (f"; a Python number or branch taken from a tensor's values (float(t), int(t), t.item(), 'if t > 0:'){where}. "
+    return f"; {_value_read(where)}"
+
+
+def _value_read(where: str = "") -> str:
+    """Why a tensor's value read into Python is refused (``where``: the model's line). Export either
+    refuses it (a guard on it, ``_data_dependent_hint``) or lets a bare ``t.item()`` through as
+    ``aten._local_scalar_dense``, which alpa-lite's shape propagation then cannot run (sweep 10: it
+    was named "a result whose shape depends on the values (x[mask], nonzero ...)")."""
+    return (f"a Python number or branch taken from a tensor's values (float(t), int(t), t.item(), 'if t > 0:'){where}. "
             "alpa-lite captures one graph for every step, so such a value cannot change from step to step: compute "
             "with tensors instead (nn.BatchNorm with momentum=None reads its num_batches_tracked this way: give it "
             "a momentum)")
