@@ -72,6 +72,24 @@ cosine-embedding; ``misc_losses``: they ran replicated, no rule) under Megatron 
 (``SWEEPS``: class-weighted and label-smoothed cross-entropy, batch norms in eval and without
 statistics, batch-coupled ops, ALBERT's shared blocks, sequence-first inputs ...) under data
 parallelism, and three it refuses with a clear error (``REFUSED``).
+
+Sweep 10 (:data:`SWEEP10`, 3 steps of SGD with momentum and weight decay, Nesterov, or AdamW with
+``weight_decay=0.1``): the newer op rules' models under ZeRO-1/2/3 and 2D plans (the batch on
+axis 0, Megatron on axis 1, ZeRO over axis 0), and new patterns: ``parametrizations.weight_norm``
+with ``mv`` / ``dot`` / ``vdot``; a top-2 mixture of experts with ``argsort`` / ``index_add`` /
+``scatter_add`` routing, Switch's load-balancing loss and a router z-loss; ``nn.RMSNorm`` and
+``F.rms_norm`` over the split dim; sdpa with ``scale=`` and ``enable_gqa=True``; ``addmm`` /
+``baddbmm`` / ``addmv`` with ``alpha`` / ``beta``; ``cumsum`` / ``cumprod`` along the sequence,
+``repeat_interleave``, ``clamp`` with tensor bounds, ``lerp``; a branch on ``self.training``;
+``reduction="sum"`` losses accumulated and pipelined; frozen first layers and frozen parameters
+inside trained layers under ZeRO-3 and a 2-stage x 2-device pipeline with ZeRO-3 in its stages;
+losses over a vocab-parallel head (``log_softmax`` read by an entropy, a ``gather`` and
+``kl_div``, a z-loss); heads split with ``scale=``; a weight penalty; a mean written as
+``sum / x.shape[0]``; learned prefix tokens, a sliced position table, ``table[ids]``; einsums
+with parameter vectors; gradient clipping under a pipeline with ZeRO-3. All equal. An
+``InstanceNorm1d(track_running_stats=True)`` under ``remat="all"`` (``inst_running-remat_*``)
+died in backward: its layer was recomputed, and its op updates the running buffers in place
+without its schema saying so. A count read with ``.item()`` is refused naming ``t.item()``.
 """
 import json
 from pathlib import Path
@@ -119,9 +137,51 @@ SWEEPS = ("ce_weight", "ce_smooth", "ce_weight_smooth", "ce_3d", "bn2d", "batch_
           "hand_norm", "reshape_mix", "partial_norm", "odd_dims", "two_losses", "group_inst_norm", "inst_running",
           "bn_no_stats", "bn_eval", "seq_first", "seq_first_local", "pos_reuse")
 CASES |= {f"{p}-dp": {"model": f"patterns:{p}", "seq": 8, "options": PLANS["dp"]} for p in SWEEPS}
+# sweep 10: ZeRO-1/2/3 and 2D plans (batch on axis 0, Megatron on axis 1) of the newer op rules'
+# models, and new patterns, 3 steps of SGD with momentum / Nesterov or AdamW with weight decay
+DP, MEGATRON = PLANS["dp"], PLANS["megatron"]
+PIPE_Z3 = PLANS["pipe"] | {"batch_axis": 1, "zero_stage": 3}
+SWEEP10 = {
+    "mha_pad-z3": ("mha_pad", DP | {"zero_stage": 3}, "nesterov"),
+    "misc_losses-2dz3": ("misc_losses", MEGATRON | {"zero_stage": 3}, "adamw_wd"),
+    "pair_losses-z2": ("pair_losses", DP | {"zero_stage": 2}, "momentum"),
+    "rope_gqa-2dz2": ("rope_gqa", MEGATRON | {"zero_stage": 2}, "nesterov"),
+    "swiglu-z1": ("swiglu", DP | {"zero_stage": 1}, "momentum"),
+    "ce_weight_smooth-2dz3": ("ce_weight_smooth", MEGATRON | {"zero_stage": 3}, "adamw_wd"),
+    "views-2dz3": ("views", MEGATRON | {"zero_stage": 3}, "nesterov"),
+    "weight_norm_dot-2d": ("weight_norm_dot", MEGATRON, "nesterov"),
+    "weight_norm_dot-z3": ("weight_norm_dot", DP | {"zero_stage": 3}, "momentum"),
+    "moe-2dz3": ("moe", MEGATRON | {"zero_stage": 3}, "momentum"),
+    "moe-z3": ("moe", DP | {"zero_stage": 3}, "adamw_wd"),
+    "rms_norms-pipe_tp": ("rms_norms", PIPE_TP, "momentum"),
+    "sdpa_options-2d": ("sdpa_options", MEGATRON, "adamw_wd"),
+    "alpha_beta-2dz3": ("alpha_beta", MEGATRON | {"zero_stage": 3}, "momentum"),
+    "seq_ops-pipe_tp": ("seq_ops", PIPE_TP, "momentum"),
+    "train_branch-pipe": ("train_branch", PLANS["pipe"], "momentum"),
+    "sum_loss-accumulate": ("sum_loss", ACCUMULATE, "momentum"),
+    "sum_loss-pipe": ("sum_loss", PLANS["pipe"], "nesterov"),
+    "frozen_first-z3": ("frozen_first", DP | {"zero_stage": 3}, "momentum"),
+    "frozen_first-pipe_z3": ("frozen_first", PIPE_Z3, "nesterov"),
+    "frozen_parts-2dz3": ("frozen_parts", {"batch_axis": 0, "param_specs": {"fc1.weight": "S1R", "out.weight": "RS1"},
+                                           "zero_stage": 3}, "adamw_wd"),
+    "frozen_parts-pipe_tp": ("frozen_parts", PLANS["pipe"] | {"param_specs": {"fc1.weight": "S1R"}}, "momentum"),
+    "vocab_head-vocab": ("vocab_head", {"batch_axis": 0, "param_specs": MEGATRON["param_specs"] | {"head.weight": "S1R"}},
+                         "nesterov"),
+    "heads_scale-heads_z2": ("heads_scale", {"batch_axis": 0, "zero_stage": 2, "param_specs": {
+        "q.weight": "S1R", "k.weight": "S1R", "v.weight": "S1R", "o.weight": "RS1"}}, "adamw_wd"),
+    "l2_penalty-pipe_tp": ("l2_penalty", PIPE_TP, "momentum"),
+    "shape_div-pipe": ("shape_div", PLANS["pipe"], "momentum"),
+    "prefix_pos-2dz3": ("prefix_pos", MEGATRON | {"zero_stage": 3}, "momentum"),
+    "einsum_mix-noheavy": ("einsum_mix", {"allow_replicated_heavy_ops": False}, "momentum"),
+    "tied-clip_pipe_z3": ("tied", PIPE_Z3 | {"max_grad_norm": 0.05}, "nesterov"),
+    "inst_running-remat_dp": ("inst_running", DP | {"remat": "all"}, "momentum"),
+    "inst_running-remat_z3": ("inst_running", DP | {"zero_stage": 3, "remat": "all"}, "momentum"),
+}
+CASES |= {name: {"model": f"patterns:{p}", "seq": 8, "options": o, "optimizer": opt, "steps": 3}
+          for name, (p, o, opt) in SWEEP10.items()}
 # refused with a clear error, on every rank: a tuple of outputs without loss_fn, data-dependent shapes
 REFUSED = {"tuple_out": "the loss must be one scalar tensor", "masked_select": "aten.nonzero.default",
-           "bn_cumulative": "cannot capture BNCumulative"}
+           "bn_cumulative": "cannot capture BNCumulative", "item_count": "t.item()"}
 CASES |= {f"{p}-dp": {"model": f"patterns:{p}", "seq": 8, "options": PLANS["dp"]} for p in REFUSED}
 
 

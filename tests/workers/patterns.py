@@ -1201,3 +1201,381 @@ class PairLosses(_Base):
 
 def pair_losses(batch, seq=None, device="cpu", seed=0):
     return _regression(PairLosses, batch, seq, seed)
+
+
+# --- sweep 10: op rules under ZeRO / 2D, MoE routing, norms, attention options, frozen layers ---
+
+class WeightNormDot(_Base):
+    """``nn.utils.parametrizations.weight_norm`` (``_weight_norm`` of ``original0`` / ``original1``;
+    the deprecated ``nn.utils.weight_norm`` cannot be deep-copied, torch's limit, so verify cannot
+    run it) on a projection,
+    then ``mv``, ``dot`` and ``vdot`` terms of a learned vector."""
+
+    def __init__(self):
+        super().__init__()
+        self.wn = nn.utils.parametrizations.weight_norm(nn.Linear(HIDDEN, HIDDEN))
+        self.vec = nn.Parameter(torch.randn(HIDDEN) * 0.1)
+
+    def forward(self, x, y):
+        h = self.wn(self.fc2(F.gelu(self.fc1(x))))
+        score = torch.mv(h.flatten(0, 1), self.vec)
+        return (F.mse_loss(h, y) + 0.1 * score.pow(2).mean() + 0.1 * torch.dot(self.vec, self.vec)
+                - 0.05 * torch.vdot(self.vec, self.fc2.bias))
+
+
+class MoE(_Base):
+    """A top-2 mixture of 4 experts (Switch / Mixtral): router softmax, ``topk``, tokens sorted by
+    their first expert (``argsort``), the experts' outputs put back with ``index_add``, the tokens
+    per expert counted with ``scatter_add``; Switch's load-balancing loss ``E sum_e f_e P_e`` (f:
+    the share of the whole batch's tokens routed to e, P: the mean router probability: both means
+    over the batch) and ST-MoE's router z-loss ``mean(logsumexp(logits)^2)``; ``fc1`` / ``fc2`` a
+    shared expert."""
+
+    E = 4
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(HIDDEN, self.E, bias=False)
+        self.w_in = nn.Parameter(torch.randn(self.E, HIDDEN, 2 * HIDDEN) * 0.2)
+        self.w_out = nn.Parameter(torch.randn(self.E, 2 * HIDDEN, HIDDEN) * 0.2)
+
+    def forward(self, x, y):
+        b, t, d = x.shape
+        tok = x.reshape(b * t, d)
+        logits = self.router(tok)
+        probs = logits.softmax(-1)
+        gate, idx = probs.topk(2, -1)
+        gate = gate / gate.sum(-1, keepdim=True)
+        weight = torch.zeros_like(probs).scatter_add(1, idx, gate)  # (N, E) combine weights
+        expert = torch.einsum("nd,edh->neh", tok, self.w_in)
+        expert = torch.einsum("neh,ehd->ned", F.gelu(expert), self.w_out)
+        order = idx[:, 0].argsort()
+        moved = (expert * weight[..., None]).sum(1)[order]
+        out = torch.zeros_like(tok).index_add(0, order, moved)
+        counts = torch.zeros(self.E).scatter_add(0, idx.flatten(), torch.ones(idx.numel()))
+        balance = self.E * (counts / idx.numel() * probs.mean(0)).sum()
+        z_loss = torch.logsumexp(logits, -1).pow(2).mean()
+        h = out.view(b, t, d) + self.fc2(F.gelu(self.fc1(x)))
+        return F.mse_loss(h, y) + 0.01 * balance + 1e-3 * z_loss
+
+
+class RMSNorms(_Base):
+    """``nn.RMSNorm`` at the input and ``F.rms_norm`` with a weight over ``fc1``'s output (the dim
+    Megatron splits), an ``F.normalize`` over it too, and a z-loss on the output."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.RMSNorm(HIDDEN, eps=1e-6)
+        self.mid_w = nn.Parameter(1 + 0.1 * torch.randn(4 * HIDDEN))
+
+    def forward(self, x, y):
+        h = self.fc1(self.norm(x))
+        h = F.rms_norm(h, (4 * HIDDEN,), self.mid_w, eps=1e-5) + 0.5 * F.normalize(h, dim=-1)
+        out = self.fc2(F.silu(h))
+        return F.mse_loss(out, y) + 1e-2 * torch.logsumexp(out, -1).pow(2).mean()
+
+
+class SdpaOptions(_Base):
+    """``F.scaled_dot_product_attention`` with ``scale=0.3``, ``enable_gqa=True`` (4 query heads over
+    2 key/value heads) and ``is_causal=True``; heads come from ``fc1``'s output."""
+
+    def forward(self, x, y):
+        b, t, _ = x.shape
+        h = self.fc1(x)  # (B, T, 64): q 32 = 4 x 8, k 16 = 2 x 8, v 16
+        q, k, v = h.split([32, 16, 16], -1)
+        q = q.view(b, t, 4, 8).transpose(1, 2)
+        k, v = (u.reshape(b, t, 2, 8).transpose(1, 2) for u in (k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
+        a = a.transpose(1, 2).reshape(b, t, 32)
+        return F.mse_loss(self.fc2(torch.cat([a, a], -1)), y)
+
+
+class AlphaBeta(_Base):
+    """``addmm`` / ``baddbmm`` / ``addmv`` / ``addbmm`` with ``alpha`` and ``beta`` other than 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(HIDDEN, HIDDEN) * 0.2)
+        self.bias = nn.Parameter(torch.randn(HIDDEN) * 0.1)
+
+    def forward(self, x, y):
+        b, t, d = x.shape
+        h = self.fc2(F.gelu(self.fc1(x)))
+        flat = torch.addmm(self.bias, h.reshape(b * t, d), self.w, beta=0.5, alpha=1.5).view(b, t, d)
+        att = torch.baddbmm(torch.ones(b, t, t), flat, h.transpose(1, 2), beta=0.25, alpha=0.1).softmax(-1)
+        mixed = torch.baddbmm(h, att, flat, beta=2.0, alpha=0.5)
+        col = torch.addmv(self.bias, self.w, self.bias, beta=0.7, alpha=-1.2)
+        return F.mse_loss(mixed + col, y)
+
+
+class SeqOps(_Base):
+    """Ops along the sequence and with tensor arguments: ``cumsum`` / ``cumprod`` over dim 1,
+    ``repeat_interleave`` of positions, ``clamp`` with tensor bounds, ``lerp`` with a tensor
+    weight, ``chunk`` of ``fc1``'s output."""
+
+    def __init__(self):
+        super().__init__()
+        self.lo = nn.Parameter(-0.5 - 0.1 * torch.rand(4 * HIDDEN))
+        self.register_buffer("hi", 0.5 + torch.linspace(0, 0.5, 4 * HIDDEN))
+        self.mix = nn.Parameter(torch.rand(HIDDEN))
+
+    def forward(self, x, y):
+        t = x.shape[1]
+        h = self.fc1(x)
+        h = torch.clamp(h, min=self.lo, max=self.hi)
+        a, c = h.chunk(2, -1)
+        decay = torch.sigmoid(a).cumprod(1)
+        h = torch.cat([c.cumsum(1) / t * decay, a], -1)
+        out = self.fc2(h)
+        halves = out[:, : t // 2].repeat_interleave(2, dim=1)
+        return F.mse_loss(torch.lerp(out, halves, self.mix), y)
+
+
+class TrainBranch(_Base):
+    """``forward`` branches on ``self.training`` (a train-only scaling and noise-free jitter)."""
+
+    def forward(self, x, y):
+        h = self.fc1(x)
+        if self.training:
+            h = h * 0.8 + 0.05
+        return F.mse_loss(self.fc2(F.relu(h)), y)
+
+
+class SumLoss(_Base):
+    """``mse_loss(reduction="sum")`` and a token cross-entropy with ``reduction="sum"``: the sum
+    over the batch (accumulated microbatches add up)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, x, y, labels):
+        h = self.fc2(F.gelu(self.fc1(x)))
+        return (F.mse_loss(h, y, reduction="sum") * 0.01
+                + F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten(), reduction="sum") * 0.01)
+
+
+class FrozenFirst(_Base):
+    """Frozen first layers (``requires_grad_(False)``: an embedding and ``fc1``), fine-tuning
+    ``fc2`` and a head (the FSDP / ZeRO-3 frozen-parameter pattern)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(HIDDEN, HIDDEN)
+        self.head = nn.Linear(HIDDEN, HIDDEN)
+        self.inp.requires_grad_(False)
+        self.fc1.requires_grad_(False)
+
+    def forward(self, x, y):
+        h = F.gelu(self.inp(x))
+        h = h + self.fc2(F.gelu(self.fc1(h)))
+        return F.mse_loss(self.head(h), y)
+
+
+def weight_norm_dot(batch, seq=None, device="cpu", seed=0):
+    return _regression(WeightNormDot, batch, seq, seed)
+
+
+def moe(batch, seq=None, device="cpu", seed=0):
+    return _regression(MoE, batch, seq, seed)
+
+
+def rms_norms(batch, seq=None, device="cpu", seed=0):
+    return _regression(RMSNorms, batch, seq, seed)
+
+
+def sdpa_options(batch, seq=None, device="cpu", seed=0):
+    return _regression(SdpaOptions, batch, seq, seed)
+
+
+def alpha_beta(batch, seq=None, device="cpu", seed=0):
+    return _regression(AlphaBeta, batch, seq, seed)
+
+
+def seq_ops(batch, seq=None, device="cpu", seed=0):
+    return _regression(SeqOps, batch, seq, seed)
+
+
+def train_branch(batch, seq=None, device="cpu", seed=0):
+    return _regression(TrainBranch, batch, seq, seed)
+
+
+def sum_loss(batch, seq=None, device="cpu", seed=0):
+    model, (x, y) = _regression(SumLoss, batch, seq, seed)
+    return model, (x, y, torch.randint(0, VOCAB, x.shape[:2], generator=_seeded(seed + 3)))
+
+
+def frozen_first(batch, seq=None, device="cpu", seed=0):
+    return _regression(FrozenFirst, batch, seq, seed)
+
+
+class VocabHead(_LM):
+    """Losses over a vocab-parallel head's logits (``head.weight`` split by classes, torch's
+    ``loss_parallel``): cross-entropy with label smoothing, ``log_softmax`` also read by an entropy
+    bonus and a ``gather`` of the targets' log-probabilities, a ``kl_div`` to a detached softened
+    target and a z-loss ``logsumexp(logits)^2`` (DTensor gave identity gradients to a
+    ``log_softmax`` not consumed by cross-entropy, pytorch#190746)."""
+
+    def forward(self, ids, targets):
+        logits = self.logits(ids)
+        logp = logits.log_softmax(-1)
+        entropy = -(logp.exp() * logp).sum(-1).mean()
+        picked = -logp.gather(-1, targets[..., None]).mean()
+        soft = F.softmax(logits.detach() / 2.0, -1)
+        return (F.cross_entropy(logits.flatten(0, 1), targets.flatten(), label_smoothing=0.1) - 0.1 * entropy
+                + 0.5 * picked + F.kl_div(logp, soft, reduction="batchmean")
+                + 1e-2 * torch.logsumexp(logits, -1).pow(2).mean())
+
+
+class HeadsScale(AttnBias):
+    """Attention over 4 heads split by Megatron ``q`` / ``k`` / ``v`` / ``o`` specs with
+    ``scale=0.3`` and a float ``attn_mask`` buffer, then ``is_causal`` with the default scale."""
+
+    def forward(self, x, keep, y):
+        b, t, _ = x.shape
+        q, k, v = self._heads(x)
+        h = F.scaled_dot_product_attention(q, k, v, attn_mask=self.alibi[:, :t, :t].clamp(min=-1e4), scale=0.3)
+        h = x + self.o(h.transpose(1, 2).reshape(b, t, HIDDEN))
+        q, k, v = self._heads(h)
+        h = h + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.7).transpose(1, 2)
+                       .reshape(b, t, HIDDEN))
+        return F.mse_loss(h + self.fc2(F.gelu(self.fc1(h))), y)
+
+
+class FrozenParts(_Base):
+    """Parameters frozen inside trained layers: ``fc1.bias`` and ``fc2.weight``
+    (``requires_grad_(False)``, BitFit's converse), the rest trained."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(HIDDEN, HIDDEN)
+        self.fc1.bias.requires_grad_(False)
+        self.fc2.weight.requires_grad_(False)
+
+    def forward(self, x, y):
+        h = x + self.fc2(F.gelu(self.fc1(x)))
+        return F.mse_loss(self.out(h), y)
+
+
+def vocab_head(batch, seq=None, device="cpu", seed=0):
+    return _lm(VocabHead, batch, seq, seed, pad=False)
+
+
+def heads_scale(batch, seq=None, device="cpu", seed=0):
+    return _build(HeadsScale, seed), attn_bias(batch, seq, device, seed)[1]
+
+
+def frozen_parts(batch, seq=None, device="cpu", seed=0):
+    return _regression(FrozenParts, batch, seq, seed)
+
+
+class L2Penalty(_Base):
+    """A loss plus a batch-independent penalty on the weights, ``1e-2 * sum ||W||^2`` (hand-written
+    weight decay, a prior): under microbatches the penalty must count once per step."""
+
+    def forward(self, x, y):
+        penalty = self.fc1.weight.pow(2).sum() + self.fc2.weight.pow(2).sum()
+        return F.mse_loss(self.fc2(F.gelu(self.fc1(x))), y) + 1e-2 * penalty
+
+
+class SumPenalty(L2Penalty):
+    """``reduction="sum"`` loss plus the same weight penalty (the sum grows with the batch, the
+    penalty does not)."""
+
+    def forward(self, x, y):
+        penalty = self.fc1.weight.pow(2).sum() + self.fc2.weight.pow(2).sum()
+        return 0.01 * F.mse_loss(self.fc2(F.gelu(self.fc1(x))), y, reduction="sum") + 1e-2 * penalty
+
+
+class ShapeDiv(_Base):
+    """A mean written by hand from the input's shape: ``sum / x.shape[0]`` and ``/ len(x)``
+    (export bakes the size it saw into the graph as a constant)."""
+
+    def forward(self, x, y):
+        err = (self.fc2(F.gelu(self.fc1(x))) - y).pow(2)
+        return err.sum() / x.shape[0] / x.shape[1] / HIDDEN + err[:, 0].abs().sum() / len(x)
+
+
+def l2_penalty(batch, seq=None, device="cpu", seed=0):
+    return _regression(L2Penalty, batch, seq, seed)
+
+
+def sum_penalty(batch, seq=None, device="cpu", seed=0):
+    return _regression(SumPenalty, batch, seq, seed)
+
+
+def shape_div(batch, seq=None, device="cpu", seed=0):
+    return _regression(ShapeDiv, batch, seq, seed)
+
+
+class PrefixPos(_LM):
+    """Learned prefix tokens (prefix / prompt tuning: a parameter ``expand``-ed over the batch and
+    ``cat``-ed before the sequence), a position table longer than the sequence sliced to it
+    (``pos[:T]``), and a table indexed with the ids directly (``table[ids]``, ``aten.index``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.prefix = nn.Parameter(torch.randn(3, HIDDEN) * 0.1)
+        self.pos = nn.Parameter(torch.randn(32, HIDDEN) * 0.1)
+        self.table = nn.Parameter(torch.randn(VOCAB, HIDDEN) * 0.1)
+
+    def forward(self, ids, targets):
+        b, t = ids.shape
+        h = self.tok(ids) + self.pos[:t] + self.table[ids]
+        h = torch.cat([self.prefix.expand(b, -1, -1), h], 1)
+        h = h + self.fc2(F.gelu(self.fc1(h)))
+        return F.cross_entropy(self.head(h[:, 3:]).flatten(0, 1), targets.flatten())
+
+
+class EinsumMix(_Base):
+    """``einsum`` with a parameter vector (``"btd,d->bt"``), a diagonal (``"bd,bd->b"``), a batched
+    outer product over two parameters (``"i,j->ij"``) and an ellipsis (``"...d,de->...e"``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.u = nn.Parameter(torch.randn(HIDDEN) * 0.3)
+        self.v = nn.Parameter(torch.randn(HIDDEN) * 0.3)
+
+    def forward(self, x, y):
+        h = self.fc2(F.gelu(self.fc1(x)))
+        score = torch.einsum("btd,d->bt", h, self.u)
+        diag = torch.einsum("bd,bd->b", h[:, 0], x[:, 1])
+        outer = torch.einsum("i,j->ij", self.u, self.v)
+        mixed = torch.einsum("...d,de->...e", h, outer)
+        return F.mse_loss(mixed + score[..., None], y) + 0.1 * diag.pow(2).mean()
+
+
+class InputInPlace(_Base):
+    """In-place writes into the model's inputs: ``x.mul_(0.5)`` and ``y.clamp_(-1, 1)`` (the caller's
+    tensors change)."""
+
+    def forward(self, x, y):
+        x.mul_(0.5)
+        y.clamp_(-1.0, 1.0)
+        return F.mse_loss(self.fc2(F.gelu(self.fc1(x))), y)
+
+
+class ItemCount(_LM):
+    """A token count read with ``.item()`` (a Python number inside forward): the mean over valid
+    tokens written as ``sum / count.item()``."""
+
+    def forward(self, ids, targets):
+        count = (targets != -100).sum().item()
+        loss = F.cross_entropy(self.logits(ids).flatten(0, 1), targets.flatten(), reduction="sum")
+        return loss / max(count, 1)
+
+
+def prefix_pos(batch, seq=None, device="cpu", seed=0):
+    return _lm(PrefixPos, batch, seq, seed, pad=False)
+
+
+def einsum_mix(batch, seq=None, device="cpu", seed=0):
+    return _regression(EinsumMix, batch, seq, seed)
+
+
+def input_inplace(batch, seq=None, device="cpu", seed=0):
+    return _regression(InputInPlace, batch, seq, seed)
+
+
+def item_count(batch, seq=None, device="cpu", seed=0):
+    return _lm(ItemCount, batch, seq, seed)

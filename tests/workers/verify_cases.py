@@ -4,7 +4,7 @@
 "options": {plan options}, "break": how to break the plan (optional), "keywords": true to verify
 the HF model inside the zoo's ``LossWrapper`` itself, called as HF models are: ``model(**batch)``
 with a dict of keyword inputs (``example_kwargs``), the loss its own ``out.loss``, "steps": training
-steps (default 2), "optimizer": ``"sgd"`` (default, lr 1e-2) or ``"adamw"`` (lr 1e-2), "plan_mesh":
+steps (default 2), "optimizer": a key of :data:`OPTIMIZERS` (default ``"sgd"``, lr 1e-2), "plan_mesh":
 ``LogicalMesh`` fields (a cluster description) to plan on instead of the CPU cluster, "plan_device":
 ``"meta"`` to plan with the zoo model built on the meta device (a plan made without the weights)}``.
 A case with ``plan_mesh``, ``plan_device`` or ``break`` plans on rank 0 and verifies that plan (its collectives are recorded as
@@ -31,7 +31,10 @@ from alpa_lite.zoo.models import build_model
 from alpa_lite.core.plan import Plan
 
 STEPS = 2
-OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2), "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2)}
+OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2), "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+              "momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=1e-2),
+              "nesterov": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, dampening=0.0),
+              "adamw_wd": lambda ps: torch.optim.AdamW(ps, lr=1e-3, betas=(0.8, 0.95), eps=1e-4, weight_decay=0.1)}
 
 
 def rank0_plan(model, example, shape, options: dict, case: dict) -> str:
@@ -78,8 +81,15 @@ def main() -> int:
             if "break" in case or "plan_mesh" in case or "plan_device" in case:
                 planned = (build_model(case["model"], case.get("batch", 8), case.get("seq"), device=case["plan_device"],
                                        **case.get("overrides", {})) if "plan_device" in case else (model, example))
-                box = [rank0_plan(*planned, shape, options, case) if dist.get_rank() == 0 else None]
+                box = [None]
+                if dist.get_rank() == 0:  # an error here is raised on every rank (else they wait in broadcast)
+                    try:
+                        box[0] = rank0_plan(*planned, shape, options, case)
+                    except Exception as e:  # noqa: BLE001
+                        box[0] = RuntimeError(f"planning on rank 0: {type(e).__name__}: {e}")
                 dist.broadcast_object_list(box, src=0)
+                if isinstance(box[0], RuntimeError):
+                    raise box[0]
                 options = {"plan": box[0]}
             optimizer = OPTIMIZERS[case.get("optimizer", "sgd")]
             report = verify(model, example, shape, batches=batches, show=False, optimizer=optimizer,
