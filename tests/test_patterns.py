@@ -89,7 +89,11 @@ losses over a vocab-parallel head (``log_softmax`` read by an entropy, a ``gathe
 with parameter vectors; gradient clipping under a pipeline with ZeRO-3. All equal. An
 ``InstanceNorm1d(track_running_stats=True)`` under ``remat="all"`` (``inst_running-remat_*``)
 died in backward: its layer was recomputed, and its op updates the running buffers in place
-without its schema saying so. A count read with ``.item()`` is refused naming ``t.item()``.
+without its schema saying so. Compiled (``compile="aot_eager"``) with ``remat="all"``, the
+in-place ``mul_`` after a recomputed ``fc1`` died (autograd refuses in-place writes into a custom
+function's view results), and a ``torch.no_grad()`` target computed in a recomputed layer came
+out needing a gradient ("plan and autograd disagree"; under the pipeline one stage died and the
+other waited out the timeout). A count read with ``.item()`` is refused naming ``t.item()``.
 """
 import json
 from pathlib import Path
@@ -176,6 +180,9 @@ SWEEP10 = {
     "tied-clip_pipe_z3": ("tied", PIPE_Z3 | {"max_grad_norm": 0.05}, "nesterov"),
     "inst_running-remat_dp": ("inst_running", DP | {"remat": "all"}, "momentum"),
     "inst_running-remat_z3": ("inst_running", DP | {"zero_stage": 3, "remat": "all"}, "momentum"),
+    "inplace-remat_tp_compiled": ("inplace", MEGATRON | {"compile": "aot_eager", "remat": "all"}, "momentum"),
+    "nograd-remat_z3_compiled": ("nograd", DP | {"zero_stage": 3, "compile": "aot_eager", "remat": "all"}, "nesterov"),
+    "nograd-remat_pipe_compiled": ("nograd", PLANS["pipe"] | {"compile": "aot_eager", "remat": "all"}, "momentum"),
 }
 CASES |= {name: {"model": f"patterns:{p}", "seq": 8, "options": o, "optimizer": opt, "steps": 3}
           for name, (p, o, opt) in SWEEP10.items()}

@@ -192,3 +192,52 @@ def test_running_statistics_updated_in_place_are_not_recomputed():
                        remat="all")
     norm = [n.name for n in p.captured.graph.nodes if n.target is torch.ops.aten.instance_norm.default]
     assert norm and p.remat and not any(n in layer for layer in p.remat for n in norm)
+
+
+def test_traced_recomputed_layer_result_is_written_in_place():
+    """A compiled program's recomputed layer (``lowering.recomputed``) whose result is a view (here
+    a ``transpose``; in the executor a local shard resharded by slicing), written in place after
+    the layer: autograd
+    refused it, "Output 0 of _Recomputed is a view and is being modified inplace" (sweep 10: the
+    ``inplace`` pattern, ``compile="aot_eager"``, ``remat="all"``, Megatron specs on 2x2). Now the
+    gradients equal the layer run without recomputation."""
+    import torch
+    from alpa_lite.runtime.lowering import recomputed
+
+    def run(x, w):
+        return {"y": torch.nn.functional.linear(x, w).transpose(0, 1), "x": x}
+
+    x0, w0 = torch.randn(2, 3, 4), torch.randn(5, 4)
+    grads = []
+    for remat in (False, True):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        out = recomputed(run, [x, w], ["x", "y"]) if remat else run(x, w)
+        y = out["y"]
+        y.mul_(0.5).add_(0.1)
+        (y.tanh().sum() + out["x"].pow(2).sum()).backward()
+        grads.append((x.grad, w.grad))
+    assert torch.allclose(grads[0][0], grads[1][0]) and torch.allclose(grads[0][1], grads[1][1])
+
+
+def test_traced_recomputed_layer_result_made_without_grad_needs_none():
+    """A value a recomputed layer computes under ``torch.no_grad()`` (a distillation target) comes
+    out of the compiled program's recomputation without a gradient, as the captured graph says
+    (``frozen``); it came out needing one, and the ``nograd`` pattern under ``compile="aot_eager"``,
+    ``remat="all"`` died "plan and autograd disagree on whether a (8, 8, 16) tensor needs a
+    gradient (plan: False)" (sweep 10, Megatron / ZeRO-3 / 2 stages on 2x2)."""
+    import torch
+    from alpa_lite.runtime.lowering import recomputed
+
+    def run(x, w):
+        with torch.no_grad():
+            target = torch.nn.functional.linear(x, w).softmax(-1)
+        return {"y": torch.nn.functional.linear(x, w), "target": target}
+
+    x, w = torch.randn(2, 3, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)
+    out = recomputed(run, [x, w], ["target", "y"], frozen={"target"})
+    assert out["y"].requires_grad and not out["target"].requires_grad
+    torch.nn.functional.kl_div(out["y"].log_softmax(-1), out["target"], reduction="batchmean").backward()
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = run(x2, w2)
+    torch.nn.functional.kl_div(ref["y"].log_softmax(-1), ref["target"], reduction="batchmean").backward()
+    assert torch.allclose(x.grad, x2.grad) and torch.allclose(w.grad, w2.grad)

@@ -251,7 +251,8 @@ class LocalExecutor:
             reads, run = self._reads[layer], (self.calls, self.seeds)
             if functional():  # traced (program.py): the recomputation traced in backward (lowering.py)
                 values.update(recomputed(functools.partial(self._run_layer, list(group), reads, run, layer),
-                                         [values[n] for n in reads], sorted(self._outlive[layer])))
+                                         [values[n] for n in reads], sorted(self._outlive[layer]),
+                                         self._outlive[layer] - self.cg.requires_grad))
                 continue
             with set_checkpoint_early_stop(False):  # the whole layer runs again, as planned
                 values.update(checkpoint(self._run_layer, list(group), reads, run, layer,

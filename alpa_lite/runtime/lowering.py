@@ -149,27 +149,46 @@ _seeded.register_autograd(_backward, setup_context=_setup)
 
 
 class _Recomputed(torch.autograd.Function):
-    """``run(*tensors) -> tuple`` kept without its activations: run again in backward."""
+    """``run(*tensors) -> tuple`` kept without its activations: run again in backward.
+
+    A result that is a view (``linear`` of a 3-d input views its 2-d ``mm``; a resharded local
+    value) or one of ``tensors`` is returned detached: autograd refuses an in-place write into a
+    custom function's view output ("Output 0 of _Recomputed is a view and is being modified
+    inplace"), and the op after a recomputed layer may write its result in place (sweep 10: the
+    ``inplace`` pattern's ``mul_`` of ``fc1``'s output under ``compile="aot_eager"``,
+    ``remat="all"`` and Megatron specs died so; the interpreter's ``checkpoint`` ran it). The
+    graph's writes through views are functionalized at capture, so no other value sees one.
+
+    The results at the positions of ``frozen`` have no gradient (a ``torch.no_grad()`` block in
+    the layer: a distillation target): marked non-differentiable, as autograd would mark every
+    result of the function as needing a gradient once an input does (sweep 10: the ``nograd``
+    pattern under ``compile="aot_eager"`` and ``remat="all"`` died "plan and autograd disagree on
+    whether a (8, 8, 16) tensor needs a gradient (plan: False)")."""
 
     @staticmethod
-    def forward(ctx, run, *tensors):
+    def forward(ctx, run, frozen, *tensors):
         ctx.run = run
         ctx.save_for_backward(*tensors)
-        return run(*tensors)
+        outs = tuple(o.detach() if isinstance(o, torch.Tensor) and (o._is_view() or any(o is t for t in tensors))
+                     else o for o in run(*tensors))
+        ctx.mark_non_differentiable(*(o for i, o in enumerate(outs) if i in frozen and isinstance(o, torch.Tensor)))
+        return outs
 
     @staticmethod
     def backward(ctx, *grads):
-        needs = ctx.needs_input_grad[1:]
+        needs = ctx.needs_input_grad[2:]
         inputs = [t.detach().requires_grad_(n) for t, n in zip(ctx.saved_tensors, needs)]
         with torch.enable_grad(), recomputing():
             outs = ctx.run(*inputs)
         got = iter(_vjp(outs, grads, [t for t in inputs if t.requires_grad]))
-        return (None, *(next(got) if t.requires_grad else None for t in inputs))
+        return (None, None, *(next(got) if t.requires_grad else None for t in inputs))
 
 
-def recomputed(run: Callable, inputs: list, names: list[str]) -> dict[str, object]:
+def recomputed(run: Callable, inputs: list, names: list[str], frozen: set[str] = frozenset()) -> dict[str, object]:
     """``run(*inputs)`` (a recomputed layer: ``inputs`` -> its values by name) under autograd as
-    a layer kept without its activations (module docstring); returns the values of ``names``."""
+    a layer kept without its activations (module docstring); returns the values of ``names``,
+    those in ``frozen`` without a gradient."""
     tensors, rebuild = _tensor_leaves(inputs)
-    out = _Recomputed.apply(lambda *given: tuple(run(*rebuild(given))[n] for n in names), *tensors)
+    out = _Recomputed.apply(lambda *given: tuple(run(*rebuild(given))[n] for n in names),
+                            frozenset(i for i, n in enumerate(names) if n in frozen), *tensors)
     return dict(zip(names, out))
