@@ -93,7 +93,8 @@ without its schema saying so. Compiled (``compile="aot_eager"``) with ``remat="a
 in-place ``mul_`` after a recomputed ``fc1`` died (autograd refuses in-place writes into a custom
 function's view results), and a ``torch.no_grad()`` target computed in a recomputed layer came
 out needing a gradient ("plan and autograd disagree"; under the pipeline one stage died and the
-other waited out the timeout). A count read with ``.item()`` is refused naming ``t.item()``.
+other waited out the timeout); so did ``randn_like(h)`` noise, a random op without a gradient
+(``random_noise``). A count read with ``.item()`` is refused naming ``t.item()``.
 """
 import json
 from pathlib import Path
@@ -183,6 +184,8 @@ SWEEP10 = {
     "inplace-remat_tp_compiled": ("inplace", MEGATRON | {"compile": "aot_eager", "remat": "all"}, "momentum"),
     "nograd-remat_z3_compiled": ("nograd", DP | {"zero_stage": 3, "compile": "aot_eager", "remat": "all"}, "nesterov"),
     "nograd-remat_pipe_compiled": ("nograd", PLANS["pipe"] | {"compile": "aot_eager", "remat": "all"}, "momentum"),
+    "random_noise-dp_compiled": ("random_noise", DP | {"compile": "aot_eager"}, "momentum"),
+    "random_noise-tp_remat_compiled": ("random_noise", MEGATRON | {"compile": "aot_eager", "remat": "all"}, "momentum"),
 }
 CASES |= {name: {"model": f"patterns:{p}", "seq": 8, "options": o, "optimizer": opt, "steps": 3}
           for name, (p, o, opt) in SWEEP10.items()}

@@ -241,3 +241,22 @@ def test_traced_recomputed_layer_result_made_without_grad_needs_none():
     ref = run(x2, w2)
     torch.nn.functional.kl_div(ref["y"].log_softmax(-1), ref["target"], reduction="batchmean").backward()
     assert torch.allclose(x.grad, x2.grad) and torch.allclose(w.grad, w2.grad)
+
+
+def test_traced_random_op_without_gradient_needs_none():
+    """A compiled program's random op (``lowering.seeded_call``) the captured graph tracks no
+    gradient for (``randn_like(h)`` noise) returns a tensor without one: the custom op's results
+    needed a gradient once ``h`` did, and ``compile="aot_eager"`` died "plan and autograd disagree
+    on whether a (8, 8, 64) tensor needs a gradient (plan: False)" (sweep 10, ``random_noise``)."""
+    import contextlib
+
+    import torch
+    from alpa_lite.runtime.lowering import seeded_call
+
+    h = torch.randn(2, 3, requires_grad=True)
+    seeding = lambda s: contextlib.nullcontext()  # noqa: E731
+    call = lambda a, k: torch.randn_like(*a, **k)  # noqa: E731
+    assert not seeded_call(call, (h,), {}, torch.tensor(0), seeding, "noise", grad=False).requires_grad
+    drop = seeded_call(lambda a, k: torch.nn.functional.dropout(*a, **k), (h * 2,), {"p": 0.5}, torch.tensor(0),
+                       seeding, "dropout")
+    assert drop.requires_grad

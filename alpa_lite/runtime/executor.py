@@ -332,7 +332,8 @@ class LocalExecutor:
             return d.target(*args, **kwargs)
         seed = self.seeds.get(node.name)
         if seed is not None:  # traced (program.py): one op, seeded by the graph's input
-            out = seeded_call(lambda a, k: self._local(node, d, a, k), args, kwargs, seed, self.seeded, node.name)
+            out = seeded_call(lambda a, k: self._local(node, d, a, k), args, kwargs, seed, self.seeded, node.name,
+                              node.name in self.cg.requires_grad)
         elif d.random:
             with self.seeded(self.shard_seed(node.name)):
                 out = self._local(node, d, args, kwargs)

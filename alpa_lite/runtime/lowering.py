@@ -61,12 +61,16 @@ def _tensor_leaves(tree) -> tuple[list[torch.Tensor], Callable]:
 
 
 def seeded_call(call: Callable, args: tuple, kwargs: dict, seed: torch.Tensor,
-                seeding: Callable[[int], AbstractContextManager], name: str):
+                seeding: Callable[[int], AbstractContextManager], name: str, grad: bool = True):
     """``call(args, kwargs)`` (a random op of one node) as one ``alpa_lite::seeded`` op that
     draws after ``seeding(int(seed))`` (module docstring). ``seed``: a 0-dim int64 tensor;
     ``seeding``: ``int -> context manager`` that seeds the generator the call draws from and
     restores it after; ``name`` names the registered call. Returns what ``call`` returns (a
-    tensor, or a tuple of tensors), contiguous."""
+    tensor, or a tuple of tensors), contiguous; detached where ``grad`` is False (the node has no
+    gradient in the captured graph: ``randn_like(h)`` noise, ``rand_like(h) > p`` masks), as the
+    custom op's results need a gradient once a tensor it reads does (sweep 10: noise added to
+    ``fc1``'s output under ``compile="aot_eager"`` died "plan and autograd disagree on whether a
+    (8, 8, 64) tensor needs a gradient (plan: False)" under data parallel and Megatron)."""
     tensors, rebuild = _tensor_leaves((args, kwargs))
     single = []
 
@@ -78,6 +82,7 @@ def seeded_call(call: Callable, args: tuple, kwargs: dict, seed: torch.Tensor,
     key = f"{name}#{next(_KEYS)}"
     _CALLS[key] = (run, seeding)
     out = torch.ops.alpa_lite.seeded(key, seed, tensors)
+    out = out if grad else [o.detach() for o in out]
     return out[0] if single[0] else tuple(out)
 
 

@@ -1579,3 +1579,18 @@ def input_inplace(batch, seq=None, device="cpu", seed=0):
 
 def item_count(batch, seq=None, device="cpu", seed=0):
     return _lm(ItemCount, batch, seq, seed)
+
+
+class RandomNoise(_Base):
+    """Random tensors made like an activation without a gradient: ``1e-7 * randn_like(h)`` noise
+    and a ``rand_like(h) > 0`` mask (all ones); small enough that one process, drawing other
+    numbers, trains equal."""
+
+    def forward(self, x, y):
+        h = self.fc1(x)
+        h = (h + 1e-7 * torch.randn_like(h)) * (torch.rand_like(h) > 0.0)
+        return F.mse_loss(self.fc2(F.relu(h)), y)
+
+
+def random_noise(batch, seq=None, device="cpu", seed=0):
+    return _regression(RandomNoise, batch, seq, seed)
