@@ -393,7 +393,7 @@ class GraphStageCosts:
         chain's memory split failed. For the whole model, the one ILP (the intra-op pass's: the
         search holds the plan without pipelining), and the chain only where it has no answer: on
         the whole model the chain never priced a step below it (22 cases: GPT-3 2.6B / 2x4 A100,
-        MoE 1.3B and Wide-ResNet 1B / 1x4 V100, B = 1 .. 32, each logical shape: 1.001x to 1.04x
+        MoE 1.3B and Wide-ResNet 1B / 1x4 V100, B = 1 .. 32, each logical shape: 1.001x to 1.057x
         its step) and cost two thirds of the whole model's pricing (GPT-3 39B / 8x8, B = 1),
         while no other stage range on the whole mesh reuses its layers' ILPs."""
         names = self.subset(start, end)
