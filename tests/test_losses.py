@@ -657,3 +657,73 @@ def test_one_row_microbatches_of_a_model_routing_across_rows_warn():
     model, inputs = build_model("moe", 8, 16, device="meta")
     with pytest.warns(UserWarning, match=r"8 microbatches change the loss: .*holds the batch.s 8 rows in groups of 4 .*microbatches of 1 rows cut"):
         plan(model, inputs, LogicalMesh((1, 2)), num_stages=2, num_microbatches=8)
+
+
+class _PerSampleOps(nn.Module):
+    """An op the correctness sweep found running replicated (no sharding rule) ahead of a
+    nonlinear per-sample term, so its result lost the batch dim and microbatches warned
+    "cannot tell whether it combines samples" (or "not a sum, mean or ratio"): ``op(h)`` acts
+    along a dim that is not the batch's; along the batch's (``across``) it does combine samples."""
+
+    def __init__(self, op, across=False):
+        super().__init__()
+        self.fc, self.op, self.dim = nn.Linear(6, 6), op, 0 if across else 1
+
+    def forward(self, x):
+        h = self.fc(x)  # (B, 8, 6)
+        d = self.dim
+        if self.op == "argsort":
+            h = h + h.argsort(d).float()
+        elif self.op == "scatter_add":
+            h = torch.zeros_like(h).scatter_add(d, torch.arange(h.shape[d]).flip(0).view(-1, 1, 1)
+                                                .movedim(0, d).expand_as(h), h)
+        elif self.op == "index_add":
+            h = torch.zeros_like(h).index_add(d, torch.arange(h.shape[d]).flip(0), h, alpha=0.5)
+        elif self.op == "repeat_interleave":
+            h = h.repeat_interleave(2, dim=1)
+        elif self.op == "kl_div":
+            h = F.kl_div(h.log_softmax(-1), x.softmax(-1), reduction="none")
+        elif self.op == "gqa":
+            q = h.view(-1, 4, 2, 6)
+            h = F.scaled_dot_product_attention(q, q[:, :2], q[:, 2:], enable_gqa=True)
+        elif self.op == "addmv":
+            h = torch.addmv(h[:, 0, 0], h[:, 1], self.fc.bias, beta=0.5)[:, None]
+        return h.pow(2).flatten(1).sum(-1).sqrt().mean()
+
+
+@pytest.mark.parametrize("op", ["argsort", "scatter_add", "index_add", "repeat_interleave", "kl_div", "gqa", "addmv"])
+def test_ops_along_another_dim_keep_the_batch(op):
+    """Per sample along the batch, the op now has a rule that carries the batch dim: a plain mean,
+    no microbatch problem (each problem named the op, or a ``pow`` read as nonlinear, before)."""
+    assert loss_reduction(capture(_PerSampleOps(op), (torch.randn(4, 8, 6),))) == LossReduction("mean", None, ())
+
+
+@pytest.mark.parametrize("op", ["argsort", "scatter_add", "index_add"])
+def test_ops_along_the_batch_dim_combine_samples(op):
+    """Sorting the batch's rows, or adding them into other rows, combines samples: the warning
+    stays, naming the op (not "no sharding rule, cannot tell")."""
+    [problem] = loss_reduction(capture(_PerSampleOps(op, across=True), (torch.randn(4, 8, 6),))).problems
+    assert problem.startswith(f"{op} (aten.{op}.") and "combines the samples of the batch" in problem, problem
+
+
+@pytest.mark.parametrize("name,problem", [
+    ("seq_ops", None), ("sdpa_options", None), ("rope_gqa", None), ("alpha_beta", None),
+    ("moe", "argsort (aten.argsort.default) combines the samples of the batch"),
+    ("inst_running", "instance_norm (aten.instance_norm.default) updates its running statistics")])
+def test_sweep10_microbatch_warnings_name_what_combines_samples(name, problem):
+    """Sweep 10's models under a 2-stage pipeline of 2 microbatches: ``repeat_interleave`` (seq_ops,
+    rope_gqa's GQA heads), sdpa with ``enable_gqa`` (sdpa_options) had no rule, and the planner
+    warned "has no sharding rule, so alpa-lite cannot tell whether it combines samples": a false
+    warning, now none. The MoE's ``argsort`` over every token of the batch and its load-balancing
+    loss, and an ``InstanceNorm1d(track_running_stats=True)``'s running statistics do combine
+    samples: the warning stays, naming them."""
+    model, inputs = getattr(patterns, name)(4, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan(model, inputs, LogicalMesh((1, 2)), num_stages=2, num_microbatches=2, num_layers=2)
+    found = [str(w.message) for w in caught if "microbatches change the loss" in str(w.message)]
+    assert not any("cannot tell" in m for m in found), found
+    if problem is None:
+        assert found == [], found
+    else:
+        assert len(found) == 1 and problem in found[0], found

@@ -212,6 +212,9 @@ WHOLE = [  # op, its node, specs some strategy must give, the input dims no stra
     (lambda x: x.sort(1).values, aten.sort.default, {"S0RS1"}, [1]),
     (lambda x: x.sort(dim=-1, stable=True).indices, aten.sort.stable, {"S0S1R"}, [2]),
     (lambda x: x.topk(3, 1).indices, aten.topk.default, {"S0RS1"}, [1]),
+    (lambda x: x.argsort(1), aten.argsort.default, {"S0RS1"}, [1]),
+    (lambda x: x.argsort(dim=-1, stable=True, descending=True), aten.argsort.stable, {"S0S1R"}, [2]),
+    (lambda x: x.repeat_interleave(2, dim=1), aten.repeat_interleave.self_int, {"S0S1R", "S1S0R", "RS01R"}, []),
     (lambda x: (x > 0).any(1), aten.any.dim, {"S0S1"}, [1]),
     (lambda x: (x > 0).all(-1), aten.all.dim, {"S0S1"}, [2]),
 ]
@@ -219,7 +222,8 @@ WHOLE = [  # op, its node, specs some strategy must give, the input dims no stra
 
 @pytest.mark.parametrize("fn,target,expect,whole", WHOLE, ids=[
     "logsumexp", "special_logsumexp", "amin", "argmin", "min_dim", "prod", "vector_norm_dim", "vector_norm_all",
-    "cumprod", "logcumsumexp", "flip", "roll", "roll_flat", "sort", "sort_stable", "topk", "any", "all"])
+    "cumprod", "logcumsumexp", "flip", "roll", "roll_flat", "sort", "sort_stable", "topk", "argsort", "argsort_stable",
+    "repeat_interleave", "any", "all"])
 def test_reductions_scans_and_sorts_keep_their_dims_whole(fn, target, expect, whole):
     results = check(fn, (X,), target, expect)
     assert all(s.in_specs[0].dims[d] == () for s, _, _ in results for d in whole)
@@ -241,7 +245,9 @@ def test_instance_norm_splits_batch_and_channels_without_running_statistics():
     assert all(s.in_specs[0].dims[2] == () for s, _, _ in results)
     running = capture(torch.nn.InstanceNorm1d(8, track_running_stats=True), (X,), lambda y: y.sum())
     node = next(n for n in running.graph.nodes if n.target == aten.instance_norm.default)
-    assert signature(node) is None  # the batch's mean updates the running statistics inside the op
+    # the batch's mean updates the running statistics inside the op: every dim whole, replicated
+    assert set(signature(node).labels) == signature(node).fixed
+    assert [str(s.out_spec) for s in build_strategies(running, MESH)[node.name].strategies] == ["RRR"]
 
 
 @pytest.mark.parametrize("other", [(4, 8, 6), (8, 6)], ids=["same", "broadcast"])
@@ -491,6 +497,48 @@ def test_weight_norm_splits_its_dim_only(v, g, dim, split):
     assert all(s.out_spec.dims[d] == () for s, _, _ in results for d in range(len(v)) if dim == -1 or d != dim)
 
 
+SCATTER, INDEX_ADD = aten.scatter_add.default, aten.index_add.default
+ACCUMULATES = [  # op, inputs, node, specs some strategy must give, the dims of self no strategy splits
+    (lambda h, i, s: h.scatter_add(1, i, s), (X, torch.randint(0, 8, (4, 8, 6)), X), SCATTER,
+     {"S0RS1", "S01RR", "S1RS0"}, [1]),
+    (lambda h, i, s: h.scatter_add(2, i, s), (X, torch.randint(0, 6, (4, 8, 3)), X), SCATTER, {"S0S1R", "S01RR"}, [2]),
+    (lambda h, i, s: h.scatter_add(0, i, s), (X, torch.randint(0, 4, (2, 8, 3)), X), SCATTER, {"RS01R"}, [0, 2]),
+    (lambda h, i, s: h.index_add(1, i, s), (X, torch.tensor([7, 0, 3]), torch.randn(4, 3, 6)), INDEX_ADD,
+     {"S0RS1", "S01RR", "S1RS0"}, [1]),
+    (lambda h, i, s: h.index_add(0, i, s, alpha=-0.5), (X, torch.tensor([3, 0, 3, 1, 2]), torch.randn(5, 8, 6)),
+     INDEX_ADD, {"RS0S1", "RS01R"}, [0])]
+
+
+@pytest.mark.parametrize("fn,inputs,target,expect,whole", ACCUMULATES, ids=[
+    "scatter_add_middle", "scatter_add_last_smaller", "scatter_add_batch_prefix", "index_add_middle",
+    "index_add_batch_alpha"])
+def test_scatter_add_and_index_add_keep_the_accumulated_dim_whole(fn, inputs, target, expect, whole):
+    """``scatter_add`` / ``index_add`` (a top-2 MoE's combine weights and tokens put back) ran
+    replicated with "no sharding strategy", and their results lost the batch dim. The dim they add
+    into stays whole in every operand; the others split with the added rows (a smaller index
+    keeps its dims whole)."""
+    results = check(lambda h, i, s: fn(h * 2, i, s * 2), inputs, target, expect)
+    assert all(s.in_specs[0].dims[d] == () for s, _, _ in results for d in whole)
+
+
+def test_addmv_adds_its_bias_once_to_a_split_contraction():
+    """``addmv(bias, mat, vec, beta, alpha)`` ran replicated: it splits as ``mv`` with the bias
+    following the rows, and a split contraction (a partial sum) adds the bias once."""
+    results = check(lambda b, m, v: torch.addmv(b * 2, m * 2, v * 2, beta=0.7, alpha=-1.2),
+                    (torch.randn(8), torch.randn(8, 12), torch.randn(12)), aten.addmv.default, {"S0", "S01", "R"})
+    assert any(s.partial_axes for s, _, _ in results)
+
+
+def test_grouped_query_attention_splits_batch_and_heads():
+    """sdpa with ``enable_gqa=True`` (4 query heads over 2 key/value heads) ran replicated: a block
+    of query heads reads the matching block of key/value heads, so heads split by up to 2."""
+    q, kv = torch.randn(4, 4, 6, 8), torch.randn(4, 2, 6, 8)
+    results = check(lambda q, k, v: F.scaled_dot_product_attention(q * 2, k * 2, v * 2, is_causal=True, scale=0.3,
+                                                                   enable_gqa=True),
+                    (q, kv, kv.flip(-1)), aten.scaled_dot_product_attention.default, {"S0S1RR", "S01RRR", "RS0RR"})
+    assert max(s.in_specs[0].shards(1, MESH.shape) for s, _, _ in results) == 2
+
+
 ELEMENTWISE_LOSSES = [  # loss (x, y, reduction), its node
     (lambda x, y, r: F.mse_loss(x, y, reduction=r), aten.mse_loss.default),
     (lambda x, y, r: F.smooth_l1_loss(x, y, reduction=r, beta=0.5), aten.smooth_l1_loss.default),
@@ -504,13 +552,15 @@ ELEMENTWISE_LOSSES = [  # loss (x, y, reduction), its node
      aten.binary_cross_entropy_with_logits.default),
     (lambda x, y, r: F.hinge_embedding_loss(x, y.sign(), margin=0.5, reduction=r), aten.hinge_embedding_loss.default),
     (lambda x, y, r: F.margin_ranking_loss(x, y, (x - y).sign(), margin=0.1, reduction=r),
-     aten.margin_ranking_loss.default)]
+     aten.margin_ranking_loss.default),
+    (lambda x, y, r: F.kl_div(x, y.softmax(-1), reduction=r), aten.kl_div.default),
+    (lambda x, y, r: F.kl_div(x, y, reduction=r, log_target=True), aten.kl_div.default)]
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("fn,target", ELEMENTWISE_LOSSES,
                          ids=["mse", "smooth_l1", "huber", "soft_margin", "bce", "bce_logits_pos_weight",
-                              "bce_logits_weight", "hinge_embedding", "margin_ranking"])
+                              "bce_logits_weight", "hinge_embedding", "margin_ranking", "kl_div", "kl_div_log_target"])
 def test_elementwise_losses_split_every_dim(fn, target, reduction):
     """Losses of one term per element (sweep 8b: smooth L1, Huber, BCE with ``pos_weight`` ran
     replicated, warning "no sharding strategy"): every dim of the input splits, a mean or sum of

@@ -94,7 +94,10 @@ in-place ``mul_`` after a recomputed ``fc1`` died (autograd refuses in-place wri
 function's view results), and a ``torch.no_grad()`` target computed in a recomputed layer came
 out needing a gradient ("plan and autograd disagree"; under the pipeline one stage died and the
 other waited out the timeout); so did ``randn_like(h)`` noise, a random op without a gradient
-(``random_noise``). A count read with ``.item()`` is refused naming ``t.item()``.
+(``random_noise``). A count read with ``.item()`` is refused naming ``t.item()``. ``repeat_interleave``,
+sdpa with ``enable_gqa``, ``kl_div``, ``argsort``, ``scatter_add`` / ``index_add`` and ``addmv`` ran
+replicated without a rule (microbatches warned falsely that they might combine samples); with rules,
+``seq_ops`` and ``kl_div``'s ``nograd`` accumulated, ``sdpa_options`` and ``rope_gqa`` pipelined.
 """
 import json
 from pathlib import Path
@@ -187,6 +190,11 @@ SWEEP10 = {
     "random_noise-dp_compiled": ("random_noise", DP | {"compile": "aot_eager"}, "momentum"),
     "random_noise-tp_remat_compiled": ("random_noise", MEGATRON | {"compile": "aot_eager", "remat": "all"}, "momentum"),
 }
+# ops given rules after sweep 10 (repeat_interleave, sdpa enable_gqa, kl_div) under microbatches
+SWEEP10 |= {"seq_ops-accumulate": ("seq_ops", ACCUMULATE, "momentum"),
+            "sdpa_options-pipe": ("sdpa_options", PLANS["pipe"], "nesterov"),
+            "rope_gqa-pipe": ("rope_gqa", PLANS["pipe"], "momentum"),
+            "nograd-accumulate": ("nograd", ACCUMULATE, "adamw_wd")}
 CASES |= {name: {"model": f"patterns:{p}", "seq": 8, "options": o, "optimizer": opt, "steps": 3}
           for name, (p, o, opt) in SWEEP10.items()}
 # refused with a clear error, on every rank: a tuple of outputs without loss_fn, data-dependent shapes

@@ -29,7 +29,7 @@ from ..core.aten import bind_args
 from ..core.capture import batch_specialization, shape_of
 from ..core.losses import RATIO_OPS, SUM, LossReduction
 from ..core.mesh import LogicalMesh
-from .ops import signature
+from .ops import signature, updates_running_stats
 from .strategies import build_strategies
 
 aten = torch.ops.aten
@@ -270,6 +270,8 @@ class _Reader:
         what = f"{node.name} ({node.target})"
         if node.target in _BATCH_NORMS and bind_args(node.target, node.args, node.kwargs)["training"]:
             return f"{what} normalizes with statistics over the batch"
+        if node.target is aten.instance_norm.default and updates_running_stats(node):
+            return f"{what} updates its running statistics with the mean of the batch's instance statistics"
         if self._row_pick(node):
             return None
         if not self._rows(node):

@@ -276,15 +276,57 @@ def _fixed_reduction(node, fresh):
 
 
 def _sorted(node, fresh):
-    """sort / topk: values and indices along ``dim``, which stays whole (topk's result holds ``k``
-    of it: a dim of its own)."""
+    """sort / topk / argsort: values and indices (argsort: the indices only) along ``dim``, which
+    stays whole (topk's result holds ``k`` of it: a dim of its own); the other dims split. Along
+    the batch dim the fixed label reads as combining samples (an MoE's tokens sorted by expert)."""
     a = op_args(node)
     inp = _dims("d", len(_shape(a["self"])))
     out = inp
     if node.target is aten.topk.default and inp:
         d = a["dim"] % len(inp)
         out = inp[:d] + (fresh(),) + inp[d + 1:]
-    return OpSignature([inp], [out, out], fixed=_fixed_in(inp, [a["dim"]]))
+    n_out = len(_val(node)) if isinstance(_val(node), (tuple, list)) else 1
+    return OpSignature([inp], [out] * n_out, fixed=_fixed_in(inp, [a["dim"]]))
+
+
+def _accumulate_into(node, fresh):
+    """``scatter_add(self, dim, index, src)`` and ``index_add(self, dim, index, source)``: rows of
+    ``src`` added into ``self`` at positions along ``dim`` that the index picks. ``dim`` stays whole
+    in every operand (an index may point anywhere in it; a split of the added rows would add
+    ``self`` once per shard). Every other dim splits where ``self``, the result and the added
+    tensor (and scatter's index) have one size; a smaller one (scatter's index may cover a prefix
+    of ``src`` and ``self``) keeps that dim whole. Along the batch dim the fixed label reads as
+    combining samples (tokens put back into other rows); along another dim the op is per sample."""
+    a = op_args(node)
+    shape = _shape(a["self"])
+    if not shape:
+        return None
+    d = a["dim"] % len(shape)
+    added = a["src"] if node.target is aten.scatter_add.default else a["source"]
+    others = [_shape(added)] + ([_shape(a["index"])] if node.target is aten.scatter_add.default else [])
+    out = tuple("s" if i == d else lab if all(len(o) == len(shape) and o[i] == size for o in others) else fresh()
+                for i, (lab, size) in enumerate(zip(_dims("d", len(shape)), shape)))
+    rows = [lab if lab.startswith("d") else fresh() for lab in out]  # the added rows: "s" and the whole dims fresh
+    src = tuple(rows) if len(_shape(added)) == len(shape) else tuple(fresh() for _ in _shape(added))
+    if node.target is aten.scatter_add.default:
+        ins = [out, src, src]  # all_input_nodes: self, index, src
+    else:
+        ins = [out, (fresh(),) * len(_shape(a["index"])), src]  # self, the 1-D index, source
+    return OpSignature(ins, [out], fixed={"s"})
+
+
+def _repeat_interleave(node, fresh):
+    """``repeat_interleave(self, repeats: int, dim)``: each element of ``dim`` repeated ``repeats``
+    times in place, so a block of ``dim``'s rows gives the matching block of the result's: every
+    dim splits, ``dim`` with the result's (unless ``output_size`` fixes the whole size). Without a
+    ``dim`` (the flattened tensor) there is no rule."""
+    a = op_args(node)
+    if a["dim"] is None:
+        return None
+    sig = _same_labels(node, fresh)
+    if a["output_size"] is not None:
+        sig.fixed |= _fixed_in(sig.outputs[0], [a["dim"]])
+    return sig
 
 
 def _roll(node, fresh):
@@ -305,14 +347,22 @@ def _group_norm(node, fresh):
 
 def _instance_norm(node, fresh):
     """instance_norm of ``(N, C, *)`` without running statistics: per sample and channel, so both
-    split and the other dims stay whole. With running statistics (updated inside the op from the
-    batch's mean) there is no rule: the op runs replicated."""
+    split and the other dims stay whole. With running statistics updated inside the op from the
+    batch's mean (written in place, which a shard's copy would not reach) every dim stays whole:
+    it runs replicated, and its result keeps the batch dim for the loss reader, which reports the
+    statistics as combining samples (``loss_reduction``)."""
     a = op_args(node)
-    if a["running_mean"] is not None or a["running_var"] is not None:
-        return None
     out = _dims("d", len(_shape(a["input"])))
     ins = [out] + [out[1:2] for _ in _tensor_inputs(node)[1:]]
+    if updates_running_stats(node):
+        return OpSignature(ins, [out], fixed=set(out))
     return OpSignature(ins, [out], fixed=set(out[2:]))
+
+
+def updates_running_stats(node) -> bool:
+    """An ``instance_norm`` that writes its running statistics in place from the batch's mean."""
+    a = op_args(node)
+    return a["use_input_stats"] and (a["running_mean"] is not None or a["running_var"] is not None)
 
 
 def _cosine_similarity(node, fresh):
@@ -456,11 +506,14 @@ def _select(node, fresh):
 
 def _sdpa(node, fresh):
     """Attention splits batch and heads; ``is_causal``, ``scale`` and ``dropout_p`` act within a
-    (batch, head) slice, so they run unchanged on every shard (dropout with the shard's RNG)."""
+    (batch, head) slice, so they run unchanged on every shard (dropout with the shard's RNG).
+    With ``enable_gqa`` (``H`` query heads over ``G`` key/value heads, query head ``h`` reading
+    head ``h // (H / G)``) a block of query heads reads the matching block of key/value heads, so
+    ``h`` splits in both (the split must divide ``G``)."""
     a = op_args(node)
     q, k = _shape(a["query"]), _shape(a["key"])
-    if len(q) != 4 or q[1] != k[1]:
-        return None  # grouped-query attention with fewer kv heads: replicated only
+    if len(q) != 4 or q[1] != k[1] and not (a["enable_gqa"] and q[1] % k[1] == 0):
+        return None
     ins = [("b", "h", "s", "d"), ("b", "h", "t", "d"), ("b", "h", "t", "e")]
     if isinstance(a["attn_mask"], torch.fx.Node):
         ins.append(_broadcast(_shape(a["attn_mask"]), ("b", "h", "s", "t"), (q[0], q[1], q[2], k[2]), fresh))
@@ -505,7 +558,8 @@ def _cross_entropy(node, fresh):
 def _elementwise_loss(node, fresh):
     """A loss of one term per element of ``self`` (``mse_loss``, ``l1_loss``, ``smooth_l1_loss``,
     ``huber_loss``, ``soft_margin_loss``, ``hinge_embedding_loss``,
-    ``binary_cross_entropy[_with_logits]``; ``margin_ranking_loss``'s ``input1`` and ``input2``):
+    ``binary_cross_entropy[_with_logits]``, ``kl_div`` (``"batchmean"`` is its sum, divided after);
+    ``margin_ranking_loss``'s ``input1`` and ``input2``):
     ``target`` of its shape, any ``weight`` / ``pos_weight`` broadcast to it. ``reduction="none"``
     is pointwise; a mean or sum of a split dim leaves partial means or sums."""
     a = op_args(node)
@@ -661,10 +715,11 @@ FOLLOWER_TARGETS = {
 _ELEMENTWISE_LOSSES = (aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_loss.default,
                        aten.huber_loss.default, aten.soft_margin_loss.default, aten.binary_cross_entropy.default,
                        aten.binary_cross_entropy_with_logits.default, aten.hinge_embedding_loss.default,
-                       aten.margin_ranking_loss.default)
+                       aten.margin_ranking_loss.default, aten.kl_div.default)
 _TABLE = {
     aten.mm.default: _mm, aten.bmm.default: _bmm, aten.addmm.default: _addmm_like(_mm),
-    aten.baddbmm.default: _addmm_like(_bmm), aten.linear.default: _linear, aten.matmul.default: _matmul,
+    aten.addmv.default: _addmm_like(_mv), aten.baddbmm.default: _addmm_like(_bmm), aten.linear.default: _linear,
+    aten.matmul.default: _matmul,
     aten.einsum.default: _einsum, aten.mv.default: _mv, aten.vdot.default: _vdot, aten.dot.default: _vdot,
     aten._weight_norm.default: _weight_norm, aten.fill.Scalar: _same_labels,
     aten.sum.dim_IntList: _reduction("sum"), aten.mean.dim: _reduction("mean"),
@@ -723,6 +778,9 @@ _TABLE = {
     aten.logcumsumexp.default: lambda n, f: _normalize(n, f, [op_args(n)["dim"]]),
     aten.flip.default: lambda n, f: _normalize(n, f, op_args(n)["dims"]), aten.roll.default: _roll,
     aten.sort.default: _sorted, aten.sort.stable: _sorted, aten.topk.default: _sorted,
+    aten.argsort.default: _sorted, aten.argsort.stable: _sorted,
+    aten.scatter_add.default: _accumulate_into, aten.index_add.default: _accumulate_into,
+    aten.repeat_interleave.self_int: _repeat_interleave,
     aten.group_norm.default: _group_norm, aten.instance_norm.default: _instance_norm,
     aten.cosine_similarity.default: _cosine_similarity, aten.cdist.default: _cdist,
     aten.expand_as.default: _pointwise,
@@ -843,7 +901,7 @@ def flops(node: torch.fx.Node, sig: OpSignature | None) -> float:
             t = _shape(a["key"])[2]
             return 4.0 * b * h * s * t * d
         if sig.contraction and node.target in _TABLE and _TABLE[node.target] in (_mm, _bmm, _linear, _matmul, _einsum, _mv, _vdot) \
-                or node.target in (aten.addmm.default, aten.baddbmm.default):
+                or node.target in (aten.addmm.default, aten.baddbmm.default, aten.addmv.default):
             return 2.0 * math.prod(sizes.values())
     val = _val(node)
     if isinstance(val, torch.Tensor):

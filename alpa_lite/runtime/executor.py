@@ -72,6 +72,7 @@ aten = torch.ops.aten
 _SHAPE_ARG = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
               aten.unflatten.int}  # unflatten runs as a reshape to its local shape
 _BIAS_AFTER = {aten.linear.default: "bias", aten.addmm.default: "self", aten.baddbmm.default: "self",
+               aten.addmv.default: "self",
                **{conv: "bias" for conv in CONV_OPS}}
 
 
@@ -481,7 +482,7 @@ class LocalExecutor:
         if node.target in _BIAS_AFTER:
             name = _BIAS_AFTER[node.target]
             bias = bind_args(node.target, args, kwargs)[name]
-            if node.target in (aten.addmm.default, aten.baddbmm.default):
+            if node.target in (aten.addmm.default, aten.baddbmm.default, aten.addmv.default):
                 bias = bias * bind_args(node.target, args, kwargs)["beta"]
                 args, kwargs = with_arg(node.target, args, kwargs, "beta", 0)
             elif bias is not None:
