@@ -110,7 +110,7 @@ def test_checkpoint_resumes_the_fp16_loss_scale(results):
 
 def test_checkpoint_resumes_the_dropout_stream(results):
     """With dropout, a run saved after 2 steps and resumed (by a trainer of another seed) under
-    Megatron and under a 2-stage pipeline continues with the uninterrupted run's losses and
+    Megatron, ZeRO-3, a 2-stage pipeline and interleaved 1F1B continues with the uninterrupted run's losses and
     parameters: the random ops' stream is in the checkpoint, so the masks are the ones the
     uninterrupted run drew, not the first steps' again."""
     for plan, r in results["dropout"].items():

@@ -276,14 +276,15 @@ def fp16_resume(model, batches, root: Path) -> dict:
 
 
 def dropout_resume(batches, root: Path) -> dict:
-    """GPT with dropout 0.1 (attention and residual) under Megatron on 2x2 and a 2-stage pipeline
-    of 2 devices per stage (2 microbatches): saved after 2 steps and resumed by a trainer built
+    """GPT with dropout 0.1 (attention and residual) under Megatron and ZeRO-3 on 2x2, a 2-stage
+    pipeline of 2 devices per stage (2 microbatches) and interleaved 1F1B (2 stages per rank):
+    saved after 2 steps and resumed by a trainer built
     with another seed, the run continues as the uninterrupted one (the random ops' stream is in
     the checkpoint; before, the resumed steps drew the first steps' dropout masks again: losses
     up to 1.9e-3 relative and parameters 2.8e-2 off the uninterrupted run's, with no error)."""
     model, _ = build_model("gpt-tiny", BATCH, SEQ, device="cpu", dropout=0.1)
     out = {}
-    for plan in ("megatron", "pipeline"):
+    for plan in ("megatron", "zero3", "pipeline", "interleaved"):  # interleaved: 2 executors (chunks) per rank
         mesh, options = PLANS[plan]
 
         def make(seed, planned=None):
