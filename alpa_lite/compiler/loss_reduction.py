@@ -25,11 +25,11 @@ import operator
 import torch
 import torch.fx
 
-from ..core.aten import bind_args
+from ..core.aten import bind_args, stats_written
 from ..core.capture import batch_specialization, shape_of
 from ..core.losses import RATIO_OPS, SUM, LossReduction
 from ..core.mesh import LogicalMesh
-from .ops import signature, updates_running_stats
+from .ops import signature
 from .strategies import build_strategies
 
 aten = torch.ops.aten
@@ -270,7 +270,7 @@ class _Reader:
         what = f"{node.name} ({node.target})"
         if node.target in _BATCH_NORMS and bind_args(node.target, node.args, node.kwargs)["training"]:
             return f"{what} normalizes with statistics over the batch"
-        if node.target is aten.instance_norm.default and updates_running_stats(node):
+        if node.target is aten.instance_norm.default and stats_written(node):
             return f"{what} updates its running statistics with the mean of the batch's instance statistics"
         if self._row_pick(node):
             return None

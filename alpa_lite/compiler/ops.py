@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from ..core.aten import CONV_OPS, is_transposed_conv, op_args, written_args
+from ..core.aten import CONV_OPS, is_transposed_conv, op_args, stats_written, written_args
 
 aten = torch.ops.aten
 Labels = tuple[str, ...]
@@ -354,15 +354,9 @@ def _instance_norm(node, fresh):
     a = op_args(node)
     out = _dims("d", len(_shape(a["input"])))
     ins = [out] + [out[1:2] for _ in _tensor_inputs(node)[1:]]
-    if updates_running_stats(node):
+    if stats_written(node):
         return OpSignature(ins, [out], fixed=set(out))
     return OpSignature(ins, [out], fixed=set(out[2:]))
-
-
-def updates_running_stats(node) -> bool:
-    """An ``instance_norm`` that writes its running statistics in place from the batch's mean."""
-    a = op_args(node)
-    return a["use_input_stats"] and (a["running_mean"] is not None or a["running_var"] is not None)
 
 
 def _cosine_similarity(node, fresh):

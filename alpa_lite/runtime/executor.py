@@ -482,7 +482,7 @@ class LocalExecutor:
         if node.target in _BIAS_AFTER:
             name = _BIAS_AFTER[node.target]
             bias = bind_args(node.target, args, kwargs)[name]
-            if node.target in (aten.addmm.default, aten.baddbmm.default, aten.addmv.default):
+            if name == "self":  # addmm / baddbmm / addmv: beta * self
                 bias = bias * bind_args(node.target, args, kwargs)["beta"]
                 args, kwargs = with_arg(node.target, args, kwargs, "beta", 0)
             elif bias is not None:
