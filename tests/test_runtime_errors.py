@@ -5,7 +5,13 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+import torch
+import torch.distributed as dist
+
+from alpa_lite import parallelize
 from alpa_lite.runtime.launch import torchrun
+from alpa_lite.zoo.models import build_model
 
 WORKER = str(Path(__file__).parent / "workers" / "bad_input.py")
 
@@ -46,3 +52,20 @@ def test_dead_rank_fails_fast_and_is_named(tmp_path):
     assert ended - float(died.read_text()) < 60  # the collective timeout is 15 s; no hang
     # torchrun's failure summary names the rank that died and its exit code
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*3", text), text[-3000:]
+
+
+def test_parameter_frozen_after_planning_is_named(tmp_path):
+    """A parameter frozen after the plan was made (the plan syncs its gradient) is refused at the
+    step that reads it, naming its shape: on one rank, where every operand arrives in the spec it
+    is read in and the interpreter skips ``reshard`` (``executor.Dispatch.checks``)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model, example = build_model("mlp", 8, hidden=16, num_layers=2, device="cpu")
+        trainer = parallelize(model, (1, 1), example, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+        trainer.step(*example)
+        trainer.params["layers.0.weight"].requires_grad_(False)
+        with pytest.raises(RuntimeError, match=re.escape("plan and autograd disagree on whether a (16, 16) tensor "
+                                                         "needs a gradient (plan: True)")):
+            trainer.step(*example)
+    finally:
+        dist.destroy_process_group()

@@ -698,12 +698,17 @@ def all_reduce_max(x: torch.Tensor, axes: tuple[int, ...], mesh: MeshGroups) -> 
         return _all_reduce(x, axes, mesh, "forward", dist.ReduceOp.MAX)
 
 
+def disagree(shape, needs_grad: bool) -> RuntimeError:
+    """The error for an operand whose ``requires_grad`` is not the plan's (``needs_grad``)."""
+    return RuntimeError(f"plan and autograd disagree on whether a {tuple(shape)} tensor needs a gradient "
+                        f"(plan: {needs_grad}); was the plan made for this model?")
+
+
 def reshard(x: torch.Tensor, src: ShardingSpec, dst: ShardingSpec, grad_partial, shape, mesh: MeshGroups):
     """``x`` (local shard in ``src``) in ``dst``; a no-op when nothing moves in either direction."""
     needs_grad = grad_partial is not None
     if needs_grad != x.requires_grad and torch.is_grad_enabled():
-        raise RuntimeError(f"plan and autograd disagree on whether a {tuple(shape)} tensor needs a gradient "
-                           f"(plan: {needs_grad}); was the plan made for this model?")
+        raise disagree(shape, needs_grad)
     if src == dst and (not needs_grad or not grad_partial):
         return x
     if not needs_grad:

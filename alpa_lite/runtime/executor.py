@@ -65,7 +65,8 @@ from ..core.losses import MEAN, SUM, is_ratio, ratio_parts
 from ..core.plan import NodePlan, Plan, zero3_groups, zero3_uses
 from ..core.resharding import forward_steps
 from .collectives import (AllReducePartial, AllReduceShared, GatheredParameters, GatherGroup, GroupGather,
-                          MeshGroups, all_reduce_async, all_reduce_max, failed, functional, recomputing, reshard)
+                          MeshGroups, all_reduce_async, all_reduce_max, disagree, failed, functional, recomputing,
+                          reshard)
 from .lowering import recomputed, seeded_call
 
 aten = torch.ops.aten
@@ -79,6 +80,7 @@ _BIAS_AFTER = {aten.linear.default: "bias", aten.addmm.default: "self", aten.bad
 _BATCH_NORMS = {aten._native_batch_norm_legit_functional.default, aten._native_batch_norm_legit.default,
                 aten._native_batch_norm_legit_no_training.default, aten.native_batch_norm.default,
                 aten.batch_norm.default}
+_LOCAL_ARGS = _BATCH_NORMS | set(CONV_OPS) | {aten.group_norm.default}  # the ops ``local_arguments`` rewrites
 
 
 def local_arguments(target, args: tuple, kwargs: dict, in_specs, mesh_shape) -> tuple[tuple, dict]:
@@ -106,15 +108,23 @@ def local_arguments(target, args: tuple, kwargs: dict, in_specs, mesh_shape) -> 
 
 class Dispatch:
     """What running one node takes, worked out once: the op, its arguments with local shapes
-    written in (graph ``Node`` operands), the operands to reshard, and which variant runs."""
+    written in (graph ``Node`` operands), the operands to reshard (``moves``; those that arrive
+    in the spec they are read in, ``checks``, only have their ``requires_grad`` checked against
+    the plan), and which variant runs (``variant``: None for the op itself on its local operands;
+    ``local_args``: whether ``local_arguments`` rewrites its arguments)."""
 
-    __slots__ = ("plan", "target", "args", "kwargs", "operands", "getitem", "random", "ratio", "written",
-                 "mutates")
+    __slots__ = ("plan", "target", "args", "kwargs", "moves", "checks", "getitem", "random", "written",
+                 "writes", "mutates", "early", "variant", "local_args")
 
     def __init__(self, node: torch.fx.Node, np_: NodePlan | None, operands: list[tuple], local_shape, device,
-                 mutates: str | None):
-        self.plan, self.operands = np_, operands
+                 mutates: str | None, early: bool):
+        self.plan = np_
+        # (producer, its spec, wanted spec, gradient partial axes, shape): ``reshard`` is a no-op
+        # where the specs are equal and no partial gradient comes back
+        self.moves = [op for op in operands if op[1] != op[2] or op[3]]
+        self.checks = [(op[0], op[3] is not None, op[4]) for op in operands if not (op[1] != op[2] or op[3])]
         self.mutates = mutates  # the parameter placeholder whose new value this node computes, if any
+        self.early = early  # a ZeRO-3 group member's cast, run when its group starts
         self.getitem = (node.args[0].name, node.args[1]) if node.target is operator.getitem else None
         args, kwargs = node.args, {k: (device if k == "device" else v) for k, v in node.kwargs.items()}
         target = node.target
@@ -130,8 +140,13 @@ class Dispatch:
             args, kwargs = with_arg(target, args, kwargs, "sparse", False)
         self.target, self.args, self.kwargs = target, args, kwargs
         self.random = is_random(target)
-        self.ratio = is_ratio(target, args, kwargs)
         self.written = written_args(target)
+        self.writes = {op_args(node)[a].name for a in self.written}  # the nodes it writes in place
+        self.local_args = target in _LOCAL_ARGS
+        self.variant = None if np_ is None else (
+            "sync_bn" if target is aten._native_batch_norm_legit_functional.default and np_.in_specs[0].dims[0]
+            else "vocab_ce" if target is aten.cross_entropy_loss.default and np_.in_specs[0].dims[1]
+            else "ratio" if is_ratio(target, args, kwargs) else "partial" if np_.partial_axes else None)
 
 
 class Zero3Scope:
@@ -217,6 +232,8 @@ class LocalExecutor:
         self.early = {src for src in members if src in casts}
         self._param_of = {src: casts.get(src, src) for src in members}
         self.dispatch: dict[str, Dispatch] = {}
+        self._placeholders = [n.name for n in captured.graph.nodes if n.op == "placeholder"]
+        self._calls = [n for n in captured.graph.nodes if n.op == "call_function"]  # ``run``'s nodes, in order
         for node in captured.graph.nodes:
             if node.op != "call_function":
                 continue
@@ -224,7 +241,7 @@ class LocalExecutor:
             local_shape = (list(specs[node.name][0].local_shape(tuple(node.meta["val"].shape), mesh.shape))
                            if np_ is not None and node.target in _SHAPE_ARG else None)
             self.dispatch[node.name] = Dispatch(node, np_, self.operands.get(node.name, []), local_shape, device,
-                                                 captured.param_mutations.get(node.name))
+                                                 captured.param_mutations.get(node.name), node.name in self.early)
         gen = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" else torch.default_generator
         self._generator = gen  # the one random ops on this device draw from (seeded per op, below)
         # while a compiled program traces the run (program.py): random node -> its seed (a 0-dim
@@ -233,11 +250,11 @@ class LocalExecutor:
 
     def run(self, env: dict[str, torch.Tensor]) -> dict[str, object]:
         """Run the graph; ``env`` maps placeholder names to local shards. Returns every value."""
-        values: dict[str, object] = {n.name: env.get(n.name) for n in self.cg.graph.nodes if n.op == "placeholder"}
+        values: dict[str, object] = {name: env.get(name) for name in self._placeholders}
         self.calls += 1
         gathered = self.gathered_parameters()
         with gathered.hooks() if gathered is not None else contextlib.nullcontext():
-            self.run_nodes((n for n in self.cg.graph.nodes if n.op == "call_function"), values, {}, gathered)
+            self.run_nodes(self._calls, values, {}, gathered)
         return values
 
     def run_nodes(self, nodes, values: dict[str, object], moved: dict, gathered: GatheredParameters | None = None):
@@ -245,6 +262,8 @@ class LocalExecutor:
         (``run``) or a pipeline stage's nodes. The layers of ``plan.remat`` among them run under
         ``torch.utils.checkpoint`` (only what is read after a layer is added); ``moved`` and
         ``gathered`` as in ``_call``."""
+        if not self.remat:
+            return self._run_nodes(nodes, values, moved, gathered)
         for layer, group in itertools.groupby(nodes, key=lambda n: self.remat.get(n.name)):
             if layer is None or not torch.is_grad_enabled():
                 self._run_nodes(group, values, moved, gathered)
@@ -295,15 +314,19 @@ class LocalExecutor:
         (value, its spec, wanted spec, gradient partial axes): each is moved once per run (a
         ZeRO-3 use of ``zero3``, the scope of the nodes run (default: outside recomputed layers),
         with ``gathered``, by ``gathered.move`` and dropped after its last reader)."""
-        zero3 = zero3 or self.outside
-        if (gathered is not None or functional()) and node.name in self.early and node.name in values:
-            return values[node.name]  # run ahead for its ZeRO-3 group
         d = self.dispatch[node.name]
+        if d.early and (gathered is not None or functional()) and node.name in values:
+            return values[node.name]  # run ahead for its ZeRO-3 group
         if d.getitem is not None:
             return values[d.getitem[0]][d.getitem[1]]
+        if d.checks and torch.is_grad_enabled():  # ``reshard``'s check, for the operands it would not move
+            for src, needs_grad, shape in d.checks:
+                if values[src].requires_grad != needs_grad:
+                    raise disagree(shape, needs_grad)
+        zero3 = zero3 or self.outside
         local = {}
-        written = {op_args(node)[a].name for a in d.written} if d.written else ()
-        for src, src_spec, dst_spec, grad_partial, shape in d.operands:
+        written = d.writes
+        for src, src_spec, dst_spec, grad_partial, shape in d.moves:
             key = (src, src_spec, dst_spec, grad_partial)
             if key not in moved:
                 try:
@@ -388,10 +411,13 @@ class LocalExecutor:
 
     def _local(self, node, d: Dispatch, args, kwargs):
         np_, target = d.plan, d.target
-        args, kwargs = local_arguments(target, args, kwargs, np_.in_specs, self.mesh.shape)
-        if target is aten._native_batch_norm_legit_functional.default and np_.in_specs[0].dims[0]:
+        if d.local_args:
+            args, kwargs = local_arguments(target, args, kwargs, np_.in_specs, self.mesh.shape)
+        if d.variant is None:
+            return target(*args, **kwargs)
+        if d.variant == "sync_bn":
             return self._sync_batch_norm(np_, **bind_args(target, args, kwargs))
-        if target is aten.cross_entropy_loss.default and np_.in_specs[0].dims[1]:
+        if d.variant == "vocab_ce":
             a = bind_args(target, args, kwargs)
             loss, valid = self._vocab_parallel_cross_entropy(np_, a)
             if a["reduction"] == MEAN:
@@ -399,9 +425,9 @@ class LocalExecutor:
             if a["reduction"] == SUM:
                 return AllReducePartial.apply(loss.sum(), np_.partial_axes, self.mesh)
             return loss
-        if d.ratio:
+        if d.variant == "ratio":
             return self._ratio(node, np_, *ratio_parts(target, args, kwargs))
-        return self._partial(node, np_, args, kwargs) if np_.partial_axes else target(*args, **kwargs)
+        return self._partial(node, np_, args, kwargs)
 
     def shard_seed(self, name: str) -> int:
         """Seed of random op ``name`` (in the plan) on this rank in the current run: (run seed,
