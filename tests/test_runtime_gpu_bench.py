@@ -29,3 +29,18 @@ def test_smoke_run_writes_both_tables(tmp_path):
     for label, t, _, ratio, vs in rows:  # each ratio is to the runner it names
         base = ms.get(vs.strip(), float(t))
         assert float(ratio) == pytest.approx(float(t) / base, rel=5e-3)
+
+
+def test_interpreter_overhead_prints_its_table(tmp_path):
+    """benchmarks/interpreter_overhead.py runs a few steps and prints both runners, each ratio
+    its CPU time over eager's."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "interpreter_overhead.py"), "--steps", "4",
+                        "--layers", "1"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rows = re.findall(r"^\| ([^|]+) \| ([0-9.]+) \| ±[0-9]+% \| ([0-9.]+) \| (-?[0-9.]+) \| (-?[0-9.]+) \|$",
+                      r.stdout, re.M)
+    assert [label.strip() for label, *_ in rows] == ["eager PyTorch", "alpa-lite interpreted"]
+    (_, eager, one, *_), (_, interpreted, ratio, over, _) = rows
+    assert float(eager) > 0 and float(one) == 1.0
+    assert float(ratio) == pytest.approx(float(interpreted) / float(eager), rel=5e-3, abs=1e-3)
+    assert float(over) == pytest.approx(float(interpreted) - float(eager), abs=2e-3)
