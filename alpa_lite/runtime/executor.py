@@ -121,8 +121,9 @@ class Dispatch:
         self.plan = np_
         # (producer, its spec, wanted spec, gradient partial axes, shape): ``reshard`` is a no-op
         # where the specs are equal and no partial gradient comes back
-        self.moves = [op for op in operands if op[1] != op[2] or op[3]]
-        self.checks = [(op[0], op[3] is not None, op[4]) for op in operands if not (op[1] != op[2] or op[3])]
+        moving = [op[1] != op[2] or bool(op[3]) for op in operands]
+        self.moves = [op for op, m in zip(operands, moving) if m]
+        self.checks = [(op[0], op[3] is not None, op[4]) for op, m in zip(operands, moving) if not m]
         self.mutates = mutates  # the parameter placeholder whose new value this node computes, if any
         self.early = early  # a ZeRO-3 group member's cast, run when its group starts
         self.getitem = (node.args[0].name, node.args[1]) if node.target is operator.getitem else None
