@@ -342,16 +342,42 @@ class _Mixup(nn.Module):
     def forward(self, x, perm):
         if self.how == "forward":
             perm = torch.randperm(x.shape[0])
+        rows = perm[:, None].expand(x.shape)
+        writes = {"index_add-input": lambda z: z.index_add(0, perm, x),
+                  "index_copy-input": lambda z: z.index_copy(0, perm, x),
+                  "index_reduce-input": lambda z: z.index_reduce(0, perm, x, "amax", include_self=False),
+                  "index_put-input": lambda z: z.index_put((perm,), x, accumulate=True),
+                  "scatter-input": lambda z: z.scatter(0, rows, x),
+                  "scatter_reduce-input": lambda z: z.scatter_reduce(0, rows, x, "sum"),
+                  "scatter_add-input": lambda z: z.scatter_add(0, rows, x)}
         if self.how == "gather-input":
-            xm = x.gather(0, perm[:, None].expand(x.shape))
+            xm = x.gather(0, rows)
         elif self.how == "index_select-input":
             xm = x.index_select(0, perm)
+        elif self.how == "take_along_dim-input":
+            xm = torch.take_along_dim(x, rows, 0)
+        elif self.how == "index_fill-input":
+            xm = x.index_fill(0, perm % 3, 0.0)
+        elif self.how == "setitem-input":
+            xm = torch.zeros_like(x)
+            xm[perm] = x
+        elif self.how in writes:
+            xm = writes[self.how](torch.zeros_like(x))
         else:
             xm = x[perm]
         return self.fc2(torch.relu(self.fc1(0.7 * x + 0.3 * xm))).pow(2).mean()
 
 
-@pytest.mark.parametrize("how", ["index-input", "index_select-input", "gather-input"])
+_BATCH_INDEX_OPS = {"index-input": "aten.index.Tensor", "index_select-input": "aten.index_select.default",
+                    "gather-input": "aten.gather.default", "take_along_dim-input": "aten.take_along_dim.default",
+                    "index_add-input": "aten.index_add.default", "index_copy-input": "aten.index_copy.default",
+                    "index_fill-input": "aten.index_fill.int_Scalar", "index_reduce-input": "aten.index_reduce.default",
+                    "index_put-input": "aten.index_put.default", "setitem-input": "aten.index_put_.default",
+                    "scatter-input": "aten.scatter.src", "scatter_reduce-input": "aten.scatter_reduce.two",
+                    "scatter_add-input": "aten.scatter_add.default"}
+
+
+@pytest.mark.parametrize("how", list(_BATCH_INDEX_OPS))
 def test_an_index_into_the_batch_from_an_input_is_refused_for_microbatches(how):
     """Mixup with its permutation as an input (sweep 7): a 2-stage pipeline of 2 microbatches
     warned, then died on one stage with ``IndexError: index 7 is out of bounds for dimension 0 with
@@ -359,12 +385,17 @@ def test_an_index_into_the_batch_from_an_input_is_refused_for_microbatches(how):
     test_accumulation_warns_...). Planning refuses it now, naming the op and the input. Without
     microbatches it plans (data parallel keeps the indexed dim whole: 2 SGD steps on 2x2 equal one
     process for x[perm], index_select and gather), and a permutation drawn in forward numbers the
-    microbatch's own rows (a warning, no error)."""
+    microbatch's own rows (a warning, no error). Sweep 11: the check knew only ``index``,
+    ``index_select``, ``gather`` and ``scatter_add`` (and, needing a sharding rule, not ``index_put``
+    / ``scatter``): ``index_add``, ``index_copy``, ``index_fill``, ``index_reduce``, ``x[perm] = v``,
+    ``scatter`` / ``scatter_reduce`` and ``take_along_dim`` with the permutation an input planned
+    with a warning only."""
     x, perm = torch.randn(8, 8), torch.randperm(8)
     pipe = {"num_stages": 2, "num_microbatches": 2, "num_layers": 2}
-    op = {"index-input": "aten.index.Tensor", "index_select-input": "aten.index_select.default",
-          "gather-input": "aten.gather.default"}[how]
-    with pytest.raises(ValueError, match=rf"2 microbatches cannot cut this batch: \w+ \({op}\) picks rows of the "
+    op = _BATCH_INDEX_OPS[how]
+    verb = "writes" if how.startswith(("index_add", "index_copy", "index_fill", "index_reduce", "index_put", "setitem",
+                                       "scatter")) else "picks"
+    with pytest.raises(ValueError, match=rf"2 microbatches cannot cut this batch: \w+ \({op}\) {verb} rows of the "
                                          r"batch with indices from input args_1 \(tensor input 1 of the call\).*"
                                          r"torch.randperm\(x.shape\[0\]\)"):
         plan(_Mixup(how), (x, perm), LogicalMesh((1, 2)), **pipe)

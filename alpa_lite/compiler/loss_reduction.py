@@ -59,9 +59,19 @@ _ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
 # ops that regroup the elements of their operand in order (row-major): they mix no samples
 _RESHAPE_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
                 aten.unflatten.int}
-# an index into the batch's rows is right per microbatch
-_INDEX_OPS = {aten.index.Tensor, aten._unsafe_index.Tensor, aten.index_select.default, aten.gather.default,
-              aten.index_put.default, aten.index_put_.default, aten.scatter.src, aten.scatter_add.default}
+# ops that read or write their first operand at positions an integer tensor gives (every overload):
+# along ``dim``, along the dims of the given ``indices`` (``x[i, :, j]``), or flat (``take``,
+# ``take_along_dim`` without ``dim``). An index into the batch's rows is right per microbatch
+_INDEX_OPS = {aten.index, aten._unsafe_index, aten.index_select, aten.gather, aten.take, aten.take_along_dim,
+              aten.index_put, aten.index_put_, aten._unsafe_index_put, aten.scatter, aten.scatter_, aten.scatter_add,
+              aten.scatter_add_, aten.scatter_reduce, aten.scatter_reduce_, aten.index_add, aten.index_add_,
+              aten.index_copy, aten.index_copy_, aten.index_fill, aten.index_fill_, aten.index_reduce,
+              aten.index_reduce_}
+# of those, the ones whose result is their first operand written at the index: its rows are the result's
+_INDEX_WRITES = {aten.index_put, aten.index_put_, aten._unsafe_index_put, aten.scatter, aten.scatter_,
+                 aten.scatter_add, aten.scatter_add_, aten.scatter_reduce, aten.scatter_reduce_, aten.index_add,
+                 aten.index_add_, aten.index_copy, aten.index_copy_, aten.index_fill, aten.index_fill_,
+                 aten.index_reduce, aten.index_reduce_}
 # ops whose result depends on an operand's shape only, not on its values
 _SHAPE_ONLY = {aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
                aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default,
@@ -163,7 +173,7 @@ class _Reader:
                     node.target is aten.embedding.default and self.counts[node.args[1].name]
                     or node.target in _LINEAR and self.counts[ins[0].name] and _floating(node)))
             self._row_positions(node, sig)
-            self._batch_index(node, sig)
+            self._batch_index(node)
 
     def _position(self, x) -> tuple[int, int] | None:
         """Where the batch's rows are in ``x``: ``(dim, inner)``, the batch a factor of dim ``dim``
@@ -224,23 +234,29 @@ class _Reader:
                     self.merged[node.name] = (j, pos[1])
             return
 
-    def _batch_index(self, node, sig) -> None:
-        """``check_batch_indices``: ``node`` indexes the batch dim of its first operand with integer
-        values from a batched input (not made by an op that combines samples, such as an argsort)."""
-        if sig is None or node.target not in _INDEX_OPS:
+    def _batch_index(self, node) -> None:
+        """``check_batch_indices``: ``node`` (an op of ``_INDEX_OPS``, with a sharding rule or
+        without) indexes the batch dim of its first operand with integer values from a batched input
+        (not made by an op that combines samples, such as an argsort). The first operand of a write
+        (``index_add``, ``scatter``, ``x[perm] = v``) may be made in forward without the batch
+        (``torch.zeros(B, H)``): its rows are then the result's."""
+        if not _is_index(node) or not isinstance(node.args[0], torch.fx.Node):
             return
-        x, *others = node.all_input_nodes
+        x = node.args[0]
         b = self.batch.get(x.name)
-        if b is None or b >= len(sig.inputs[0]) or sig.inputs[0][b] not in sig.fixed:
-            return  # not along the batch's rows: a token index, a class index
-        for i in others:
+        if b is None and node.target.overloadpacket in _INDEX_WRITES:
+            b = self.batch.get(node.name)
+        for i in _row_indices(node, b):
+            if not isinstance(i, torch.fx.Node):
+                continue
             val = i.meta.get("val")
             if not (self.depends[i.name] and isinstance(val, torch.Tensor) and not val.is_floating_point()
                     and val.dtype != torch.bool and not self.mixed[i.name]):
                 continue
             source = next(n for n in _upstream(i) if n.name in self.cg.input_names and self.batch.get(n.name) is not None)
             self.indices.append(
-                f"{node.name} ({node.target}) picks rows of the batch with indices from input {source.name} (tensor "
+                f"{node.name} ({node.target}) {'writes' if node.target.overloadpacket in _INDEX_WRITES else 'picks'} "
+                f"rows of the batch with indices from input {source.name} (tensor "
                 f"input {self.cg.input_names.index(source.name)} of the call)")
             return
 
@@ -248,7 +264,7 @@ class _Reader:
         """A value made without the batch (``torch.arange(x.shape[0])``, an embedding of it) meeting
         the batch's rows along their dim numbers the rows of the microbatch: each microbatch
         restarts it. As an index into the batch (``x[torch.arange(B), i]``) it stays right."""
-        if sig is None or node.target in _INDEX_OPS or node.target in RATIO_OPS or not self.rows or self.rows < 2:
+        if sig is None or _is_index(node) or node.target in RATIO_OPS or not self.rows or self.rows < 2:
             return
         rows = {labels[self.batch[i.name]] for labels, i in zip(sig.inputs, node.all_input_nodes)
                 if self.depends[i.name] and self.batch.get(i.name) is not None and self.batch[i.name] < len(labels)}
@@ -467,6 +483,24 @@ class _Reader:
         self.problems.append(f"{node.name} ({node.target}) is not a sum, mean or ratio of batch reductions: "
                              "the loss is a nonlinear function of the batch")
         return []
+
+
+def _is_index(node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "overloadpacket", None) in _INDEX_OPS
+
+
+def _row_indices(node, b: int | None) -> list:
+    """The index tensors (nodes or None) of the index op ``node`` that number dim ``b`` of its first
+    operand: ``indices[b]`` of ``x[i, :, j]``, ``index`` of an op along ``dim == b``, the flat
+    index of ``take`` (and ``take_along_dim`` without ``dim``); none for another dim or ``b`` None."""
+    if b is None:
+        return []
+    a = bind_args(node.target, node.args, node.kwargs)
+    idx = a.get("indices", a.get("index"))
+    if isinstance(idx, (list, tuple)):  # x[i, :, j]: one (optional) index per leading dim
+        return [idx[b]] if b < len(idx) else []
+    dim = a.get("dim")
+    return [idx] if dim is None or dim % len(shape_of(node.args[0])) == b else []
 
 
 def _upstream(node):
