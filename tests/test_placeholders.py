@@ -160,6 +160,56 @@ def test_refused_constructs_are_named_at_capture():
         capture(_ItemCount(), (x,))
 
 
+class _GradReverse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return -0.5 * g
+
+
+class _Hooked(nn.Module):
+    """A gradient hook or custom backward of one kind (``how``) on an MLP."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.fc1, self.fc2, self.how = nn.Linear(4, 8), nn.Linear(8, 4), how
+        if how == "param":
+            self.fc1.weight.register_hook(lambda g: g * 0.5)
+        elif how == "module":
+            self.fc1.register_backward_hook(lambda m, gi, go: tuple(None if g is None else g * 0.5 for g in gi))
+        elif how == "full_module":
+            self.fc1.register_full_backward_hook(lambda m, gi, go: (gi[0] * 0.5,))
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if self.how == "tensor":
+            h.register_hook(lambda g: g * 0.5)
+        if self.how == "function":
+            h = _GradReverse.apply(h)
+        return self.fc2(h.relu()).pow(2).mean()
+
+
+@pytest.mark.parametrize("how, message", [
+    ("tensor", r"t\.register_hook\(fn\) in forward: the captured graph has no hooks"),
+    ("function", r"custom autograd\.Function test_placeholders\._GradReverse: export records the ops of its forward"),
+    ("param", r"parameter fc1\.weight has a gradient hook \(register_hook\)"),
+    ("module", r"module fc1 \(Linear\) has a backward hook"),
+    ("full_module", r"module fc1 \(Linear\) has a backward hook")])
+def test_gradient_hooks_and_custom_backwards_are_refused_at_capture(how, message):
+    """Sweep 11: export records neither a gradient hook nor a custom ``autograd.Function``'s
+    backward (it records the ops of its forward), and the trainer differentiates the captured graph
+    on its own tensors: DANN's gradient reversal, a hook on an activation, a module's backward hook
+    each trained silently off one process on 2x2 (gradients 1e4 times verify's bound); a
+    parameter's hook, which ``copy.deepcopy`` drops, was lost by verify's reference too (called
+    equal). Capture refuses each, naming it; torch's own reentrant checkpoint still captures."""
+    with pytest.raises(CaptureError, match=message):
+        capture(_Hooked(how), (torch.randn(8, 4),))
+    capture(_Hooked("none"), (torch.randn(8, 4),))
+
+
 class _ItemCount(nn.Module):
     def __init__(self):
         super().__init__()

@@ -382,6 +382,7 @@ def _capture(model, example_inputs, loss_fn, targets, example_kwargs, compute_dt
         example_inputs = (example_inputs,)
     _check_loss_fn_arity(loss_fn, tuple(targets))
     _check_model_call(model, tuple(example_inputs), dict(example_kwargs or {}))
+    check_backward_hooks(model)
     args = tuple(example_inputs) + tuple(targets)
     kwargs = dict(example_kwargs or {})
     wrapper = TrainingLoss(model, loss_fn, len(example_inputs), compute_dtype)
@@ -392,7 +393,7 @@ def _capture(model, example_inputs, loss_fn, targets, example_kwargs, compute_dt
         # only the refusal of a construct reads it (``_where``). Export's intermediate graph
         # modules write their code only when run (lazy graph modules): it wrote GPT-3 2.6B's
         # whole graph as Python five times, ~0.15 s
-        with _reentrant_checkpoint_as_function(), _use_lazy_graph_module(True), \
+        with _reentrant_checkpoint_as_function(), _refuse_backward_hooks(), _use_lazy_graph_module(True), \
                 mock.patch.object(torch.fx.config, "do_not_emit_stack_traces", not stack_traces):
             return _export_any_batch(wrapper, args, kwargs, batch) if any_batch else _export(wrapper, args, kwargs)
 
@@ -494,6 +495,8 @@ def _export(wrapper: TrainingLoss, args: tuple, kwargs: dict) -> torch.export.Ex
     """
     try:
         return torch.export.export(wrapper, args, kwargs, strict=False)
+    except CaptureError:  # a construct refused while exporting (_refuse_backward_hooks)
+        raise
     except Exception as first:  # noqa: BLE001 - reported with its construct below
         try:  # plain modules: symbolic_trace's python-level graph sometimes exports when the module does not
             traced = torch.fx.symbolic_trace(wrapper)
@@ -544,6 +547,8 @@ def _export_any_batch(wrapper: TrainingLoss, args: tuple, kwargs: dict, batch: i
     dynamic = {"args": pytree.tree_map(spec, args)} | ({"kwargs": pytree.tree_map(spec, kwargs)} if kwargs else {})
     try:
         return torch.export.export(wrapper, args, kwargs, dynamic_shapes=dynamic, strict=False)
+    except CaptureError:  # a construct refused while exporting (_refuse_backward_hooks)
+        raise
     except Exception as e:  # noqa: BLE001 - the reason the graph is not batch-free
         raise CaptureError(f"{type(wrapper.model).__name__} does not export for any batch size: {_first_line(e)}") from e
 
@@ -967,6 +972,65 @@ def _bake(gm: torch.fx.GraphModule, placeholder: str, value) -> None:
     for user in list(node.users):
         user.replace_input_with(node, value)
     gm.graph.erase_node(node)
+
+
+def check_backward_hooks(model: torch.nn.Module) -> None:
+    """Refuse gradient hooks on ``model`` that the captured graph would never run: a module's
+    backward hook (``register_backward_hook``, ``register_full_backward_hook``, their pre hooks)
+    and a parameter's ``register_hook``. The training step differentiates the captured graph on
+    its own tensors (sweep 11: ``fc1.register_backward_hook`` halving its gradients trained
+    silently off one process, fc1's gradients 1e4 times their bound; a parameter's hook, which
+    ``copy.deepcopy`` drops, was lost by the trainer and by verify's reference alike).
+
+    Raises:
+        CaptureError: naming the first module or parameter with such a hook.
+    """
+    for name, mod in model.named_modules():
+        if mod._backward_hooks or mod._backward_pre_hooks:
+            raise CaptureError(f"module {name or '(the model)'} ({type(mod).__name__}) has a backward hook: the captured "
+                               "graph has no hooks, so it would never run; remove it, or write what it does to the "
+                               "gradient into forward with detach (a gradient scaled by s: s * x + (1 - s) * x.detach())")
+    for name, p in model.named_parameters():
+        if p._backward_hooks:
+            raise CaptureError(f"parameter {name} has a gradient hook (register_hook): the trainer computes the gradients "
+                               "of its own shards, so it would never run; remove it (to clip gradients, pass "
+                               "max_grad_norm=)")
+
+
+@contextmanager
+def _refuse_backward_hooks():
+    """Refuse, while exporting, what would change gradients outside the ops export records: a
+    gradient hook registered in forward (``t.register_hook(fn)``; a module's full backward hook,
+    which runs through an autograd Function of torch's) and a custom ``torch.autograd.Function``
+    with its own ``backward`` (gradient reversal, a straight-through estimator). Export records
+    the ops of the Function's ``forward`` and no hooks, and the training step differentiates the
+    graph, so the hook never ran and the Function's backward was replaced by the derivative of its
+    forward (sweep 11: DANN's gradient reversal and a 0.5x gradient hook trained silently off one
+    process, gradients 1e4 times their bound). torch's own Functions (reentrant checkpointing,
+    made a plain call by ``_reentrant_checkpoint_as_function``) pass."""
+    from torch.nn.modules._functions import BackwardHookFunction
+    apply = torch.autograd.Function.__dict__["apply"].__func__
+
+    def refusing_apply(cls, *args, **kwargs):
+        if cls is BackwardHookFunction:
+            raise CaptureError("a module's full backward hook (register_full_backward_hook / "
+                               "register_full_backward_pre_hook): the captured graph has no hooks, so it would never "
+                               "run; remove the hook, or write what it does to the gradient into forward")
+        if not cls.__module__.startswith("torch."):
+            raise CaptureError(
+                f"custom autograd.Function {cls.__module__}.{cls.__qualname__}: export records the ops of its "
+                "forward, and the training step would differentiate those instead of running its backward. Write "
+                "its gradient into forward with detach (a straight-through estimator: x + (f(x) - x).detach(); "
+                "gradient reversal by lam: (1 + lam) * x.detach() - lam * x)")
+        return apply(cls, *args, **kwargs)
+
+    def refusing_hook(tensor, hook):
+        raise CaptureError("t.register_hook(fn) in forward: the captured graph has no hooks, so fn would never run; "
+                           "write it into forward with detach (a gradient scaled by s: s * x + (1 - s) * x.detach())")
+
+    with mock.patch.object(torch.autograd.Function, "apply", classmethod(refusing_apply)), \
+            mock.patch.object(torch.Tensor, "register_hook", refusing_hook):
+        yield
 
 
 @contextmanager

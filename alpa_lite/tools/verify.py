@@ -331,12 +331,16 @@ def verify(model: torch.nn.Module, inputs, mesh, *, loss_fn: Callable | None = N
         PlanError: (from ``parallelize``) the plan does not fit the model or the mesh.
         RuntimeError: the one-process reference or the comparison failed on rank 0 (raised on
             every rank, naming rank 0's error).
+        CaptureError: (from ``core.capture.check_backward_hooks``, on every rank) the model has a
+            backward hook, which neither run would honour.
     """
     from ..api import parallelize
+    from ..core.capture import check_backward_hooks
     from ..runtime.launch import default_device
 
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("verify needs a model with real weights (build it on the CPU, not on 'meta')")
+    check_backward_hooks(model)  # before the copies: deepcopy drops a parameter's hooks, in both runs
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     example = ((*inputs, *targets), dict(example_kwargs)) if example_kwargs is not None else (*inputs, *targets)
     batches = [_call(b, example_kwargs is not None) for b in ([example] * steps if batches is None else batches)]
