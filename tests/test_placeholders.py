@@ -189,6 +189,8 @@ class _Hooked(nn.Module):
             h.register_hook(lambda g: g * 0.5)
         if self.how == "function":
             h = _GradReverse.apply(h)
+        if self.how == "grad":  # a gradient penalty
+            h = h + torch.autograd.grad(h.sum(), x, create_graph=True)[0].sum()
         return self.fc2(h.relu()).pow(2).mean()
 
 
@@ -197,16 +199,18 @@ class _Hooked(nn.Module):
     ("function", r"custom autograd\.Function test_placeholders\._GradReverse: export records the ops of its forward"),
     ("param", r"parameter fc1\.weight has a gradient hook \(register_hook\)"),
     ("module", r"module fc1 \(Linear\) has a backward hook"),
-    ("full_module", r"module fc1 \(Linear\) has a backward hook")])
+    ("full_module", r"module fc1 \(Linear\) has a backward hook"),
+    ("grad", r"a gradient taken in forward \(torch\.autograd\.grad")])
 def test_gradient_hooks_and_custom_backwards_are_refused_at_capture(how, message):
     """Sweep 11: export records neither a gradient hook nor a custom ``autograd.Function``'s
     backward (it records the ops of its forward), and the trainer differentiates the captured graph
     on its own tensors: DANN's gradient reversal, a hook on an activation, a module's backward hook
     each trained silently off one process on 2x2 (gradients 1e4 times verify's bound); a
     parameter's hook, which ``copy.deepcopy`` drops, was lost by verify's reference too (called
-    equal). Capture refuses each, naming it; torch's own reentrant checkpoint still captures."""
+    equal). A gradient penalty (``torch.autograd.grad`` in forward) died in export, "We found a
+    fake tensor in the exported program constant's list". Capture refuses each, naming it."""
     with pytest.raises(CaptureError, match=message):
-        capture(_Hooked(how), (torch.randn(8, 4),))
+        capture(_Hooked(how), (torch.randn(8, 4, requires_grad=how == "grad"),))
     capture(_Hooked("none"), (torch.randn(8, 4),))
 
 

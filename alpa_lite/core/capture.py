@@ -1000,14 +1000,18 @@ def check_backward_hooks(model: torch.nn.Module) -> None:
 @contextmanager
 def _refuse_backward_hooks():
     """Refuse, while exporting, what would change gradients outside the ops export records: a
-    gradient hook registered in forward (``t.register_hook(fn)``; a module's full backward hook,
+    gradient taken in forward (``torch.autograd.grad``: export died with "We found a fake tensor in
+    the exported program constant's list"), a gradient hook registered in forward (``t.register_hook(fn)``; a module's full backward hook,
     which runs through an autograd Function of torch's) and a custom ``torch.autograd.Function``
     with its own ``backward`` (gradient reversal, a straight-through estimator). Export records
     the ops of the Function's ``forward`` and no hooks, and the training step differentiates the
     graph, so the hook never ran and the Function's backward was replaced by the derivative of its
     forward (sweep 11: DANN's gradient reversal and a 0.5x gradient hook trained silently off one
     process, gradients 1e4 times their bound). torch's own Functions (reentrant checkpointing,
-    made a plain call by ``_reentrant_checkpoint_as_function``) pass."""
+    made a plain call by ``_reentrant_checkpoint_as_function``) pass; so does a
+    ``torch.library.custom_op`` with ``register_autograd``, one op of the graph whose registered
+    backward autograd runs (gradient reversal so trains equal to one process under data
+    parallel, Megatron, a pipeline and compiled)."""
     from torch.nn.modules._functions import BackwardHookFunction
     apply = torch.autograd.Function.__dict__["apply"].__func__
 
@@ -1019,17 +1023,24 @@ def _refuse_backward_hooks():
         if not cls.__module__.startswith("torch."):
             raise CaptureError(
                 f"custom autograd.Function {cls.__module__}.{cls.__qualname__}: export records the ops of its "
-                "forward, and the training step would differentiate those instead of running its backward. Write "
+                "forward, and the training step would differentiate those instead of running its backward. Make it "
+                "a torch.library.custom_op with register_autograd (captured as one op, its backward kept), or write "
                 "its gradient into forward with detach (a straight-through estimator: x + (f(x) - x).detach(); "
                 "gradient reversal by lam: (1 + lam) * x.detach() - lam * x)")
         return apply(cls, *args, **kwargs)
+
+    def refusing_grad(*args, **kwargs):
+        raise CaptureError("a gradient taken in forward (torch.autograd.grad, torch.func.grad: a gradient penalty, "
+                           "WGAN-GP's or R1's): alpa-lite captures one graph for one backward and cannot capture a "
+                           "gradient inside it")
 
     def refusing_hook(tensor, hook):
         raise CaptureError("t.register_hook(fn) in forward: the captured graph has no hooks, so fn would never run; "
                            "write it into forward with detach (a gradient scaled by s: s * x + (1 - s) * x.detach())")
 
     with mock.patch.object(torch.autograd.Function, "apply", classmethod(refusing_apply)), \
-            mock.patch.object(torch.Tensor, "register_hook", refusing_hook):
+            mock.patch.object(torch.Tensor, "register_hook", refusing_hook), \
+            mock.patch.object(torch.autograd, "grad", refusing_grad):
         yield
 
 
