@@ -268,6 +268,33 @@ def test_pipelined_zero12_of_a_weight_two_stages_hold_names_it(mixed_precision):
              num_stages=2, num_microbatches=2, mixed_precision=mixed_precision)
 
 
+class _Bilinear(torch.nn.Module):
+    """``nn.Bilinear`` (no sharding rule: it runs replicated and takes its weight's gradient
+    complete) between two linear layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bil, self.fc2 = torch.nn.Linear(8, 8), torch.nn.Bilinear(8, 8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        h = torch.relu(self.fc1(x))
+        return torch.nn.functional.mse_loss(self.fc2(torch.relu(self.bil(h, x))), y)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_pipelined_zero12_names_an_op_that_takes_the_gradient_complete(stage):
+    """Sweep 11: an op without a rule (``nn.Bilinear``, ``nn.EmbeddingBag``) under ZeRO-1/2 in a
+    2-stage x 2-device pipeline: every stage holding it was infeasible, reported only as "no
+    pipeline fits 4.00 GiB per device" for a model of 2 KiB (without a pipeline the error names
+    the op). The search lists it among the ranges without a stage plan now, naming the op."""
+    from alpa_lite.compiler.stage_dp import PipelinePlanError
+
+    with pytest.raises(PipelinePlanError, match=rf"no stage plan under these options: zero_stage={stage}: parameters "
+                                                r"bil\.weight and bil\.bias are read by bilinear \(aten\.bilinear"):
+        plan(_Bilinear(), (torch.zeros(8, 8), torch.zeros(8, 8)), LogicalMesh((2, 2), cluster="cpu-gloo"),
+             batch_axis=1, zero_stage=stage, num_stages=2, num_microbatches=2, num_layers=2)
+
+
 CASES = {f"{name}-{opt}": {"mesh": mesh, "optimizer": opt, "options": options}
          for opt in ("sgd", "adamw")
          for name, mesh, options in (("zero1", (1, 4), {"batch_axis": 1, "zero_stage": 1}),

@@ -64,7 +64,7 @@ from ..core.plan import NodePlan, step_parts
 from ..core.resharding import reshard_costs
 from ..core.spec import ShardingSpec
 from .clustering import crossing_values
-from .constraints import apply_constraints, restrict
+from .constraints import apply_constraints, restrict, zero_stage_blockers
 from .cost_graph import build_cost_graph, value_zeros
 from .ilp import MemoryBudgetError, SolverError, solve, solver_limits
 from .intra_op import recomputable
@@ -869,7 +869,11 @@ def solve_stage(cg, names: list[str], mesh, memory_bytes: float, act_scale: int 
                     switches=tuple(options.restrictions()), node_limit=options.node_limit)
     except MemoryBudgetError as e:
         raise _Infeasible(str(e)) from None
-    except SolverError as e:
+    except SolverError as e:  # ZeRO-1/2 over a parameter use that takes its gradient complete: refused, named
+        blockers = [] if e.limit else zero_stage_blockers(cg, table, mesh, options)
+        if blockers:  # (it read "no pipeline fits 4.00 GiB per device": an nn.EmbeddingBag, no rule, in a stage)
+            raise _Infeasible(f"zero_stage={options.zero_stage}: {'; '.join(blockers)} (use zero_stage=3 or leave "
+                              "zero_stage out)", refused=True) from None
         raise _Infeasible(str(e), e.limit) from None
     chosen = {n: table[n].strategies[w.index[sol.choice[w.var]]] for n, w in where.items()}
     nodes = {n: node_plan(s, table[n]) for n, s in chosen.items()}
