@@ -29,6 +29,8 @@ import inspect
 import operator
 import pickle
 import re
+import sys
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -393,7 +395,8 @@ def _capture(model, example_inputs, loss_fn, targets, example_kwargs, compute_dt
         # only the refusal of a construct reads it (``_where``). Export's intermediate graph
         # modules write their code only when run (lazy graph modules): it wrote GPT-3 2.6B's
         # whole graph as Python five times, ~0.15 s
-        with _reentrant_checkpoint_as_function(), _refuse_backward_hooks(), _use_lazy_graph_module(True), \
+        with _python_state_kept(model), _reentrant_checkpoint_as_function(), _refuse_untraced(), \
+                _use_lazy_graph_module(True), \
                 mock.patch.object(torch.fx.config, "do_not_emit_stack_traces", not stack_traces):
             return _export_any_batch(wrapper, args, kwargs, batch) if any_batch else _export(wrapper, args, kwargs)
 
@@ -495,7 +498,7 @@ def _export(wrapper: TrainingLoss, args: tuple, kwargs: dict) -> torch.export.Ex
     """
     try:
         return torch.export.export(wrapper, args, kwargs, strict=False)
-    except CaptureError:  # a construct refused while exporting (_refuse_backward_hooks)
+    except CaptureError:  # a construct refused while exporting (_refuse_untraced)
         raise
     except Exception as first:  # noqa: BLE001 - reported with its construct below
         try:  # plain modules: symbolic_trace's python-level graph sometimes exports when the module does not
@@ -547,7 +550,7 @@ def _export_any_batch(wrapper: TrainingLoss, args: tuple, kwargs: dict, batch: i
     dynamic = {"args": pytree.tree_map(spec, args)} | ({"kwargs": pytree.tree_map(spec, kwargs)} if kwargs else {})
     try:
         return torch.export.export(wrapper, args, kwargs, dynamic_shapes=dynamic, strict=False)
-    except CaptureError:  # a construct refused while exporting (_refuse_backward_hooks)
+    except CaptureError:  # a construct refused while exporting (_refuse_untraced)
         raise
     except Exception as e:  # noqa: BLE001 - the reason the graph is not batch-free
         raise CaptureError(f"{type(wrapper.model).__name__} does not export for any batch size: {_first_line(e)}") from e
@@ -998,8 +1001,44 @@ def check_backward_hooks(model: torch.nn.Module) -> None:
 
 
 @contextmanager
-def _refuse_backward_hooks():
-    """Refuse, while exporting, what would change gradients outside the ops export records: a
+def _python_state_kept(model: torch.nn.Module):
+    """Warn when the model's forward changes a Python number, bool or string attribute of one of
+    its modules (``self.calls += 1``), and put the value back: the step runs the graph captured
+    from one call, so forward's Python code never runs again, and a value it reads (a warmup scale
+    from a step counter) is the one it had at capture, every step (sweep 11: a counter-driven
+    warmup trained silently off one process, loss 6.4e-2 off at step 3, bound 1.1e-4). Keep such
+    state in a buffer, updated under ``torch.no_grad()``, which the step carries."""
+    kinds = (int, float, bool, str)
+    before = {(name, k): v for name, mod in model.named_modules() for k, v in vars(mod).items() if type(v) in kinds}
+    changed = {}
+
+    def compare(*_):  # after forward, inside the trace: export puts attributes back itself when it ends
+        for name, mod in model.named_modules():
+            for k, v in vars(mod).items():
+                was = before.get((name, k), v)
+                if type(v) in kinds and v is not was and v != was:  # (a tensor stored here is export's to judge)
+                    changed[f"{name + '.' if name else ''}{k}"] = f"{before[name, k]!r} -> {v!r}"
+                    setattr(mod, k, before[name, k])
+
+    handle = model.register_forward_hook(compare)
+    try:
+        yield
+    finally:
+        handle.remove()
+        if changed:
+            changed = [f"{k} ({v})" for k, v in changed.items()]
+            warnings.warn(f"forward changed Python attribute(s) {', '.join(changed)}; alpa-lite runs the graph captured "
+                          "from one call, so forward does not run again and reads their values at capture every step "
+                          "(put back now). Keep state that forward reads in a buffer, written under torch.no_grad()",
+                          stacklevel=4)
+
+
+@contextmanager
+def _refuse_untraced():
+    """Refuse, while exporting, what export does not record or cannot trace. ``t.data`` read or
+    written by the model's code (export died with "We found a fake tensor in the exported program
+    constant's list", and ``self.ema.data = ...`` captured without the write: the buffer never
+    changed). And what would change gradients outside the ops export records: a
     gradient taken in forward (``torch.autograd.grad``: export died with "We found a fake tensor in
     the exported program constant's list"), a gradient hook registered in forward (``t.register_hook(fn)``; a module's full backward hook,
     which runs through an autograd Function of torch's) and a custom ``torch.autograd.Function``
@@ -1038,7 +1077,24 @@ def _refuse_backward_hooks():
         raise CaptureError("t.register_hook(fn) in forward: the captured graph has no hooks, so fn would never run; "
                            "write it into forward with detach (a gradient scaled by s: s * x + (1 - s) * x.detach())")
 
+    data = torch._C.TensorBase.data
+    torch_dir = str(Path(torch.__file__).parent)
+
+    def refuse_data(tensor):
+        if sys._getframe(2).f_code.co_filename.startswith(torch_dir):
+            return False  # torch's own code
+        raise CaptureError("t.data in forward: export cannot trace it, and a write through it (self.ema.data = ..., "
+                           "w.data.clamp_()) is not recorded; read with t.detach(), write buffers or weights under "
+                           "torch.no_grad() (self.ema.mul_(0.9).add_(0.1 * m), w.clamp_(-c, c))")
+
+    def get_data(tensor):
+        return refuse_data(tensor) or data.__get__(tensor)
+
+    def set_data(tensor, value):
+        refuse_data(tensor) or data.__set__(tensor, value)
+
     with mock.patch.object(torch.autograd.Function, "apply", classmethod(refusing_apply)), \
+            mock.patch.object(torch.Tensor, "data", property(get_data, set_data)), \
             mock.patch.object(torch.Tensor, "register_hook", refusing_hook), \
             mock.patch.object(torch.autograd, "grad", refusing_grad):
         yield
