@@ -98,6 +98,36 @@ other waited out the timeout); so did ``randn_like(h)`` noise, a random op witho
 sdpa with ``enable_gqa``, ``kl_div``, ``argsort``, ``scatter_add`` / ``index_add`` and ``addmv`` ran
 replicated without a rule (microbatches warned falsely that they might combine samples); with rules,
 ``seq_ops`` and ``kl_div``'s ``nograd`` accumulated, ``sdpa_options`` and ``rope_gqa`` pipelined.
+
+Sweep 11 (:data:`SWEEP11`, 3 steps; SGD, momentum, AdamW, and Adagrad, RMSprop (centered, with
+momentum) and Adam with ``amsgrad`` under ZeRO-1/3 and a pipeline): ``F.pad`` reflect / replicate,
+``flip`` / ``roll`` and ``F.interpolate`` along the sequence and an uneven ``chunk(3)`` of the split
+dim (``seq_shape``); ``var`` / ``std`` with ``correction=0``, ``F.normalize``, ``cosine_similarity``,
+a 3-norm, ``softmax(dtype=float64)``, ``glu`` over the split dim, ``mish``, ``hardswish`` and a
+per-channel ``PReLU`` (``split_reduce``); ``nn.Bilinear``; ``pixel_shuffle`` / ``pixel_unshuffle``,
+``max_pool2d(return_indices=True)`` with ``max_unpool2d``, ``avg_pool2d(count_include_pad=False)``,
+``adaptive_avg_pool2d`` and ``GroupNorm`` over split channels (``vision``); ``nn.EmbeddingBag`` (mean,
+sum with ``per_sample_weights``, max with ``offsets``; DLRM's flat ids and offsets) and
+``padding_idx``; complex rotary embeddings (``view_as_complex``, a complex buffer); Poisson NLL,
+hinge-embedding, soft-margin and multilabel soft-margin losses; non-reentrant checkpointing under
+a pipeline and compiled; ``take_along_dim`` / ``scatter`` / ``scatter_reduce`` at ``topk`` indices,
+``index_fill`` / ``index_copy`` / ``index_add`` and ``h[..., idx] = v`` along the split dim
+(``split_index``); ``spectral_norm`` under Megatron; a ``torch.library.custom_op`` with its own
+backward (``grad_reverse_op``). All equal. Refused now with a clear error (:data:`REFUSED`), where
+they trained silently off one process: a custom ``autograd.Function`` (DANN's gradient reversal:
+``fc1.weight``'s gradient 2.2e-2 off, bound 1.2e-6; export records its forward's ops only), a
+gradient hook registered in forward (``tensor_hook``) or on a module (``module_hook``; 6.3e-3 off,
+bound 6.3e-7), a parameter's hook (``param_hook``: called equal, as ``copy.deepcopy`` drops it from
+verify's reference too), ``.data`` writes in forward (``data_writes``: export died with "We found a
+fake tensor in the exported program constant's list", as did a gradient penalty's
+``torch.autograd.grad``, ``grad_penalty``). ``gaussian_nll_loss`` (torch's own ``torch.any(var <
+0)`` check) and ``ctc_loss`` (dynamic output shapes) are refused by capture naming them. Planning
+errors: with a row permutation as an input, the microbatch index check named only ``index``,
+``index_select``, ``gather`` and ``scatter_add`` (``index_add``, ``index_copy``, ``index_fill``,
+``index_put``, ``scatter``, ``take_along_dim`` ... planned with a warning; ``test_losses``); an op
+without a rule under ZeRO-1/2 in a pipeline stage read "no pipeline fits 4.00 GiB" (``test_zero``).
+Warned, not changed: masked_scatter (its source is consumed in flat order over the batch) and
+``scale_grad_by_freq`` differ per microbatch, as their warnings say.
 """
 import json
 from pathlib import Path
@@ -197,9 +227,52 @@ SWEEP10 |= {"seq_ops-accumulate": ("seq_ops", ACCUMULATE, "momentum"),
             "nograd-accumulate": ("nograd", ACCUMULATE, "adamw_wd")}
 CASES |= {name: {"model": f"patterns:{p}", "seq": 8, "options": o, "optimizer": opt, "steps": 3}
           for name, (p, o, opt) in SWEEP10.items()}
-# refused with a clear error, on every rank: a tuple of outputs without loss_fn, data-dependent shapes
+# sweep 11: new patterns (sequence-shape ops, reductions and activations over the split dim, vision
+# ops, embedding bags, complex rotary embeddings, more losses, index ops along the split dim, a
+# custom op with its own backward), other optimizers (Adagrad, RMSprop, Adam with amsgrad)
+PIPE = PLANS["pipe"]
+SWEEP11 = {
+    "seq_shape-megatron": ("seq_shape", MEGATRON, "momentum"), "seq_shape-pipe": ("seq_shape", PIPE, "sgd"),
+    "seq_shape-2d_compiled": ("seq_shape", MEGATRON | {"compile": "aot_eager"}, "sgd"),
+    "split_reduce-megatron": ("split_reduce", MEGATRON, "adamw_wd"),
+    "split_reduce-2dz3": ("split_reduce", MEGATRON | {"zero_stage": 3}, "momentum"),
+    "split_reduce-remat_pipe": ("split_reduce", PIPE | {"remat": "all"}, "momentum"),
+    "bilinear-auto": ("bilinear", {}, "sgd"),
+    "vision-megatron": ("vision", MEGATRON, "momentum"), "vision-pipe_tp": ("vision", PIPE_TP, "sgd"),
+    "vision-remat_compiled": ("vision", MEGATRON | {"remat": "all", "compile": "aot_eager"}, "momentum"),
+    "emb_bag-accumulate": ("emb_bag", ACCUMULATE, "rmsprop"), "emb_bag-pipe": ("emb_bag", PIPE, "momentum"),
+    "emb_bag-vocab": ("emb_bag", {"batch_axis": 0, "param_specs": {"bag.weight": "S1R", "wbag.weight": "S1R",
+                                                                   "tok.weight": "S1R"}}, "sgd"),
+    "emb_bag_offsets-dp": ("emb_bag_offsets", DP, "sgd"),
+    "complex_rope-megatron": ("complex_rope", MEGATRON, "momentum"), "complex_rope-pipe": ("complex_rope", PIPE, "sgd"),
+    "complex_rope-bf16": ("complex_rope", MEGATRON | BF16, "sgd"),
+    "complex_rope-remat_z3": ("complex_rope", DP | {"zero_stage": 3, "remat": "all"}, "adagrad"),
+    "losses11-megatron": ("losses11", MEGATRON, "sgd"), "losses11-accumulate": ("losses11", ACCUMULATE, "momentum"),
+    "losses11-pipe": ("losses11", PIPE, "amsgrad"),
+    "ckpt-pipe_tp": ("ckpt", PIPE_TP, "momentum"),
+    "ckpt-remat_compiled": ("ckpt", MEGATRON | {"remat": "all", "compile": "aot_eager"}, "sgd"),
+    "split_index-megatron": ("split_index", MEGATRON, "momentum"),
+    "split_index-2dz3": ("split_index", MEGATRON | {"zero_stage": 3}, "sgd"),
+    "split_index-compiled": ("split_index", MEGATRON | {"compile": "aot_eager"}, "sgd"),
+    "grad_reverse_op-pipe": ("grad_reverse_op", PIPE, "sgd"),
+    "grad_reverse_op-compiled": ("grad_reverse_op", MEGATRON | {"compile": "aot_eager"}, "momentum"),
+    "spectral_norm-megatron": ("spectral_norm", {"batch_axis": 0, "param_specs": {
+        "fc1.parametrizations.weight.original": "S1R", "fc2.parametrizations.weight.original": "RS1"}}, "momentum"),
+    "swiglu-rmsprop_z3": ("swiglu", DP | {"zero_stage": 3}, "rmsprop"),
+    "swiglu-adagrad_z1": ("swiglu", DP | {"zero_stage": 1}, "adagrad"),
+    "tied-amsgrad_pipe_z3": ("tied", PIPE_Z3, "amsgrad"),
+}
+CASES |= {name: {"model": f"patterns:{p}", "seq": 8, "options": o, "optimizer": opt, "steps": 3}
+          for name, (p, o, opt) in SWEEP11.items()}
+# refused with a clear error, on every rank: a tuple of outputs without loss_fn, data-dependent shapes;
+# sweep 11: what the captured graph would not run (hooks, a custom Function's backward, t.data), a
+# gradient in forward, torch's own value checks (gaussian_nll_loss) and ctc_loss's dynamic shapes
 REFUSED = {"tuple_out": "the loss must be one scalar tensor", "masked_select": "aten.nonzero.default",
-           "bn_cumulative": "cannot capture BNCumulative", "item_count": "t.item()"}
+           "bn_cumulative": "cannot capture BNCumulative", "item_count": "t.item()",
+           "grad_reverse": "custom autograd.Function patterns._GradReverse", "tensor_hook": "t.register_hook(fn)",
+           "param_hook": "parameter fc1.weight has a gradient hook", "module_hook": "module fc1 (Linear) has a backward",
+           "grad_penalty": "a gradient taken in forward", "data_writes": "t.data in forward",
+           "gaussian_nll": "F.gaussian_nll_loss", "ctc": "aten._ctc_loss.Tensor"}
 CASES |= {f"{p}-dp": {"model": f"patterns:{p}", "seq": 8, "options": PLANS["dp"]} for p in REFUSED}
 
 

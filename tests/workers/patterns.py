@@ -1594,3 +1594,407 @@ class RandomNoise(_Base):
 
 def random_noise(batch, seq=None, device="cpu", seed=0):
     return _regression(RandomNoise, batch, seq, seed)
+
+
+# --- sweep 11: sequence-shape ops, reductions and activations over the split dim, vision ops,
+# embedding bags, complex rotary embeddings, more losses ---
+
+class SeqShape(_Base):
+    """Along the sequence: ``F.pad`` reflect and replicate, ``flip`` / ``roll``, ``F.interpolate``
+    (linear, then back); along ``fc1``'s output (64, split by a column-parallel ``fc1``):
+    ``chunk(3)`` into unequal parts ``[22, 22, 20]``."""
+
+    def forward(self, x, y):
+        t = x.shape[1]
+        h = self.fc1(x)  # (B, T, 64)
+        a, b, c = h.chunk(3, -1)
+        h = torch.cat([c, torch.tanh(a) * b, a], -1)  # 20 + 22 + 22
+        s = h.transpose(1, 2)  # (B, 64, T)
+        s = F.pad(s, (2, 1), mode="reflect")[..., 1:-2] + F.pad(s, (1, 2), mode="replicate")[..., 2:-1]
+        s = s + 0.5 * s.flip(-1) - 0.25 * torch.roll(s, 2, -1)
+        s = F.interpolate(F.interpolate(s, scale_factor=2, mode="linear"), size=t, mode="linear")
+        return F.mse_loss(self.fc2(s.transpose(1, 2)), y)
+
+
+class SplitReduce(_Base):
+    """Over ``fc1``'s split output: ``var`` / ``std`` with ``correction=0``, ``F.normalize``,
+    ``cosine_similarity``, a 3-norm, ``softmax(dtype=float64)``, ``logsumexp``, ``amax``; and
+    activations: ``glu`` over the split dim, ``mish``, ``hardswish``, a ``PReLU`` per channel (a
+    parameter over the split dim)."""
+
+    def __init__(self):
+        super().__init__()
+        self.prelu = nn.PReLU(4 * HIDDEN, init=0.2)
+        self.up = nn.Linear(2 * HIDDEN, 4 * HIDDEN)
+
+    def forward(self, x, y):
+        h = self.fc1(x)
+        n = (h - h.mean(-1, keepdim=True)) / torch.sqrt(h.var(-1, keepdim=True, correction=0) + 1e-5)
+        n = n + 0.1 * h.std(-1, correction=0, keepdim=True) + F.normalize(h, dim=-1)
+        n = n + 0.1 * F.cosine_similarity(h, h.roll(1, 1), dim=-1)[..., None]
+        n = n + 0.05 * torch.linalg.vector_norm(h, ord=3, dim=-1, keepdim=True)
+        n = n + h.softmax(-1, dtype=torch.float64).float() - 0.01 * torch.logsumexp(h, -1, keepdim=True)
+        g = self.up(F.glu(n, -1))  # (B, T, 64)
+        g = F.mish(g) + F.hardswish(n) + self.prelu(g.transpose(1, 2)).transpose(1, 2)
+        return F.mse_loss(self.fc2(g - 0.1 * g.amax(-1, keepdim=True)), y)
+
+
+class Bilinear(_Base):
+    """``nn.Bilinear`` of the MLP's output and its input."""
+
+    def __init__(self):
+        super().__init__()
+        self.bil = nn.Bilinear(HIDDEN, HIDDEN, HIDDEN)
+
+    def forward(self, x, y):
+        h = self.fc2(F.gelu(self.fc1(x)))
+        return F.mse_loss(self.bil(h, x), y)
+
+
+class Vision(_Base):
+    """``fc1``'s output as an image ``(B, 64, 2, T / 2)``, channels split by a column-parallel
+    ``fc1``: ``pixel_shuffle`` / ``pixel_unshuffle``, ``max_pool2d(return_indices=True)`` with
+    ``max_unpool2d``, ``adaptive_avg_pool2d``, ``avg_pool2d(count_include_pad=False)``, a channel
+    ``GroupNorm``."""
+
+    def __init__(self):
+        super().__init__()
+        self.gn = nn.GroupNorm(4, 4 * HIDDEN)
+
+    def forward(self, x, y):
+        b, t, _ = x.shape
+        img = self.fc1(x).transpose(1, 2).reshape(b, 4 * HIDDEN, 2, t // 2)
+        p = F.pixel_unshuffle(F.pixel_shuffle(img, 2) * 1.5, 2)
+        m, idx = F.max_pool2d(p, 2, return_indices=True)
+        img = self.gn(img + p + 0.5 * F.max_unpool2d(m, idx, 2, output_size=p.shape[-2:]))
+        img = img + F.avg_pool2d(img, 3, stride=1, padding=1, count_include_pad=False)
+        img = img + F.adaptive_avg_pool2d(img, (1, 2)).repeat(1, 1, 2, t // 4)
+        return F.mse_loss(self.fc2(F.relu(img.reshape(b, 4 * HIDDEN, t).transpose(1, 2))), y)
+
+
+class EmbBag(_Base):
+    """``nn.EmbeddingBag``: ``mode="mean"`` over 2-D ids (one bag per row) and ``mode="sum"`` with
+    ``per_sample_weights``; an ``Embedding(padding_idx=0)``, and ``max`` over a bag of rows
+    picked by ``F.embedding_bag`` with ``offsets`` from the table itself (the last bag empty)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(VOCAB, HIDDEN, mode="mean")
+        self.wbag = nn.EmbeddingBag(VOCAB, HIDDEN, mode="sum")
+        self.tok = nn.Embedding(VOCAB, HIDDEN, padding_idx=0)
+        self.register_buffer("rows", torch.tensor([1, 3, 5, 7, 9, 11]))
+        self.register_buffer("offsets", torch.tensor([0, 2, 5, 6]))
+
+    def forward(self, ids, y):
+        w = (ids.float() + 1) / VOCAB
+        bags = self.bag(ids) + self.wbag(ids, per_sample_weights=w)  # (B, H)
+        fixed = F.embedding_bag(self.rows, self.tok.weight, self.offsets, mode="max", padding_idx=None)  # (4, H)
+        bags = bags + fixed.sum(0)
+        h = self.tok(ids) + bags[:, None]
+        return F.mse_loss(self.fc2(F.gelu(self.fc1(h))), y)
+
+
+class ComplexRoPE(_Base):
+    """LLaMA's rotary embeddings in complex numbers: ``view_as_complex`` of pairs times a complex
+    ``freqs_cis`` buffer (``torch.polar``), ``view_as_real`` back, over ``fc1``'s output as 4
+    heads of 16."""
+
+    def __init__(self, seq: int = 8):
+        super().__init__()
+        freqs = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+        angles = torch.outer(torch.arange(seq).float(), freqs)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles))  # (T, 8) complex64
+
+    def forward(self, x, y):
+        b, t, _ = x.shape
+        h = self.fc1(x).view(b, t, 4, 16)
+        z = torch.view_as_complex(h.float().reshape(b, t, 4, 8, 2))
+        h = torch.view_as_real(z * self.freqs_cis[:t, None, :]).flatten(3).reshape(b, t, 4 * HIDDEN).type_as(h)
+        return F.mse_loss(self.fc2(F.silu(h)), y)
+
+
+class Losses11(_Base):
+    """``poisson_nll_loss`` (log input and not, ``full=True``), ``hinge_embedding_loss``, ``soft_margin_loss``,
+    ``multilabel_soft_margin_loss`` with class weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cls_w", torch.linspace(0.5, 1.5, HIDDEN))
+
+    def forward(self, x, y):
+        h = self.fc2(F.gelu(self.fc1(x)))  # (B, T, H)
+        sign = torch.where(y > 0, 1.0, -1.0)
+        return (F.poisson_nll_loss(h, y.abs()) + F.poisson_nll_loss(h.exp(), y.abs(), log_input=False, full=True)
+                + F.hinge_embedding_loss(h, sign)
+                + F.soft_margin_loss(h, sign) + F.multilabel_soft_margin_loss(h[:, 0], (y[:, 0] > 0).float(),
+                                                                              weight=self.cls_w))
+
+
+class CTC(_Base):
+    """``F.ctc_loss`` over per-token log-probabilities ``(T, B, C)``, targets of per-row lengths."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, x, targets, target_lengths):
+        b, t, _ = x.shape
+        logp = self.head(self.fc2(F.gelu(self.fc1(x)))).log_softmax(-1).transpose(0, 1)
+        lengths = torch.full((b,), t, dtype=torch.long)
+        return F.ctc_loss(logp, targets, lengths, target_lengths)
+
+
+def seq_shape(batch, seq=None, device="cpu", seed=0):
+    return _regression(SeqShape, batch, seq, seed)
+
+
+def split_reduce(batch, seq=None, device="cpu", seed=0):
+    return _regression(SplitReduce, batch, seq, seed)
+
+
+def bilinear(batch, seq=None, device="cpu", seed=0):
+    return _regression(Bilinear, batch, seq, seed)
+
+
+def vision(batch, seq=None, device="cpu", seed=0):
+    return _regression(Vision, batch, seq, seed)
+
+
+def emb_bag(batch, seq=None, device="cpu", seed=0):
+    g, seq = _seeded(seed + 1), seq or 8
+    return _build(EmbBag, seed), (torch.randint(0, VOCAB, (batch, seq), generator=g),
+                                  torch.randn(batch, seq, HIDDEN, generator=g))
+
+
+def complex_rope(batch, seq=None, device="cpu", seed=0):
+    model, inputs = _regression(ComplexRoPE, batch, seq, seed)
+    return model, inputs
+
+
+def losses11(batch, seq=None, device="cpu", seed=0):
+    return _regression(Losses11, batch, seq, seed)
+
+
+def ctc(batch, seq=None, device="cpu", seed=0):
+    g, seq = _seeded(seed + 1), seq or 8
+    x = torch.randn(batch, seq, HIDDEN, generator=g)
+    lengths = 1 + torch.arange(batch) % 3  # 1..3 labels per row, no blank (0)
+    targets = torch.randint(1, VOCAB, (batch, 3), generator=g)
+    return _build(CTC, seed), (x, targets, lengths)
+
+
+class GaussianNLL(_Base):
+    """``F.gaussian_nll_loss``: torch checks ``torch.any(var < 0)`` in Python, a branch on a
+    tensor's values that capture refuses (naming the line)."""
+
+    def forward(self, x, y):
+        h = self.fc2(F.gelu(self.fc1(x)))
+        return F.gaussian_nll_loss(h, y, F.softplus(h) + 0.1)
+
+
+class EmbBagOffsets(_Base):
+    """DLRM-style bags given flat: ``ids`` ``(3 B,)`` and ``offsets`` ``(B,)`` into them, so neither
+    input's dim 0 is a dim of samples that splits alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(VOCAB, HIDDEN, mode="sum")
+
+    def forward(self, ids, offsets, y):
+        return F.mse_loss(self.fc2(F.gelu(self.fc1(self.bag(ids, offsets)))), y)
+
+
+def gaussian_nll(batch, seq=None, device="cpu", seed=0):
+    return _regression(GaussianNLL, batch, seq, seed)
+
+
+def emb_bag_offsets(batch, seq=None, device="cpu", seed=0):
+    g = _seeded(seed + 1)
+    ids = torch.randint(0, VOCAB, (3 * batch,), generator=g)
+    offsets = torch.tensor(sorted(torch.randperm(3 * batch - 1, generator=g)[:batch - 1].add(1).tolist()))
+    return _build(EmbBagOffsets, seed), (ids, torch.cat([torch.zeros(1, dtype=torch.long), offsets]),
+                                         torch.randn(batch, HIDDEN, generator=g))
+
+
+class _GradReverse(torch.autograd.Function):
+    """DANN's gradient reversal: identity forward, ``-lam * g`` backward."""
+
+    @staticmethod
+    def forward(ctx, x, lam):
+        ctx.lam = lam
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return -ctx.lam * g, None
+
+
+class GradReverse(_Base):
+    """A custom ``autograd.Function`` (gradient reversal, DANN) between the MLP and a domain head."""
+
+    def __init__(self):
+        super().__init__()
+        self.dom = nn.Linear(HIDDEN, 2)
+
+    def forward(self, x, y):
+        h = self.fc2(F.gelu(self.fc1(x)))
+        d = self.dom(_GradReverse.apply(h, 0.5)).mean(1)
+        return F.mse_loss(h, y) + F.cross_entropy(d, (y[:, 0, 0] > 0).long())
+
+
+class TensorHook(_Base):
+    """``h.register_hook(fn)`` in forward: the gradient of ``fc1``'s output scaled by 0.5."""
+
+    def forward(self, x, y):
+        h = self.fc1(x)
+        if h.requires_grad:
+            h.register_hook(lambda g: g * 0.5)
+        return F.mse_loss(self.fc2(F.relu(h)), y)
+
+
+class SpectralNorm(_Base):
+    """``parametrizations.spectral_norm`` on ``fc1`` (power iteration on ``u`` / ``v`` buffers
+    written in forward) and ``fc2``."""
+
+    def __init__(self):
+        super().__init__()
+        nn.utils.parametrizations.spectral_norm(self.fc1)
+        nn.utils.parametrizations.spectral_norm(self.fc2)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.fc2(F.gelu(self.fc1(x))), y)
+
+
+def grad_reverse(batch, seq=None, device="cpu", seed=0):
+    return _regression(GradReverse, batch, seq, seed)
+
+
+def tensor_hook(batch, seq=None, device="cpu", seed=0):
+    return _regression(TensorHook, batch, seq, seed)
+
+
+def spectral_norm(batch, seq=None, device="cpu", seed=0):
+    return _regression(SpectralNorm, batch, seq, seed)
+
+
+
+
+class ParamHook(_Base):
+    """A gradient hook registered on a parameter before training (``fc1.weight.register_hook``:
+    its gradient halved)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1.weight.register_hook(lambda g: g * 0.5)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.fc2(F.relu(self.fc1(x))), y)
+
+
+class ModuleHook(ParamHook):
+    """A module backward hook of the old kind (``fc1.register_backward_hook``: the gradients it
+    passes on halved)."""
+
+    def __init__(self):
+        _Base.__init__(self)
+        self.fc1.register_backward_hook(lambda m, gi, go: tuple(None if g is None else g * 0.5 for g in gi))
+
+
+def param_hook(batch, seq=None, device="cpu", seed=0):
+    return _regression(ParamHook, batch, seq, seed)
+
+
+def module_hook(batch, seq=None, device="cpu", seed=0):
+    return _regression(ModuleHook, batch, seq, seed)
+
+
+@torch.library.custom_op("alpa_patterns::grad_reverse", mutates_args=())
+def _grad_reverse_op(x: torch.Tensor, lam: float) -> torch.Tensor:
+    return x.clone()
+
+
+@_grad_reverse_op.register_fake
+def _(x, lam):
+    return torch.empty_like(x)
+
+
+def _grad_reverse_setup(ctx, inputs, output):
+    ctx.lam = inputs[1]
+
+
+_grad_reverse_op.register_autograd(lambda ctx, g: (-ctx.lam * g, None), setup_context=_grad_reverse_setup)
+
+
+class GradReverseOp(GradReverse):
+    """Gradient reversal as a ``torch.library.custom_op`` with ``register_autograd`` (what
+    capture's refusal of a custom ``autograd.Function`` points to)."""
+
+    def forward(self, x, y):
+        h = self.fc2(F.gelu(self.fc1(x)))
+        d = self.dom(_grad_reverse_op(h, 0.5)).mean(1)
+        return F.mse_loss(h, y) + F.cross_entropy(d, (y[:, 0, 0] > 0).long())
+
+
+class GradPenalty(_Base):
+    """A gradient penalty in forward (WGAN-GP / R1): ``torch.autograd.grad(create_graph=True)`` of
+    the output with respect to the input."""
+
+    def forward(self, x, y):
+        x = x.detach().requires_grad_(True)
+        out = self.fc2(F.gelu(self.fc1(x)))
+        g, = torch.autograd.grad(out.sum(), x, create_graph=True)
+        return F.mse_loss(out, y) + 0.1 * g.pow(2).mean()
+
+
+def grad_reverse_op(batch, seq=None, device="cpu", seed=0):
+    return _regression(GradReverseOp, batch, seq, seed)
+
+
+def grad_penalty(batch, seq=None, device="cpu", seed=0):
+    return _regression(GradPenalty, batch, seq, seed)
+
+
+class SplitIndex(_Base):
+    """Index ops along ``fc1``'s output dim (split by a column-parallel ``fc1``) with indices made
+    in forward or fixed: ``take_along_dim`` / ``scatter`` / ``scatter_reduce`` at ``topk``
+    indices, ``index_fill``, ``index_copy``, ``index_add``, ``h[..., idx] = v``, ``masked_scatter``."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cols", torch.tensor([3, 17, 40, 63, 5, 33]))
+        self.extra = nn.Parameter(0.1 * torch.randn(6))
+
+    def forward(self, x, y):
+        h = self.fc1(x)  # (B, T, 64)
+        top = h.topk(4, -1).indices
+        picked = torch.take_along_dim(h, top, -1)  # (B, T, 4)
+        h = h.scatter(-1, top, picked * 2.0) + torch.zeros_like(h).scatter_reduce(-1, top, picked, "amax")
+        h = h.index_fill(-1, self.cols[:2], 0.5) + h.index_copy(-1, self.cols, h[..., :6] * self.extra)
+        h = h.index_add(-1, self.cols, h[..., 10:16], alpha=0.5)
+        g = h.clone()
+        g[..., self.cols] = g[..., self.cols] * 3.0
+        g = g.masked_scatter(h > 1.0, h * 0.25)
+        return F.mse_loss(self.fc2(torch.tanh(g)), y)
+
+
+def split_index(batch, seq=None, device="cpu", seed=0):
+    return _regression(SplitIndex, batch, seq, seed)
+
+
+class DataWrites(_Base):
+    """Writes through ``.data`` in forward: an EMA buffer of the batch mean
+    (``self.ema.data.mul_(0.9).add_(...)``) read by the output, and WGAN's weight clipping
+    (``fc2.weight.data.clamp_``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(HIDDEN))
+
+    def forward(self, x, y):
+        self.ema.data.mul_(0.9).add_(0.1 * x.detach().mean((0, 1)))
+        self.fc2.weight.data.clamp_(-0.1, 0.1)
+        return F.mse_loss(self.fc2(F.relu(self.fc1(x - self.ema))), y)
+
+
+def data_writes(batch, seq=None, device="cpu", seed=0):
+    return _regression(DataWrites, batch, seq, seed)

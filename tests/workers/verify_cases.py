@@ -34,7 +34,10 @@ STEPS = 2
 OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2), "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
               "momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=1e-2),
               "nesterov": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, dampening=0.0),
-              "adamw_wd": lambda ps: torch.optim.AdamW(ps, lr=1e-3, betas=(0.8, 0.95), eps=1e-4, weight_decay=0.1)}
+              "adamw_wd": lambda ps: torch.optim.AdamW(ps, lr=1e-3, betas=(0.8, 0.95), eps=1e-4, weight_decay=0.1),
+              "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, lr_decay=1e-3, weight_decay=1e-2),
+              "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.9, centered=True, eps=1e-4),
+              "amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-3, amsgrad=True, eps=1e-4, weight_decay=1e-2)}
 
 
 def rank0_plan(model, example, shape, options: dict, case: dict) -> str:
