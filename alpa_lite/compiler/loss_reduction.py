@@ -114,8 +114,10 @@ def whole_batch_problems(whole, part, whole_rows: int, part_rows: int, found) ->
 
 def check_batch_indices(cg, what: str, table: dict | None = None) -> None:
     """Refuse to cut ``cg``'s batch into microbatches (``what``: a pipeline's, ``accumulate=K``)
-    when an index op picks rows of the batch (``x[perm]``, ``index_select(0, perm)``,
-    ``gather(0, idx)``) with index values read from the batch's inputs. They number rows of the
+    when an index op picks or writes rows of the batch (``x[perm]``, ``index_select(0, perm)``,
+    ``gather(0, idx)``, ``take_along_dim``; ``index_add`` / ``index_copy`` / ``index_fill`` /
+    ``index_reduce``, ``x[perm] = v``, ``scatter`` / ``scatter_add`` / ``scatter_reduce``: every
+    op of ``_INDEX_OPS``, with a sharding rule or not) with index values read from the batch's inputs. They number rows of the
     whole batch (mixup's permutation given as an input), while a microbatch holds rows
     ``[m n, (m + 1) n)`` numbered from 0: its index points past its rows (an ``IndexError`` on the
     stage running it while the others wait) or at other rows. An index made in forward
