@@ -290,6 +290,9 @@ class _Reader:
             return f"{what} normalizes with statistics over the batch"
         if node.target is aten.instance_norm.default and stats_written(node):
             return f"{what} updates its running statistics with the mean of the batch's instance statistics"
+        if node.target is aten.embedding.default and bind_args(node.target, node.args, node.kwargs)["scale_grad_by_freq"]:
+            return (f"{what} divides each row's gradient by the row's count in the batch's indices "
+                    "(scale_grad_by_freq): a microbatch counts its own")
         if self._row_pick(node):
             return None
         if not self._rows(node):
