@@ -256,7 +256,7 @@ SWEEP11 = {
     "split_index-compiled": ("split_index", MEGATRON | {"compile": "aot_eager"}, "sgd"),
     "grad_reverse_op-pipe": ("grad_reverse_op", PIPE, "sgd"),
     "grad_reverse_op-compiled": ("grad_reverse_op", MEGATRON | {"compile": "aot_eager"}, "momentum"),
-    "spectral_norm-megatron": ("spectral_norm", {"batch_axis": 0, "param_specs": {
+    "spectral_norm-tp": ("spectral_norm", {"batch_axis": 0, "param_specs": {
         "fc1.parametrizations.weight.original": "S1R", "fc2.parametrizations.weight.original": "RS1"}}, "momentum"),
     "swiglu-rmsprop_z3": ("swiglu", DP | {"zero_stage": 3}, "rmsprop"),
     "swiglu-adagrad_z1": ("swiglu", DP | {"zero_stage": 1}, "adagrad"),
