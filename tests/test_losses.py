@@ -95,6 +95,22 @@ def _masked(o, y):
     return (_ce(o, y, reduction="none") * m).sum() / m.sum()
 
 
+def _inplace_sum(o, y):  # combined in place, as HF adds its MoE aux loss (loss += coef * aux_loss)
+    loss = _ce(o, y, reduction="sum")
+    loss *= 0.5
+    loss += 0.1 * o.sum()
+    loss -= o.sum() * 0.01
+    loss /= 2
+    return loss.neg_()
+
+
+def _inplace_aux(o, y):
+    f = o.softmax(-1).reshape(-1, 11).mean(0)
+    loss = _ce(o, y, ignore_index=0)
+    loss += 0.1 * (f * f).sum()
+    return loss
+
+
 READS = {
     "token mean": (lambda o, y: _ce(o, y, ignore_index=0), "ratio", "cross_entropy_loss", 0),
     "nll": (lambda o, y: F.nll_loss(o.log_softmax(-1).reshape(-1, 11), y.reshape(-1), ignore_index=0), "ratio",
@@ -107,6 +123,11 @@ READS = {
     "sum plus mean": (lambda o, y: _ce(o, y, reduction="sum") + o.mean(), "mean", None, 1),
     "square of a mean": (lambda o, y: o.mean() ** 2, "mean", None, 1),
     "load balancing": (_aux, "ratio", "cross_entropy_loss", 1),
+    # in-place arithmetic on the loss (add_ / sub_ / mul_ / div_ / neg_) was read as nonlinear: a sum
+    # loss was taken for a mean, and a pipeline or accumulate=2 averaged the microbatches' losses,
+    # half the loss and gradients (patterns' inplace_sum_loss)
+    "in-place sum": (_inplace_sum, "sum", None, 0),
+    "in-place load balancing": (_inplace_aux, "ratio", "cross_entropy_loss", 1),
     "centered": (lambda o, y: (o - o.mean(0)).pow(2).mean(), "mean", None, 1),
     # a sum over the number of its elements is a mean: export bakes y.numel() (B x T) in as the
     # number of a microbatch's graph, as it does x.size(0) (these were read as sums: K microbatches

@@ -48,6 +48,10 @@ _LINEAR = {aten.neg.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype
            aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default,
            aten.contiguous.default, aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim,
            aten.expand.default, aten.type_as.default}
+# in-place arithmetic on the loss (HF's ``loss += coef * aux_loss``, ``loss /= n``) is read as its out-of-place op
+_INPLACE = {aten.add_.Tensor: aten.add.Tensor, aten.add_.Scalar: aten.add.Scalar, aten.sub_.Tensor: aten.sub.Tensor,
+            aten.sub_.Scalar: aten.sub.Scalar, aten.mul_.Tensor: aten.mul.Tensor, aten.mul_.Scalar: aten.mul.Scalar,
+            aten.div_.Tensor: aten.div.Tensor, aten.div_.Scalar: aten.div.Scalar, aten.neg_.default: aten.neg.default}
 _IDEMPOTENT_WRITES = {aten.embedding_renorm.default}
 _BATCH_NORMS = {aten.batch_norm.default, aten._native_batch_norm_legit_functional.default,
                 aten.native_batch_norm.default, aten._native_batch_norm_legit.default}
@@ -402,7 +406,7 @@ class _Reader:
         """The leaves of the affine expression ``node``: ``(kind, denominator)`` or ``"const"``."""
         if not isinstance(node, torch.fx.Node) or not self.depends[node.name]:
             return ["const"]
-        t, args = node.target, node.args
+        t, args = _INPLACE.get(node.target, node.target), node.args
         if self._rows(node):  # still per sample: the loss reduces it later, or it is not a loss
             return self._nonlinear(node)
         if node.op == "placeholder":
@@ -461,7 +465,7 @@ class _Reader:
         ...). Divided by that number it is a mean over every element: export bakes
         ``x.numel()`` (``B * T``) in as the number a microbatch's graph holds, as ``x.size(0)``."""
         while isinstance(node, torch.fx.Node) and self._depends(node) and not self._rows(node):
-            t, args = node.target, node.args
+            t, args = _INPLACE.get(node.target, node.target), node.args
             x = args[0] if args else None
             if isinstance(x, torch.fx.Node) and self._rows(x) and (t in _REDUCTIONS or t in RATIO_OPS
                                                                     or t in _MEAN_OPS):

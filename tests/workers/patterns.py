@@ -1355,6 +1355,22 @@ class SumLoss(_Base):
                 + F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten(), reduction="sum") * 0.01)
 
 
+class InplaceSumLoss(SumLoss):
+    """:class:`SumLoss` combined in place, as HF adds its MoE auxiliary loss (``loss += coef * aux``):
+    ``loss *= 0.01``, ``loss += ...``, ``loss -= ...``, ``loss /= 2`` on the 0-dim loss (the pipeline and
+    accumulation read ``add_`` as nonlinear, took the sum for a mean and averaged the microbatches'
+    losses: half the loss and gradients, with a "nonlinear function of the batch" warning)."""
+
+    def forward(self, x, y, labels):
+        h = self.fc2(F.gelu(self.fc1(x)))
+        loss = F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten(), reduction="sum")
+        loss *= 0.02
+        loss += F.mse_loss(h, y, reduction="sum") * 0.02
+        loss -= h.sum() * 1e-3
+        loss /= 2
+        return loss
+
+
 class FrozenFirst(_Base):
     """Frozen first layers (``requires_grad_(False)``: an embedding and ``fc1``), fine-tuning
     ``fc2`` and a head (the FSDP / ZeRO-3 frozen-parameter pattern)."""
@@ -1402,6 +1418,11 @@ def train_branch(batch, seq=None, device="cpu", seed=0):
 
 def sum_loss(batch, seq=None, device="cpu", seed=0):
     model, (x, y) = _regression(SumLoss, batch, seq, seed)
+    return model, (x, y, torch.randint(0, VOCAB, x.shape[:2], generator=_seeded(seed + 3)))
+
+
+def inplace_sum_loss(batch, seq=None, device="cpu", seed=0):
+    model, (x, y) = _regression(InplaceSumLoss, batch, seq, seed)
     return model, (x, y, torch.randint(0, VOCAB, x.shape[:2], generator=_seeded(seed + 3)))
 
 
