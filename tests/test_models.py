@@ -33,6 +33,10 @@ def _small_overrides(name: str) -> dict:
     return {}
 
 
+# input_ids (or images) and labels, plus an attention mask for these
+_WITH_MASK = ("bert", "t5", "qwen2", "qwen3", "gemma", "gemma2", "opt", "phi")
+
+
 def _export(model, inputs):
     return torch.export.export(model, inputs, strict=False)
 
@@ -59,7 +63,7 @@ def test_builds_on_meta(name):
     if name in HF_MODEL_NAMES:
         pytest.importorskip("transformers")
     model, inputs = build_model(name, batch=2)
-    assert isinstance(inputs, tuple) and len(inputs) == (3 if name in ("bert", "t5") else 2)  # + attention mask
+    assert isinstance(inputs, tuple) and len(inputs) == (3 if name in _WITH_MASK else 2)
     assert all(p.device.type == "meta" for p in model.parameters())
     assert all(t.device.type == "meta" for t in inputs)
     assert model.training
@@ -72,7 +76,7 @@ def test_exports_on_meta(name):
     if name in HF_MODEL_NAMES:
         pytest.importorskip("transformers")
     model, inputs = build_model(name, batch=2, seq=32 if name != "mlp" else None, **_small_overrides(name))
-    assert isinstance(inputs, tuple) and len(inputs) == (3 if name in ("bert", "t5") else 2)
+    assert isinstance(inputs, tuple) and len(inputs) == (3 if name in _WITH_MASK else 2)
     assert all(p.device.type == "meta" for p in model.parameters())
     assert all(t.device.type == "meta" for t in inputs)
     assert all(t.shape[0] == 2 for t in inputs)

@@ -7,6 +7,20 @@ data parallel and the auto plan, LLaMA also under Megatron-style specs. 2 SGD st
 tolerance (fp32: 1e-4 of each tensor's gradient / update, see ``alpa_lite/tools/verify.py``).
 All cases run in one torchrun launch.
 
+The HF sweep (:data:`SWEEP`, tiny configs: hidden 32, 2 layers, seq 8) adds plan kinds (a 2-stage x
+2-device pipeline of 2 microbatches, with Megatron specs inside the stages; ZeRO-3; 2D with
+ZeRO-2; accumulate=2; a vocab-parallel head tied to the embedding) and architectures: GPT-2
+(``Conv1D`` weights [in, out], Megatron-split), Qwen2 (tied embeddings; right padding with
+``-100`` labels on padded and some other tokens, so microbatches count different tokens; HF
+Trainer's ``num_items_in_batch`` accumulated), Qwen3 (per-head q/k RMSNorm, heads split in the
+pipeline's stages), Gemma 2 (soft-capping, sliding window, eager attention), Phi (parallel
+attention + MLP, partial rotary), OPT and ViT (images). All equal; the sweep also ran each HF model
+under data parallel, auto, ZeRO-1/2, ``remat="all"``, ``compile="aot_eager"``, bf16 and clipping,
+all equal. Found: HF Mixtral's ``loss += coef * aux_loss`` (with ``output_router_logits``) was
+read as nonlinear at its ``add_``; in-place arithmetic on a ``reduction="sum"`` loss halved it
+under microbatches (``test_patterns``' ``inplace_sum_loss``). Mixtral's load-balancing loss is a
+product of batch means and differs under microbatches, as the pipeline's warning says.
+
 The ResNets run at batch 16: at batch 8 the second batch puts one pre-activation of
 ``stages.3.0`` (1x1 maps, 8 values per channel) 1e-6 from zero, so rounding within bounds (of
 step 1, or of step 2's batch-norm sums, added in another order) flips that ReLU in step 2 and
@@ -58,6 +72,41 @@ CASES = {
 }
 
 
+def gpt2_megatron(layers: int = 2) -> dict:
+    """Megatron specs for HF GPT-2, whose ``Conv1D`` weights are [in, out] (run as ``addmm``): the
+    fused ``c_attn`` and ``c_fc`` split by output (RS1), the projections by input (S1R)."""
+    specs = {}
+    for i in range(layers):
+        b = f"model.transformer.h.{i}"
+        specs |= {f"{b}.attn.c_attn.weight": "RS1", f"{b}.mlp.c_fc.weight": "RS1",
+                  f"{b}.attn.c_proj.weight": "S1R", f"{b}.mlp.c_proj.weight": "S1R"}
+    return {"batch_axis": 0, "param_specs": specs}
+
+
+# the HF sweep: more plan kinds and architectures, tiny (hidden 32, 2 layers, seq 8)
+TINY = {"hidden_size": 32, "intermediate_size": 64}
+PIPE = {"pipeline": 2, "num_microbatches": 2, "num_layers": 2}
+PIPE_MEGATRON = PIPE | {"param_specs": llama_megatron()["param_specs"]}
+SWEEP = {
+    "llama-pipe_megatron": ("llama", TINY | {"head_dim": 8}, PIPE_MEGATRON),
+    "llama-zero3": ("llama", TINY | {"head_dim": 8}, DP | {"zero_stage": 3}),
+    "llama-2d_zero2": ("llama", TINY | {"head_dim": 8}, llama_megatron() | {"zero_stage": 2}),
+    "bert-pipe": ("bert", TINY, PIPE),
+    "t5-pipe": ("t5", {"d_model": 32, "d_kv": 8, "d_ff": 64}, PIPE),
+    "gpt2-hf-megatron": ("gpt2-hf", {"n_embd": 32}, gpt2_megatron()),
+    "qwen2-pipe": ("qwen2", TINY | {"head_dim": 8}, PIPE),
+    "qwen2-vocab": ("qwen2", TINY | {"head_dim": 8}, {"batch_axis": 0, "param_specs": llama_megatron()["param_specs"]
+                                                     | {"model.lm_head.weight": "S1R"}}),
+    "qwen2-num_items-accumulate": ("qwen2", TINY | {"head_dim": 8, "num_items": True}, DP | {"accumulate": 2}),
+    "qwen3-pipe_megatron": ("qwen3", TINY | {"head_dim": 8}, PIPE_MEGATRON),
+    "gemma2-dp": ("gemma2", TINY | {"head_dim": 8}, DP),
+    "phi-pipe": ("phi", TINY, PIPE),
+    "opt-auto": ("opt", {"hidden_size": 32, "ffn_dim": 64, "word_embed_proj_dim": 32}, {}),
+    "vit-pipe": ("vit", TINY, PIPE),
+}
+CASES |= {name: {"model": m, "seq": 8, "overrides": ov, "options": o} for name, (m, ov, o) in SWEEP.items()}
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("real") / "results.json"
@@ -78,5 +127,5 @@ def test_trains_equal_to_one_process(results, name):
 
 def test_the_auto_and_megatron_plans_shard_parameters(results):
     """The non-DP cases are not data parallel in disguise (the auto plan of LLaMA at this size is)."""
-    for name in ("llama-megatron", "mixtral-auto", "bert-auto", "resnet-auto"):
+    for name in ("llama-megatron", "mixtral-auto", "bert-auto", "resnet-auto", "gpt2-hf-megatron", "qwen2-vocab"):
         assert " 0 of " not in results[name]["plan"], results[name]["plan"]

@@ -583,7 +583,7 @@ def _transformers():
         import transformers
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "the HuggingFace models (bert, gpt2-hf, llama, mixtral, t5) need the transformers package: "
+            "the HuggingFace models (bert, gpt2-hf, llama, mixtral, t5, qwen2, qwen3, gemma, gemma2, opt, phi, vit) need the transformers package: "
             "pip install alpa-lite[hf]"
         ) from e
     return transformers
@@ -862,6 +862,86 @@ def _build_t5(name, batch, seq, dev, seed, **ov):
     return model, (ids, _padding_mask(batch, seq, dev), labels)
 
 
+def _padded_lm_inputs(vocab: int, batch: int, seq: int, dev: torch.device, seed: int):
+    """``(input_ids, attention_mask, labels)`` for a causal LM with right padding: padded positions
+    (:func:`_padding_mask`) and tokens whose id is a multiple of 3 (a stand-in for a prompt kept out
+    of the loss) are labelled ``-100``, HF's ignore index, so rows and microbatches count different
+    numbers of tokens in the loss."""
+    ids = _randint(vocab, (batch, seq), dev, seed + 1)
+    mask = _padding_mask(batch, seq, dev)
+    return ids, mask, ids.masked_fill((mask == 0) | (ids % 3 == 0), -100)
+
+
+def _build_qwen2(name, batch, seq, dev, seed, num_items=False, **ov):
+    """Qwen2 (``"qwen2"``: tied embeddings, q/k/v biases) and Qwen3 (``"qwen3"``: RMSNorm of each
+    query and key head). ``num_items=True`` also passes HF Trainer's ``num_items_in_batch`` (a 0-dim
+    count of the batch's labelled tokens; the loss is then their sum over it)."""
+    tf = _transformers()
+    seq = seq or 64
+    config_cls, model_cls = ((tf.Qwen3Config, tf.Qwen3ForCausalLM) if name == "qwen3"
+                             else (tf.Qwen2Config, tf.Qwen2ForCausalLM))
+    cfg = _hf_config(config_cls, dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=max(256, seq), attention_dropout=0.0,
+        tie_word_embeddings=True, use_cache=False, attn_implementation="sdpa"), ov)
+    keys = ("input_ids", "attention_mask", "labels") + (("num_items_in_batch",) if num_items else ())
+    model = LossWrapper(model_cls(cfg), keys)
+    ids, mask, labels = _padded_lm_inputs(cfg.vocab_size, batch, seq, dev, seed)
+    count = ((labels[:, 1:] != -100).sum(),) if num_items else ()  # HF shifts the labels
+    return model, (ids, mask, labels, *count)
+
+
+def _build_phi(name, batch, seq, dev, seed, **ov):
+    """Phi: attention and MLP in parallel from one LayerNorm, partial rotary (half of each head)."""
+    tf = _transformers()
+    seq = seq or 64
+    cfg = _hf_config(tf.PhiConfig, dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        partial_rotary_factor=0.5, max_position_embeddings=max(256, seq), resid_pdrop=0.0, embd_pdrop=0.0,
+        attention_dropout=0.0, use_cache=False, attn_implementation="sdpa"), ov)
+    model = LossWrapper(tf.PhiForCausalLM(cfg), ("input_ids", "attention_mask", "labels"))
+    return model, _padded_lm_inputs(cfg.vocab_size, batch, seq, dev, seed)
+
+
+def _build_gemma(name, batch, seq, dev, seed, **ov):
+    """Gemma (``"gemma"``: tied embeddings scaled by sqrt(hidden), GeGLU) and Gemma 2 (``"gemma2"``:
+    also tanh soft-capping of attention scores and logits, sliding-window layers, sandwich norms)."""
+    tf = _transformers()
+    seq = seq or 64
+    config_cls, model_cls = ((tf.Gemma2Config, tf.Gemma2ForCausalLM) if name == "gemma2"
+                             else (tf.GemmaConfig, tf.GemmaForCausalLM))
+    # Gemma 2 soft-caps attention scores, which HF runs only in its eager attention
+    extra = dict(sliding_window=4, query_pre_attn_scalar=16, attn_implementation="eager") if name == "gemma2" else {}
+    cfg = _hf_config(config_cls, dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=max(256, seq), attention_dropout=0.0,
+        use_cache=False, **{"attn_implementation": "sdpa", **extra}), ov)
+    model = LossWrapper(model_cls(cfg), ("input_ids", "attention_mask", "labels"))
+    return model, _padded_lm_inputs(cfg.vocab_size, batch, seq, dev, seed)
+
+
+def _build_opt(name, batch, seq, dev, seed, **ov):
+    tf = _transformers()
+    seq = seq or 64
+    cfg = _hf_config(tf.OPTConfig, dict(
+        vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+        word_embed_proj_dim=64, max_position_embeddings=max(256, seq), dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, layerdrop=0.0, use_cache=False, pad_token_id=1, attn_implementation="sdpa"), ov)
+    model = LossWrapper(tf.OPTForCausalLM(cfg), ("input_ids", "attention_mask", "labels"))
+    return model, _padded_lm_inputs(cfg.vocab_size, batch, seq, dev, seed)
+
+
+def _build_vit(name, batch, seq, dev, seed, **ov):
+    tf = _transformers()
+    cfg = _hf_config(tf.ViTConfig, dict(
+        image_size=16, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=10,
+        attn_implementation="sdpa"), ov)
+    model = LossWrapper(tf.ViTForImageClassification(cfg), ("pixel_values", "labels"))
+    images = _randn((batch, cfg.num_channels, cfg.image_size, cfg.image_size), dev, seed + 1)
+    return model, (images, _randint(cfg.num_labels, (batch,), dev, seed + 2))
+
+
 def _build_resnet(name, batch, seq, dev, seed, **ov):
     defaults = dict(stage_sizes=_RESNET_DEPTHS[18][0], bottleneck=False, num_filters=8, width_factor=1,
                     image_size=32, num_classes=10, stem="imagenet")
@@ -883,12 +963,19 @@ _BUILDERS: dict[str, Callable] = {
     "mixtral": _build_mixtral,
     "t5": _build_t5,
     "resnet": _build_resnet,
+    "qwen2": _build_qwen2,
+    "qwen3": _build_qwen2,
+    "phi": _build_phi,
+    "gemma": _build_gemma,
+    "gemma2": _build_gemma,
+    "opt": _build_opt,
+    "vit": _build_vit,
 }
 
 MODEL_NAMES: list[str] = list(_BUILDERS)
 """Every built-in model name accepted by :func:`build_model`."""
 
-HF_MODEL_NAMES: list[str] = ["bert", "gpt2-hf", "llama", "mixtral", "t5"]
+HF_MODEL_NAMES: list[str] = ["bert", "gpt2-hf", "llama", "mixtral", "t5", "qwen2", "qwen3", "gemma", "gemma2", "opt", "phi", "vit"]
 """The built-ins that need ``transformers``."""
 
 
