@@ -52,12 +52,14 @@ def main() -> None:
         for _ in range(5):
             step(*example)
     times = {label: [] for label in runners}
-    for _ in range(args.steps):
-        for label, step in runners.items():
-            t0 = time.process_time()
-            step(*example)
-            times[label].append(time.process_time() - t0)
-    dist.destroy_process_group()
+    try:
+        for _ in range(args.steps):
+            for label, step in runners.items():
+                t0 = time.process_time()
+                step(*example)
+                times[label].append(time.process_time() - t0)
+    finally:
+        dist.destroy_process_group()
     med = {label: statistics.median(ts) for label, ts in times.items()}
     base = med["eager PyTorch"]
     print(f"| runner | CPU ms per step | spread | ratio to eager | ms over eager | us per node ({nodes} nodes) |")

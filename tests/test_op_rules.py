@@ -68,7 +68,7 @@ def simulate(fn, inputs, target):
                 operands[bias] = torch.zeros_like(operands[bias])
             target, args, kwargs = node.target, node.args, node.kwargs
             if target in _SHAPE_ARG:  # shape arguments: the local shape, as the executor writes them
-                d = Dispatch(node, s, [], list(s.out_spec.local_shape(tuple(full.shape), MESH.shape)), "cpu", None)
+                d = Dispatch(node, s, [], list(s.out_spec.local_shape(tuple(full.shape), MESH.shape)), "cpu", None, False)
                 target, args, kwargs = d.target, d.args, d.kwargs
             args = torch.fx.node.map_arg(args, lambda n: operands[n.name])
             kwargs = torch.fx.node.map_arg(kwargs, lambda n: operands[n.name])
