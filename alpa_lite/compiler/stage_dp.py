@@ -86,7 +86,10 @@ class StageChoice:
 @dataclass
 class DPResult:
     """The DP's answer: ``objective`` = predicted step seconds = ``sum(o) + r sum(t) + (B - r) t_max``
-    (``r``: the schedule's fill ratio; ``sum(t + o) + (B - 1) t_max`` under GPipe and 1F1B)."""
+    (``r``: the schedule's fill ratio; ``sum(t + o) + (B - 1) t_max`` under GPipe and 1F1B).
+    ``floor``: the least value of the DP's own recursion over every pipeline it considered, at
+    most the step of each (equal to ``objective`` but under interleaved 1F1B, whose step sums
+    stage times per device group: ``interleaved_dp``); None where not recorded."""
 
     objective: float
     t_max: float
@@ -94,6 +97,7 @@ class DPResult:
     num_microbatches: int
     schedule: str
     t_max_tried: int = 0
+    floor: float | None = None
 
 
 def submesh_shapes(cluster_shape: tuple[int, int], power_of_two: bool = False) -> list[tuple[int, int]]:
@@ -193,6 +197,7 @@ def stage_dp(num_layers: int, cluster_shape: tuple[int, int], cost: CostFn, memo
             raise PipelinePlanError(errors[-1])
         best = min(results, key=lambda r: r.objective)
         best.t_max_tried = sum(r.t_max_tried for r in results)
+        best.floor = min(r.floor for r in results)
         return best
     if num_stages is not None:
         s_max = num_stages
@@ -226,7 +231,7 @@ def interleaved_dp(num_layers: int, cluster_shape: tuple[int, int], cost: CostFn
     """
     n, m = cluster_shape
     devices, v, b = n * m, schedule.chunks, num_microbatches
-    best, why, shared = None, [], shared or {}
+    best, why, shared, least = None, [], shared or {}, math.inf
     for q in submeshes or submesh_shapes(cluster_shape):
         size = q[0] * q[1]
         p = devices // size
@@ -251,6 +256,7 @@ def interleaved_dp(num_layers: int, cluster_shape: tuple[int, int], cost: CostFn
                 why.append(str(e))
             continue
         res = min(found, key=lambda r: r.objective)
+        least = min([least, *(r.floor for r in found)])
         if best is None or res.objective < best.objective:
             best = res
     if best is None:
@@ -258,6 +264,7 @@ def interleaved_dp(num_layers: int, cluster_shape: tuple[int, int], cost: CostFn
             f"interleaved 1F1B with {v} chunks has no layout on a {n}x{m} cluster for {num_layers} layers and "
             f"{b} microbatches: it needs p >= 2 equal device groups (p divides the devices and B) and "
             f"p * {v} <= {num_layers} stages" + (f" = num_stages={num_stages}" if num_stages else "")))
+    best.floor = least
     return best
 
 
@@ -324,7 +331,8 @@ def _solve(num_layers: int, devices: int, cost: CostFn, memory_bytes: float, b: 
         option = table[(k, int(i), int(q))][int(np.argmin(masked))]
         stages.append(StageChoice(k, int(i), shapes[q], option, sched.in_flight(s_max - s, s_max, b)))
         k, d, s = int(i), d - sizes[q], s - 1
-    return DPResult(_objective(stages, b, sched), max(st.option.seconds for st in stages), stages, b, sched.name, tried)
+    return DPResult(_objective(stages, b, sched), max(st.option.seconds for st in stages), stages, b, sched.name, tried,
+                    best_obj)
 
 
 def _dp_table(t_arr, o_arr, t_max, r, sizes, devices, s_max, record):
