@@ -979,8 +979,11 @@ def _bake(gm: torch.fx.GraphModule, placeholder: str, value) -> None:
 
 def check_backward_hooks(model: torch.nn.Module) -> None:
     """Refuse gradient hooks on ``model`` that the captured graph would never run: a module's
-    backward hook (``register_backward_hook``, ``register_full_backward_hook``, their pre hooks)
-    and a parameter's ``register_hook``. The training step differentiates the captured graph on
+    backward hook (``register_backward_hook``, ``register_full_backward_hook``, their pre hooks,
+    and the global ones of ``torch.nn.modules.module``), a parameter's ``register_hook`` and its
+    ``register_post_accumulate_grad_hook`` (sweep 12: an optimizer step in backward, or a
+    gradient scaled after accumulation, was dropped silently by the trainer and by verify's
+    reference alike, since ``copy.deepcopy`` drops it too). The training step differentiates the captured graph on
     its own tensors (sweep 11: ``fc1.register_backward_hook`` halving its gradients trained
     silently off one process, fc1's gradients 1e4 times their bound; a parameter's hook, which
     ``copy.deepcopy`` drops, was lost by the trainer and by verify's reference alike).
@@ -993,11 +996,21 @@ def check_backward_hooks(model: torch.nn.Module) -> None:
             raise CaptureError(f"module {name or '(the model)'} ({type(mod).__name__}) has a backward hook: the captured "
                                "graph has no hooks, so it would never run; remove it, or write what it does to the "
                                "gradient into forward with detach (a gradient scaled by s: s * x + (1 - s) * x.detach())")
+    from torch.nn.modules import module as _module
+    if _module._global_backward_hooks or _module._global_backward_pre_hooks:
+        raise CaptureError("a global module backward hook (torch.nn.modules.module.register_module_full_backward_hook "
+                           "/ register_module_full_backward_pre_hook): the captured graph has no hooks, so it would "
+                           "never run; remove it before alpa-lite captures the model")
     for name, p in model.named_parameters():
         if p._backward_hooks:
             raise CaptureError(f"parameter {name} has a gradient hook (register_hook): the trainer computes the gradients "
                                "of its own shards, so it would never run; remove it (to clip gradients, pass "
                                "max_grad_norm=)")
+        if getattr(p, "_post_accumulate_grad_hooks", None):
+            raise CaptureError(f"parameter {name} has a post-accumulate-grad hook (register_post_accumulate_grad_hook, "
+                               "as an optimizer step in backward): the trainer trains its own shards of the parameters "
+                               "and steps its own optimizer after the gradient sync, so the hook would never run; "
+                               "remove it and pass the optimizer to alpa-lite (optimizer=)")
 
 
 @contextmanager
@@ -1077,6 +1090,10 @@ def _refuse_untraced():
         raise CaptureError("t.register_hook(fn) in forward: the captured graph has no hooks, so fn would never run; "
                            "write it into forward with detach (a gradient scaled by s: s * x + (1 - s) * x.detach())")
 
+    def refusing_post_hook(tensor, hook):
+        raise CaptureError("t.register_post_accumulate_grad_hook(fn) in forward: the captured graph has no hooks, so "
+                           "fn would never run; remove it (pass the optimizer to alpa-lite, optimizer=)")
+
     data = torch._C.TensorBase.data
     torch_dir = str(Path(torch.__file__).parent)
 
@@ -1096,6 +1113,7 @@ def _refuse_untraced():
     with mock.patch.object(torch.autograd.Function, "apply", classmethod(refusing_apply)), \
             mock.patch.object(torch.Tensor, "data", property(get_data, set_data)), \
             mock.patch.object(torch.Tensor, "register_hook", refusing_hook), \
+            mock.patch.object(torch.Tensor, "register_post_accumulate_grad_hook", refusing_post_hook), \
             mock.patch.object(torch.autograd, "grad", refusing_grad):
         yield
 

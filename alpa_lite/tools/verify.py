@@ -89,6 +89,8 @@ class VerifyReport:
         plan: a one-line description of the plan (stages, mesh, parameter specs that are not
             replicated).
         tolerance: ``RTOL`` by dtype name, and ``FLOOR``.
+        random_ops: the random ops of the model's graph (:func:`random_ops`): the two runs draw
+            different numbers for them, so a difference can be theirs, not the plan's.
     """
 
     rows: list[Row]
@@ -96,6 +98,7 @@ class VerifyReport:
     ref_losses: list[float]
     plan: str
     tolerance: dict = field(default_factory=lambda: {"rtol": {str(k): v for k, v in RTOL.items()}, "floor": FLOOR})
+    random_ops: list[str] = field(default_factory=list)
 
     @property
     def equal(self) -> bool:
@@ -107,7 +110,7 @@ class VerifyReport:
 
     def to_dict(self) -> dict:
         return {"verdict": "equal" if self.equal else "differs", "plan": self.plan, "losses": self.losses,
-                "ref_losses": self.ref_losses, "tolerance": self.tolerance,
+                "ref_losses": self.ref_losses, "tolerance": self.tolerance, "random_ops": self.random_ops,
                 "rows": [asdict(r) | {"ok": r.ok} for r in self.rows]}
 
     def table(self, max_rows: int = 40):
@@ -116,6 +119,8 @@ class VerifyReport:
 
         verdict = "[green]equal[/]" if self.equal else f"[red]differs[/] ({len(self.differing)} tensors)"
         t = Table(title=f"verify: {verdict} to one process; {self.plan}")
+        if self.random_ops:
+            t.title += f"\n[yellow]{_random_note(self.random_ops)}[/]"
         for col in ("kind", "tensor", "dtype", "step", "max |diff|", "bound", ""):
             t.add_column(col, justify="right" if col in ("step", "max |diff|", "bound") else "left")
         ranked = sorted(self.rows, key=_badness, reverse=True)
@@ -274,6 +279,39 @@ def _judge(ref: _Trace, par: _Trace, plan_line: str, compute: torch.dtype | None
     return VerifyReport(_worst(rows), par.losses, ref.losses, plan_line)
 
 
+def random_ops(cg) -> list[str]:
+    """The random ops of ``cg``'s graph (``aten.is_random``: dropout, ``bernoulli``, ``rand_like``,
+    attention dropout ...) as ``"op in module (class)"``; a dropout of probability 0 or with
+    ``training=False``, and attention of ``dropout_p=0`` (``nn.MultiheadAttention``'s in eval or
+    without dropout), left out. The parallel
+    run draws from generators seeded per op and shard, the reference from torch's one generator,
+    so their masks differ and :func:`verify` cannot compare such a model to rounding (sweep 12: a
+    ``nn.Dropout(0.1)`` model "differed" under every plan, gradients 1e2 to 1e4 times their bound,
+    and nothing said why)."""
+    from ..core.aten import bind_args, is_random
+
+    found = []
+    for n in cg.graph.nodes:
+        if n.op != "call_function" or not is_random(n.target):
+            continue
+        name = str(n.target).removesuffix(".default")
+        a = bind_args(n.target, n.args, n.kwargs)
+        if a.get("dropout_p", 1) == 0 or "dropout" in name and (a.get("p") == 0 or a.get("train") is False):
+            continue  # attention without dropout; a dropout of p = 0 or with training=False: the identity
+        path, kind = list((n.meta.get("nn_module_stack") or {"": ("", "")}).values())[-1]
+        path = path.removeprefix("model").removeprefix(".")  # capture's TrainingLoss holds the model as .model
+        kind = str(getattr(kind, "__name__", kind)).rpartition(".")[2]
+        where = f"{path} ({kind})" if path else "the model's forward"
+        found.append(f"{name} in {where}")
+    return list(dict.fromkeys(found))
+
+
+def _random_note(ops: list[str]) -> str:
+    return (f"the model draws random numbers ({', '.join(ops)}): the parallel run and one process draw different "
+            "ones, so they differ by more than rounding wherever those ops matter; to compare a plan, set dropout "
+            "probabilities to 0 (or those modules to eval()) for verify")
+
+
 def _low_precision(cg) -> torch.dtype | None:
     """The low-precision float dtype (of ``RTOL``'s, the loosest) that ``cg`` computes some values
     in without mixed precision: a ``torch.autocast`` region inside the model's ``forward``
@@ -356,6 +394,7 @@ def verify(model: torch.nn.Module, inputs, mesh, *, loss_fn: Callable | None = N
             ref = _reference(model, batches, loss_fn, len(inputs), optimizer, default_device(), compute,
                              plan_options.get("max_grad_norm"))
             box[0] = _judge(ref, par, _plan_line(trainer.plan), compute or _low_precision(trainer.cg))
+            box[0].random_ops = random_ops(trainer.cg)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             box[0] = e
     failure = box[0] if isinstance(box[0], Exception) else None
@@ -366,6 +405,9 @@ def verify(model: torch.nn.Module, inputs, mesh, *, loss_fn: Callable | None = N
         raise RuntimeError(f"verify failed on rank 0 (the one-process reference or the comparison): {box[0]}"
                            ) from failure
     report = box[0]
+    if report.random_ops and dist.get_rank() == 0:
+        import warnings
+        warnings.warn(f"verify: {_random_note(report.random_ops)}", stacklevel=2)
     if show and dist.get_rank() == 0:
         from rich.console import Console
         (console or Console()).print(report.table())

@@ -2019,3 +2019,143 @@ class DataWrites(_Base):
 
 def data_writes(batch, seq=None, device="cpu", seed=0):
     return _regression(DataWrites, batch, seq, seed)
+
+
+# --- sweep 12: a post-accumulate gradient hook, dropout (verify names random ops), transformer
+# layers, MHA weights, cumulative ops along the split dim, unfold, batch-dependent weights ---
+
+class PostHook(_Base):
+    """An optimizer step in backward, torch's recipe: ``fc1.weight.register_post_accumulate_grad_hook``
+    (here the gradient halved once accumulated)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1.weight.register_post_accumulate_grad_hook(lambda p: p.grad.mul_(0.5))
+
+    def forward(self, x, y):
+        return F.mse_loss(self.fc2(F.relu(self.fc1(x))), y)
+
+
+class Dropout(_Base):
+    """``nn.Dropout(0.1)`` after ``fc1`` (verify's two runs draw other masks), and the identity
+    dropouts it leaves out of its note: ``F.dropout(p=0.0)`` and ``F.dropout(training=False)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x, y):
+        h = F.dropout(self.drop(F.relu(self.fc1(x))), 0.0, True)
+        return F.mse_loss(self.fc2(F.dropout(h, 0.3, training=False)), y)
+
+
+class EncoderLayers(_Base):
+    """``nn.TransformerEncoderLayer(norm_first=True, dropout=0)`` (pre-norm, GELU) and a post-norm
+    one with a causal mask, then the MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.TransformerEncoderLayer(HIDDEN, 2, 32, dropout=0.0, activation="gelu", batch_first=True,
+                                              norm_first=True)
+        self.post = nn.TransformerEncoderLayer(HIDDEN, 2, 32, dropout=0.0, batch_first=True)
+
+    def forward(self, x, y):
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        h = self.post(self.pre(x), src_mask=mask, is_causal=True)
+        return F.mse_loss(self.fc2(F.gelu(self.fc1(h))), y)
+
+
+class MHAWeights(_Base):
+    """``nn.MultiheadAttention(need_weights=True)``: the head-averaged attention weights read by the
+    loss (an entropy penalty), and ``average_attn_weights=False`` per-head weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(HIDDEN, 2, batch_first=True)
+
+    def forward(self, x, y):
+        h, w = self.mha(x, x, x, need_weights=True)
+        _, wh = self.mha(h, x, x, need_weights=True, average_attn_weights=False)
+        ent = -(w * (w + 1e-6).log()).sum(-1).mean() + wh[:, 1].pow(2).mean()
+        return F.mse_loss(self.fc2(F.relu(self.fc1(h))), y) + 0.1 * ent
+
+
+class CumSplit(_Base):
+    """Cumulative ops along ``fc1``'s output dim (split by a column-parallel ``fc1``): ``cummax``,
+    ``cummin``, ``logcumsumexp``; ``Tensor.unfold`` of the sequence and ``diff`` along it."""
+
+    def forward(self, x, y):
+        h = self.fc1(x)  # (B, T, 64)
+        h = h.cummax(-1).values - 0.5 * h.cummin(-1).values + 0.1 * torch.logcumsumexp(h, -1)
+        w = x.unfold(1, 3, 1).mean(-1)  # (B, T - 2, 16)
+        d = torch.diff(x, dim=1)  # (B, T - 1, 16)
+        return F.mse_loss(self.fc2(torch.tanh(h)), y) + w.pow(2).mean() * d.abs().mean()
+
+
+class BatchWeights(_Base):
+    """Per-sample weights from batch statistics (a focal / OHEM-style reweighting): the per-sample
+    losses' softmax over the batch, detached, weights the sum."""
+
+    def forward(self, x, y):
+        per = F.mse_loss(self.fc2(F.relu(self.fc1(x))), y, reduction="none").mean((1, 2))  # (B,)
+        w = torch.softmax(per.detach() * 4.0, 0)
+        return (w * per).sum()
+
+
+class BufCopy(_Base):
+    """A buffer written with ``copy_`` from an activation under ``torch.no_grad()`` (an EMA of the
+    hidden mean, read by the output: a feature-centering teacher, DINO's center)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("center", torch.zeros(4 * HIDDEN))
+
+    def forward(self, x, y):
+        h = F.relu(self.fc1(x))
+        out = self.fc2(h - self.center)
+        with torch.no_grad():
+            self.center.copy_(0.9 * self.center + 0.1 * h.mean((0, 1)))
+        return F.mse_loss(out, y)
+
+
+class TwoBatches(_Base):
+    """A loss from two outputs of different batch sizes: ``x`` ``(B, T, H)`` and ``z`` ``(2 B, T, H)``
+    (extra negatives), each a mean of its own."""
+
+    def forward(self, x, y, z):
+        a = self.fc2(F.relu(self.fc1(x)))
+        b = self.fc2(F.relu(self.fc1(z)))
+        return F.mse_loss(a, y) + 0.5 * b.pow(2).mean()
+
+
+def post_hook(batch, seq=None, device="cpu", seed=0):
+    return _regression(PostHook, batch, seq, seed)
+
+
+def dropout(batch, seq=None, device="cpu", seed=0):
+    return _regression(Dropout, batch, seq, seed)
+
+
+def encoder_layers(batch, seq=None, device="cpu", seed=0):
+    return _regression(EncoderLayers, batch, seq, seed)
+
+
+def mha_weights(batch, seq=None, device="cpu", seed=0):
+    return _regression(MHAWeights, batch, seq, seed)
+
+
+def cum_split(batch, seq=None, device="cpu", seed=0):
+    return _regression(CumSplit, batch, seq, seed)
+
+
+def batch_weights(batch, seq=None, device="cpu", seed=0):
+    return _regression(BatchWeights, batch, seq, seed)
+
+
+def buf_copy(batch, seq=None, device="cpu", seed=0):
+    return _regression(BufCopy, batch, seq, seed)
+
+
+def two_batches(batch, seq=None, device="cpu", seed=0):
+    model, (x, y) = _regression(TwoBatches, batch, seq, seed)
+    return model, (x, y, torch.randn(2 * batch, x.shape[1], HIDDEN, generator=_seeded(seed + 3)))
