@@ -205,3 +205,38 @@ def test_an_input_without_the_batch_on_dim_0_is_refused_for_microbatches(pattern
         plan(model, example, mesh, pipeline=2, num_microbatches=2, num_layers=2)
     with pytest.raises(ValueError, match=r"accumulate=2 cut dim 0 of every tensor input"):
         _accumulation_rows(example, (), None, 2, None, None)
+
+
+def test_capture_refuses_post_accumulate_grad_hooks():
+    """A parameter's ``register_post_accumulate_grad_hook`` (torch's optimizer-step-in-backward
+    recipe), one registered in forward and a global module backward hook: the trainer steps its own
+    shards and the captured graph has no hooks, so none would run (sweep 12: dropped silently,
+    and by verify's reference too, as ``copy.deepcopy`` drops it). Refused, named."""
+    from alpa_lite.core.capture import capture
+
+    class Net(torch.nn.Module):
+        def __init__(self, in_forward=False):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+            self.in_forward = in_forward
+
+        def forward(self, x):
+            if self.in_forward:
+                self.fc.weight.register_post_accumulate_grad_hook(lambda p: None)
+            return self.fc(x).sum()
+
+    x = torch.randn(2, 4)
+    net = Net()
+    handle = net.fc.bias.register_post_accumulate_grad_hook(lambda p: p.grad.mul_(0.5))
+    with pytest.raises(CaptureError, match="parameter fc.bias has a post-accumulate-grad hook"):
+        capture(net, (x,))
+    handle.remove()
+    capture(net, (x,))
+    with pytest.raises(CaptureError, match="register_post_accumulate_grad_hook"):
+        capture(Net(in_forward=True), (x,))
+    handle = torch.nn.modules.module.register_module_full_backward_hook(lambda m, gi, go: None)
+    try:
+        with pytest.raises(CaptureError, match="global module backward hook"):
+            capture(net, (x,))
+    finally:
+        handle.remove()

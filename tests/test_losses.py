@@ -139,6 +139,12 @@ READS = {
     "mse sum over numel": (lambda o, y: F.mse_loss(o, torch.zeros_like(o), reduction="sum") / o.numel(), "mean",
                            None, 0),
     "sum over another number": (lambda o, y: _ce(o, y, reduction="sum") / 7, "sum", None, 0),
+    # a loss summed in a loop from a Python 0 (a chunked cross-entropy): the 0 was a constant term,
+    # the ratio read as nonlinear and microbatches averaged (patterns' chunked_ce)
+    "chunks from 0": (lambda o, y: (0.0 + _ce(o[:, :3], y[:, :3], ignore_index=0, reduction="sum")
+                                    + _ce(o[:, 3:], y[:, 3:], ignore_index=0, reduction="sum")) / (y != 0).sum(),
+                      "ratio", "sum_1", 0),
+    "sum from 0": (lambda o, y: 0 + _ce(o, y, reduction="sum"), "sum", None, 0),
     # loss ops with a reduction argument whose mean divides by the samples or elements (these
     # were read as nonlinear: a plan-time warning that microbatches change the loss, for none)
     "multi margin": (lambda o, y: F.multi_margin_loss(o.reshape(-1, 11), y.reshape(-1)), "mean", None, 0),

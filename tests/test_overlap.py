@@ -57,6 +57,23 @@ def test_buckets_become_ready_in_launch_order_tied_weight_last():
     assert sum(map(len, buckets)) == len(p.grad_sync)
 
 
+def test_a_bucket_holds_one_dtype():
+    """The runtime sums a bucket as one flat tensor of one dtype: a complex parameter (an FNO's
+    Fourier weights) beside fp32 ones lost the imaginary part of its gradient there, silently, and
+    a float64 head's gradients were rounded to fp32 (sweep 12). Each bucket now holds one dtype."""
+    import sys
+    sys.path.insert(0, str(WORKERS))
+    import patterns
+    for name in ("spectral", "float64_head"):
+        model, example = getattr(patterns, name)(8)
+        for zero in (1, 2):
+            p = plan(model, example, LogicalMesh((2, 2)), force_data_parallel=True, zero_stage=zero)
+            buckets = gradient_buckets(p.captured, p.nodes, p.grad_sync, (2, 2), p.bucket_bytes)
+            dtypes = [{p.captured.node(ph).meta["val"].dtype for ph in members} for _, _, members in buckets]
+            assert all(len(d) == 1 for d in dtypes) and len(dtypes) == 2, (name, zero, dtypes)
+            assert sum(len(m) for _, _, m in buckets) == len(p.grad_sync)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("overlap") / "results.json"

@@ -188,6 +188,45 @@ def test_low_precision_reads_an_autocast_region():
     assert _low_precision(capture(*patterns.buffers(4))) is None
 
 
+def test_judge_compares_complex_tensors_whole():
+    """A complex gradient is compared by its real and imaginary parts, to its parts' dtype's bound
+    (sweep 12: ``.double()`` dropped the imaginary part, and the bound of a complex tensor was 0:
+    an FNO's lost imaginary gradient passed unseen, rounding of the real part "differed")."""
+    w0 = {"w": torch.zeros(2, dtype=torch.cfloat)}
+    g = torch.tensor([1 + 2j, -0.5 + 1j], dtype=torch.cfloat)
+    ref = _trace([1.0], {"w": g}, w0, {"w": w0["w"] - 1e-2 * g})
+    rounded = _trace([1.0], {"w": g * (1 + 1e-7)}, w0, {"w": w0["w"] - 1e-2 * g})
+    assert _judge(ref, rounded, "p").equal
+    real_only = _trace([1.0], {"w": g.real.to(torch.cfloat)}, w0, {"w": w0["w"] - 1e-2 * g})
+    rows = _judge(ref, real_only, "p").differing
+    assert [(r.kind, r.name) for r in rows] == [("grad", "w")] and rows[0].max_diff == pytest.approx(2.0)
+
+
+def test_low_precision_reads_mixed_float_dtypes():
+    """A float64 head after fp32 layers: its float64 gradients carry fp32 rounding, so verify holds
+    the model to fp32's bounds (they were held to float64's and "differed" under every plan);
+    a complex parameter over fp32 values computes in fp32 too."""
+    from alpa_lite.core.capture import capture
+    from alpa_lite.tools.verify import _low_precision
+    sys.path.insert(0, str(Path(__file__).parent / "workers"))
+    import patterns
+    assert _low_precision(capture(*patterns.float64_head(4))) == torch.float32
+    assert _low_precision(capture(*patterns.spectral(4))) in (None, torch.float32)
+    assert _low_precision(capture(*patterns.buffers(4))) is None
+
+
+def test_random_ops_are_named():
+    """verify names the random ops it cannot compare, by module; identity dropouts (``p=0``,
+    ``training=False``) and attention without dropout are left out."""
+    from alpa_lite.core.capture import capture
+    from alpa_lite.tools.verify import random_ops
+    sys.path.insert(0, str(Path(__file__).parent / "workers"))
+    import patterns
+    assert random_ops(capture(*patterns.dropout(4))) == ["aten.dropout in drop (Dropout)"]
+    assert random_ops(capture(*patterns.encoder_layers(4))) == []
+    assert random_ops(capture(*patterns.mha_pad(4))) == []
+
+
 def test_reference_densifies_sparse_gradients():
     """``nn.Embedding(sparse=True)`` gives the one-process reference a sparse gradient; the
     trainer's are dense. verify died comparing them ("Could not run 'aten::...' with arguments

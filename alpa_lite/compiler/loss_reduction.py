@@ -418,7 +418,10 @@ class _Reader:
         if t in _LINEAR:
             return self._terms(args[0])
         if t in (aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar):
-            return self._terms(args[0]) + self._terms(args[1])
+            # a Python 0 is no term: a loss summed in a loop from ``total = 0.0`` (a chunked
+            # cross-entropy, sweep 12: ``(0.0 + ce_1 + ... + ce_4) / n_valid`` read as nonlinear, a
+            # pipeline and accumulate=2 averaged its microbatches' ratios under a false warning)
+            return [leaf for a in args[:2] if not (isinstance(a, (int, float)) and a == 0) for leaf in self._terms(a)]
         if t in (aten.mul.Tensor, aten.mul.Scalar):
             a, b = args[:2]
             if not self._depends(b):

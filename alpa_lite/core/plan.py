@@ -643,12 +643,17 @@ def _buckets(cg, nodes, keys: dict, mesh_shape, bucket_bytes: float) -> list[tup
     """Per key (sorted), its parameters in buckets of at most ``bucket_bytes``, in first-use order.
     They are filled from the last parameter back, the order backward completes them, so the
     bucket of a key it completes last (launched after backward, not hidden behind it) holds
-    the remainder, as DDP's last bucket does."""
+    the remainder, as DDP's last bucket does. A bucket holds parameters of one dtype: the runtime
+    concatenates its members into one flat tensor of one dtype (sweep 12: a complex parameter, an
+    FNO's Fourier weights, shared a bucket with fp32 ones and lost the imaginary part of its
+    gradient to the fp32 buffer under data parallelism and ZeRO, silently; a float64 head's
+    gradients were rounded to fp32)."""
     buckets: list[tuple[object, list[str]]] = []
     order = first_use_order(cg)
-    for key in sorted(set(keys.values())):
+    dtype = {ph: str(cg.node(ph).meta["val"].dtype) for ph in order}
+    for key, dt in sorted({(k, dtype[ph]) for ph, k in keys.items() if ph in dtype}):
         size, filled = math.inf, []
-        for ph in reversed([p for p in order if keys.get(p) == key]):
+        for ph in reversed([p for p in order if keys.get(p) == key and dtype[p] == dt]):
             nbytes = local_bytes(cg.node(ph).meta["val"], nodes[ph].out_specs[0], mesh_shape)
             if size + nbytes > bucket_bytes:
                 filled.append([])

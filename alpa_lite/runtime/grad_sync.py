@@ -33,6 +33,13 @@ import torch
 from .collectives import MeshGroups, all_reduce_async, failed
 
 
+def bucket_dtype(reduce: torch.dtype | None, own: torch.dtype) -> torch.dtype:
+    """The dtype a bucket of gradients of dtype ``own`` is summed in: ``reduce`` (the plan's
+    reduce dtype) when given, but a complex bucket keeps its own (a real ``reduce`` would drop the
+    imaginary parts)."""
+    return own if reduce is None or own.is_complex else reduce
+
+
 class BucketSync:
     """The gradient buckets of one rank and their collectives in flight.
 
@@ -64,7 +71,8 @@ class BucketSync:
         self.in_program = [k for k, (kind, *_) in enumerate(self.buckets) if in_program and kind == "all-reduce"]
         self._summed: dict[int, torch.Tensor] = {}
         self._flat: list[torch.Tensor | None] = [  # each all-reduce bucket's persistent buffer
-            torch.empty(sum(p.numel() for p in members), dtype=dtype or members[0].dtype, device=members[0].device)
+            torch.empty(sum(p.numel() for p in members), dtype=bucket_dtype(dtype, members[0].dtype),
+                        device=members[0].device)
             if kind == "all-reduce" and k not in self.in_program else None
             for k, (kind, _, members, _) in enumerate(self.buckets)]
         self.armed = False

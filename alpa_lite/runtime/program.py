@@ -78,6 +78,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from ..core.aten import alias_root, bind_args, op_args
 from .collectives import all_reduce_sum, functional_collectives, named
 from .executor import DeferredLoss, Dispatch, LocalExecutor
+from .grad_sync import bucket_dtype
 from .overlap import overlap_collectives
 
 _KINDS = {"all_reduce": "all-reduce", "all_gather_into_tensor": "all-gather",
@@ -319,7 +320,7 @@ class _BucketHooks:
 
     def _launch(self) -> None:
         axes, members = self.buckets[len(self.sums)]
-        dtype = self.dtype or self.env[members[0]].dtype
+        dtype = bucket_dtype(self.dtype, self.env[members[0]].dtype)
         flat = torch.cat([self.grads.get(ph, torch.zeros_like(self.env[ph])).reshape(-1).to(dtype)
                           for ph in members])
         self.sums.append(all_reduce_sum(flat, axes, self.mesh))

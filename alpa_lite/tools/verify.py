@@ -133,18 +133,26 @@ class VerifyReport:
 
 
 def _eps(dtype: torch.dtype) -> float:
+    dtype = dtype.to_real() if dtype.is_complex else dtype  # a complex tensor: its parts' (sweep 12)
     return torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
 
 
 def _rtol(dtype: torch.dtype) -> float:
-    return RTOL.get(dtype, 0.0)
+    return RTOL.get(dtype.to_real() if dtype.is_complex else dtype, 0.0)
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float64, or complex128 when complex: ``.double()`` of a complex tensor drops its
+    imaginary part (sweep 12: a complex parameter's gradient was compared by its real part only,
+    to a bound of 0, and the imaginary part the trainer lost went unseen)."""
+    return x.detach().to(torch.complex128 if x.is_complex() else torch.float64)
 
 
 def _amax(x: torch.Tensor) -> float:
     """``max |x|`` over the finite elements as a float, 0 for a tensor without any; any dtype (a
     bool buffer: a causal mask). An infinite element (a ``-inf`` mask buffer) is no scale: it
     would make the bound of its tensor, and through ``FLOOR`` of every tensor of its kind, infinite."""
-    x = x.detach().double().abs()
+    x = _wide(x).abs()
     x = x[torch.isfinite(x)]
     return float(x.max()) if x.numel() else 0.0
 
@@ -154,7 +162,7 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
     an infinity or NaN in one only gives ``inf`` or NaN (differs)."""
     if a.shape != b.shape:
         return math.inf
-    a, b = a.detach().double(), b.detach().double()
+    a, b = _wide(a), _wide(b)
     d = (a - b).abs().masked_fill(a == b, 0.0)
     return float(d.max()) if d.numel() else 0.0
 
@@ -172,8 +180,8 @@ def _compare(kind: str, got: dict, want: dict, scale: dict, step: int = -1, comp
                             "absent from the parallel run"))
             continue
         s = max(scale[name], FLOOR * top)
-        rtol = max(_rtol(ref.dtype), _rtol(compute)) if compute is not None and ref.is_floating_point() else \
-            _rtol(ref.dtype)
+        rtol = max(_rtol(ref.dtype), _rtol(compute)) if compute is not None and (
+            ref.is_floating_point() or ref.is_complex()) else _rtol(ref.dtype)
         bound = rtol * s + 4 * _eps(ref.dtype) * _amax(ref)
         rows.append(Row(kind, name, str(ref.dtype).removeprefix("torch."), _diff(got[name].cpu(), ref.cpu()),
                         bound, step))
@@ -272,9 +280,10 @@ def _judge(ref: _Trace, par: _Trace, plan_line: str, compute: torch.dtype | None
     for i, (got, want) in enumerate(zip(par.grads, ref.grads)):
         if got is not None:
             rows += _compare("grad", got, want, {k: _amax(v) for k, v in want.items()}, i, compute)
-    update = {k: _amax(v - ref.init[k]) if v.is_floating_point() else 0.0 for k, v in ref.params.items()}
+    update = {k: _amax(v - ref.init[k]) if v.is_floating_point() or v.is_complex() else 0.0
+              for k, v in ref.params.items()}
     rows += _compare("param", par.params, ref.params, update, compute=compute)
-    rows += _compare("buffer", par.buffers, ref.buffers, {k: _amax(v) if v.is_floating_point() else 0.0
+    rows += _compare("buffer", par.buffers, ref.buffers, {k: _amax(v) if v.is_floating_point() or v.is_complex() else 0.0
                                                            for k, v in ref.buffers.items()}, compute=compute)
     return VerifyReport(_worst(rows), par.losses, ref.losses, plan_line)
 
@@ -320,9 +329,16 @@ def _low_precision(cg) -> torch.dtype | None:
     so they agree to its rounding, not to fp32's: verify held such a model to fp32's bounds and
     called every plan of it different (sweep 7: ``torch.autocast("cpu", bfloat16)`` around an
     MLP, gradients 6e-5 to 2.4e-4 apart under data parallel, Megatron, ZeRO-3 and a pipeline, fp32
-    bound 1.3e-6). None when every float value is fp32 or wider."""
-    low = {v.dtype for n in cg.graph.nodes for v in pytree.tree_leaves(n.meta.get("val"))
-           if isinstance(v, torch.Tensor) and v.dtype in (torch.bfloat16, torch.float16)}
+    bound 1.3e-6). Likewise fp32 in a model that also computes in float64 (a head kept in float64
+    after fp32 layers, sweep 12: its float64 gradients carry the fp32 rounding of their inputs,
+    5e-8 relative, and were held to float64's 1e-10). None when every float value is fp32 or
+    wider and the model computes in one float dtype."""
+    floats = {v.dtype.to_real() if v.dtype.is_complex else v.dtype for n in cg.graph.nodes
+              for v in pytree.tree_leaves(n.meta.get("val"))
+              if isinstance(v, torch.Tensor) and (v.dtype.is_floating_point or v.dtype.is_complex)}
+    low = floats & {torch.bfloat16, torch.float16}
+    if not low and len(floats) > 1:
+        low = floats
     return max(low, key=_rtol) if low else None
 
 

@@ -2159,3 +2159,76 @@ def buf_copy(batch, seq=None, device="cpu", seed=0):
 def two_batches(batch, seq=None, device="cpu", seed=0):
     model, (x, y) = _regression(TwoBatches, batch, seq, seed)
     return model, (x, y, torch.randn(2 * batch, x.shape[1], HIDDEN, generator=_seeded(seed + 3)))
+
+
+class NonContigParam(_Base):
+    """A parameter stored transposed (``nn.Parameter(w.t())``, strides ``(1, 32)``: a weight loaded
+    from a checkpoint of the other layout) read by ``x @ w``."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Parameter(0.2 * torch.randn(32, HIDDEN).t())  # (16, 32), not contiguous
+
+    def forward(self, x, y):
+        h = self.fc2(F.relu(self.fc1(x)))
+        return F.mse_loss(h, y) + (h @ self.proj).pow(2).mean()
+
+
+class Float64Head(_Base):
+    """A head kept in float64 (``self.head.double()``: a precision-sensitive regression head) after an
+    fp32 MLP, the loss in float64."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(HIDDEN, HIDDEN).double()
+
+    def forward(self, x, y):
+        h = self.fc2(F.relu(self.fc1(x)))
+        return F.mse_loss(self.head(h.double()), y.double()).float()
+
+
+class Spectral(_Base):
+    """A Fourier layer (FNO): ``rfft`` along the sequence, the low modes times complex weights
+    (a ``cfloat`` parameter), ``irfft`` back."""
+
+    def __init__(self):
+        super().__init__()
+        self.modes = nn.Parameter(0.3 * torch.randn(3, HIDDEN, dtype=torch.cfloat))
+
+    def forward(self, x, y):
+        f = torch.fft.rfft(x, dim=1)  # (B, T / 2 + 1, H) complex
+        low = f[:, :3] * self.modes
+        f = torch.cat([low, torch.zeros_like(f[:, 3:])], 1)
+        h = x + torch.fft.irfft(f, n=x.shape[1], dim=1)
+        return F.mse_loss(self.fc2(F.gelu(self.fc1(h))), y)
+
+
+class ChunkedCE(_LM):
+    """A chunked cross-entropy (Liger / torchtitan's ChunkedCELoss): the sequence's logits in chunks of
+    2 positions, each ``cross_entropy(reduction="sum", ignore_index=-100)``, summed and divided by the
+    count of valid targets."""
+
+    def forward(self, ids, targets):
+        h = self.tok(ids)
+        h = h + self.fc2(F.gelu(self.fc1(h)))
+        total = 0.0
+        for hc, tc in zip(h.split(2, 1), targets.split(2, 1)):
+            total = total + F.cross_entropy(self.head(hc).flatten(0, 1), tc.flatten(), ignore_index=-100,
+                                            reduction="sum")
+        return total / (targets != -100).sum()
+
+
+def non_contig_param(batch, seq=None, device="cpu", seed=0):
+    return _regression(NonContigParam, batch, seq, seed)
+
+
+def float64_head(batch, seq=None, device="cpu", seed=0):
+    return _regression(Float64Head, batch, seq, seed)
+
+
+def spectral(batch, seq=None, device="cpu", seed=0):
+    return _regression(Spectral, batch, seq, seed)
+
+
+def chunked_ce(batch, seq=None, device="cpu", seed=0):
+    return _lm(ChunkedCE, batch, seq, seed)
