@@ -145,6 +145,16 @@ READS = {
                                     + _ce(o[:, 3:], y[:, 3:], ignore_index=0, reduction="sum")) / (y != 0).sum(),
                       "ratio", "sum_1", 0),
     "sum from 0": (lambda o, y: 0 + _ce(o, y, reduction="sum"), "sum", None, 0),
+    # chunk sums added (or stacked and summed) over the number of elements of all chunks: a mean
+    # (two halves were read as a sum, and K microbatches gave K times the loss, silently)
+    "halves over numel": (lambda o, y: (_ce(o[:, :3], y[:, :3], reduction="sum")
+                                        + _ce(o[:, 3:], y[:, 3:], reduction="sum")) / y.numel(), "mean", None, 0),
+    "stacked chunks over numel": (lambda o, y: 0.5 * torch.stack([_ce(o[:, i:i + 2], y[:, i:i + 2], reduction="sum")
+                                                                  for i in (0, 2, 4)]).sum() / y.numel(),
+                                  "mean", None, 0),
+    "stacked chunk ratio": (lambda o, y: torch.stack([_ce(o[:, i:i + 2], y[:, i:i + 2], ignore_index=0,
+                                                          reduction="sum") for i in (0, 2, 4)]).sum() / (y != 0).sum(),
+                            "ratio", "sum_2", 0),
     # loss ops with a reduction argument whose mean divides by the samples or elements (these
     # were read as nonlinear: a plan-time warning that microbatches change the loss, for none)
     "multi margin": (lambda o, y: F.multi_margin_loss(o.reshape(-1, 11), y.reshape(-1)), "mean", None, 0),

@@ -417,6 +417,8 @@ class _Reader:
                 return [leaf]
         if t in _LINEAR:
             return self._terms(args[0])
+        if t in (aten.stack.default, aten.cat.default):  # losses stacked to be summed or averaged:
+            return [leaf for a in args[0] for leaf in self._terms(a)]  # torch.stack(chunk_losses).sum()
         if t in (aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar):
             # a Python 0 is no term: a loss summed in a loop from ``total = 0.0`` (a chunked
             # cross-entropy, sweep 12: ``(0.0 + ce_1 + ... + ce_4) / n_valid`` read as nonlinear, a
@@ -452,7 +454,7 @@ class _Reader:
         if not self._depends(b):
             num = self._terms(a)
             if num and all(leaf == ("sum", None) for leaf in num) and (
-                    b == self.rows or len(num) == 1 and b == self._summed_elements(a)):
+                    b == self.rows or b == self._summed_total(a)):
                 return [("mean", None)]  # sum / x.size(0), sum / x.numel(): a batch mean
             return num
         num, den = self._terms(a), self._terms(b)
@@ -460,6 +462,32 @@ class _Reader:
                 and all(leaf != "const" and leaf[0] == den[0][0] for leaf in num)):
             return [("ratio", b.name)]
         return self._nonlinear(node)
+
+    def _summed_total(self, node) -> int | None:
+        """How many per-sample elements the batch sums of the affine expression ``node`` add up
+        together: ``_summed_elements`` of one, or of each term of a sum of them (chunks of a
+        cross-entropy, ``(ce(chunk_1, "sum") + ce(chunk_2, "sum")) / y.numel()``, also added from a
+        Python 0 or stacked: ``torch.stack(chunks).sum()``), or None."""
+        if not isinstance(node, torch.fx.Node):
+            return None
+        t = _INPLACE.get(node.target, node.target)
+        stacked = (aten.stack.default, aten.cat.default)
+        while (t in _LINEAR and not self._rows(node.args[0]) and node.args[0].target not in stacked
+               or t in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar)
+               and len(node.args) > 1 and not self._depends(node.args[1])) and self._depends(node.args[0]):
+            node = node.args[0]  # a scaling (0.1 * sq) or a cast of the sums
+            t = _INPLACE.get(node.target, node.target)
+        if t in (aten.add.Tensor, aten.add.Scalar) and node.kwargs.get("alpha", 1) == 1:
+            parts = [a for a in node.args[:2] if not (isinstance(a, (int, float)) and a == 0)]
+        elif t in stacked:
+            parts = list(node.args[0])
+        elif t in (aten.sum.default, aten.sum.dim_IntList) and isinstance(node.args[0], torch.fx.Node) \
+                and not self._rows(node.args[0]) and node.args[0].target in stacked:
+            parts = [node.args[0]]
+        else:
+            return self._summed_elements(node)
+        counts = [self._summed_total(a) for a in parts]
+        return None if not counts or None in counts else sum(counts)
 
     def _summed_elements(self, node) -> int | None:
         """How many per-sample elements the one batch sum of the affine expression ``node`` adds

@@ -2188,19 +2188,24 @@ class Float64Head(_Base):
 
 
 class Spectral(_Base):
-    """A Fourier layer (FNO): ``rfft`` along the sequence, the low modes times complex weights
-    (a ``cfloat`` parameter), ``irfft`` back."""
+    """Fourier layers (FNO) inside and after the MLP: ``rfft`` along the sequence, the low modes
+    times complex weights (``cfloat`` parameters), ``irfft`` back. ``fc1`` is used first: its
+    gradient bucket's flat buffer was fp32, and the complex gradients lost their imaginary parts."""
 
     def __init__(self):
         super().__init__()
-        self.modes = nn.Parameter(0.3 * torch.randn(3, HIDDEN, dtype=torch.cfloat))
+        self.modes = nn.Parameter(0.3 * torch.randn(3, 4 * HIDDEN, dtype=torch.cfloat))
+        self.modes_out = nn.Parameter(0.3 * torch.randn(3, HIDDEN, dtype=torch.cfloat))
+
+    @staticmethod
+    def fourier(x, modes):
+        f = torch.fft.rfft(x, dim=1)  # (B, T / 2 + 1, H) complex
+        f = torch.cat([f[:, :3] * modes, torch.zeros_like(f[:, 3:])], 1)
+        return x + torch.fft.irfft(f, n=x.shape[1], dim=1)
 
     def forward(self, x, y):
-        f = torch.fft.rfft(x, dim=1)  # (B, T / 2 + 1, H) complex
-        low = f[:, :3] * self.modes
-        f = torch.cat([low, torch.zeros_like(f[:, 3:])], 1)
-        h = x + torch.fft.irfft(f, n=x.shape[1], dim=1)
-        return F.mse_loss(self.fc2(F.gelu(self.fc1(h))), y)
+        h = self.fc2(self.fourier(F.gelu(self.fc1(x)), self.modes))
+        return F.mse_loss(self.fourier(h, self.modes_out), y)
 
 
 class ChunkedCE(_LM):
@@ -2232,3 +2237,22 @@ def spectral(batch, seq=None, device="cpu", seed=0):
 
 def chunked_ce(batch, seq=None, device="cpu", seed=0):
     return _lm(ChunkedCE, batch, seq, seed)
+
+
+class HalvesSum(_LM):
+    """A per-token mean written as two summed halves of the sequence over the token count:
+    ``(ce(first half, "sum") + ce(second half, "sum")) / targets.numel()`` (a loss computed in
+    chunks to save memory), and a chunked MSE ``torch.stack(chunks).sum() / h.numel()``."""
+
+    def forward(self, ids, targets):
+        h = self.tok(ids)
+        h = h + self.fc2(F.gelu(self.fc1(h)))
+        t = h.shape[1] // 2
+        ce = (F.cross_entropy(self.head(h[:, :t]).flatten(0, 1), targets[:, :t].flatten(), reduction="sum")
+              + F.cross_entropy(self.head(h[:, t:]).flatten(0, 1), targets[:, t:].flatten(), reduction="sum"))
+        sq = torch.stack([c.pow(2).sum() for c in h.split(3, 1)]).sum()
+        return ce / targets.numel() + 0.1 * sq / h.numel()
+
+
+def halves_sum(batch, seq=None, device="cpu", seed=0):
+    return _lm(HalvesSum, batch, seq, seed, pad=False)
