@@ -153,7 +153,8 @@ element count baked in): 2 microbatches gave twice the loss, gradients 1e4 x the
 Equal: pre-norm / post-norm ``nn.TransformerEncoderLayer``, ``nn.MultiheadAttention(need_weights=
 True)`` in a pipeline with Megatron stages, a buffer written with ``copy_`` under ZeRO-3, a
 transposed (non-contiguous) parameter, odd sizes under a pipeline with ZeRO-3, an autocast region
-pipelined, clipping with frozen parameters in a pipeline. verify names the random ops it cannot
+pipelined, clipping with frozen parameters in a pipeline, losses reduced over the batch by
+``nanmean`` / ``nansum``, ``topk`` (OHEM), ``median``, ``logsumexp`` and ``amax`` (``batch_stats``). verify names the random ops it cannot
 compare (:data:`RANDOM`: ``dropout`` differs, its report says ``aten.dropout in drop (Dropout)``);
 a parameter's ``register_post_accumulate_grad_hook`` (an optimizer step in backward) is refused
 naming the parameter (``post_hook``: the trainer and verify's reference both dropped it).
@@ -320,6 +321,7 @@ SWEEP12 = {
     "odd_dims-pipe_z3": ("odd_dims", PIPE_Z3, "momentum"),
     "autocast-pipe": ("autocast", PIPE, "sgd"),
     "frozen_parts-clip_pipe": ("frozen_parts", PIPE | {"max_grad_norm": 0.05}, "adamw_wd"),
+    "batch_stats-megatron": ("batch_stats", MEGATRON, "momentum"), "batch_stats-z3": ("batch_stats", DP | {"zero_stage": 3}, "sgd"),
 }
 CASES |= {name: {"model": f"patterns:{p}", "seq": 8, "options": o, "optimizer": opt, "steps": 3}
           for name, (p, o, opt) in SWEEP12.items()}

@@ -472,9 +472,10 @@ class _Reader:
             return None
         t = _INPLACE.get(node.target, node.target)
         stacked = (aten.stack.default, aten.cat.default)
-        while (t in _LINEAR and not self._rows(node.args[0]) and node.args[0].target not in stacked
-               or t in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar)
-               and len(node.args) > 1 and not self._depends(node.args[1])) and self._depends(node.args[0]):
+        while node.args and self._depends(node.args[0]) and (
+                t in _LINEAR and not self._rows(node.args[0]) and node.args[0].target not in stacked
+                or t in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar)
+                and len(node.args) > 1 and not self._depends(node.args[1])):
             node = node.args[0]  # a scaling (0.1 * sq) or a cast of the sums
             t = _INPLACE.get(node.target, node.target)
         if t in (aten.add.Tensor, aten.add.Scalar) and node.kwargs.get("alpha", 1) == 1:
