@@ -240,3 +240,14 @@ def test_capture_refuses_post_accumulate_grad_hooks():
             capture(net, (x,))
     finally:
         handle.remove()
+
+
+def test_capture_error_names_the_models_line_and_a_low_precision_op():
+    """An op torch does not run in the mixed-precision dtype (``torch.fft`` in bf16, an FNO's Fourier
+    layer): the error said only "Unsupported dtype BFloat16"; it names the model's line and what to do."""
+    from alpa_lite.core.capture import capture
+    sys.path.insert(0, str(Path(__file__).parent / "workers"))
+    import patterns
+    with pytest.raises(CaptureError, match=r"(?s)Unsupported dtype BFloat16 \(at .*patterns\.py:\d+: "
+                                           r"f = torch\.fft\.rfft.*compute it in float32"):
+        capture(*patterns.spectral(4), compute_dtype=torch.bfloat16)

@@ -157,7 +157,10 @@ pipelined, clipping with frozen parameters in a pipeline, losses reduced over th
 ``nanmean`` / ``nansum``, ``topk`` (OHEM), ``median``, ``logsumexp`` and ``amax`` (``batch_stats``). verify names the random ops it cannot
 compare (:data:`RANDOM`: ``dropout`` differs, its report says ``aten.dropout in drop (Dropout)``);
 a parameter's ``register_post_accumulate_grad_hook`` (an optimizer step in backward) is refused
-naming the parameter (``post_hook``: the trainer and verify's reference both dropped it).
+naming the parameter (``post_hook``: the trainer and verify's reference both dropped it). Under
+``mixed_precision="bf16"`` the FNO died "cannot capture Spectral: RuntimeError: Unsupported dtype
+BFloat16" (torch.fft has no bf16 kernel); the error now names the model's line and what to do
+(``test_api``).
 """
 import json
 from pathlib import Path
