@@ -61,11 +61,10 @@ def test_bounded_search_is_the_unbounded_plan(monkeypatch):
     """The search drops the (range, submesh) pairs no pipeline below the step time of a plan it
     already has can hold (``inter_op._pipeline_floors``: ``B t`` plus the other stages' least
     FLOPs time; inf where the other layers cannot use exactly the other devices) and, for the
-    interleaved DP, the pairs it cannot place (``_interleaved_fits``), and prices lazily (only
-    pairs in the optimum of a DP over priced options and the others' bounds, ``_relaxed_runs``):
-    it solves fewer stage ILPs and returns the plan of the search that prices every pair, under
-    one schedule and under ``"auto"`` (interleaved among them). GPT-3 125M's width, 4 blocks (12
-    took twice the time for the same counts of stage ILPs, 4 against 21)."""
+    interleaved DP, the pairs it cannot place (``_interleaved_fits``): it solves fewer stage ILPs
+    and returns the plan of the search that prices every pair, under one schedule and under
+    ``"auto"`` (interleaved among them). GPT-3 125M's width, 4 blocks (12 took twice the time for
+    the same counts of stage ILPs, 4 against 21)."""
     from alpa_lite.compiler import inter_op
 
     model, example = build_model("gpt3-125m", 8, device="meta", num_layers=4)  # a block a layer
@@ -77,25 +76,48 @@ def test_bounded_search_is_the_unbounded_plan(monkeypatch):
             m.setattr(inter_op, "_pipeline_floors", lambda costs, L, shapes, *a: dict.fromkeys(
                 ((k, i, q) for k in range(L) for i in range(k + 1, L + 1) for q in shapes), 0.0))
             m.setattr(inter_op, "_interleaved_fits", lambda *a: True)
-            m.setattr(inter_op, "_relaxed", lambda costs, within: within)  # every pair priced by the DPs
             full = plan(model, example, mesh, pipeline=pipe)
         assert bounded.stats["ilp_solves"] < full.stats["ilp_solves"], schedule
         assert bounded.to_json() == full.to_json(), schedule
+
+
+def test_a_microbatch_count_beaten_before_its_pairs_are_priced_is_the_same_plan(monkeypatch):
+    """Once the stage DPs over the priced options and, for the pairs not priced, options as fast
+    as their bounds and as small as their least bytes (``inter_op._relaxed``) cannot step under
+    the plan held, a microbatch count stops pricing (``_beaten``): GPT-3 125M, 4 blocks on 2x2,
+    ``schedule="auto"``, B in 1, 2, 4, 8: the same plan as pricing on, B = 2, 4 and 8 so reported,
+    and fewer (range, submesh) pairs priced (4 against 7)."""
+    from alpa_lite.compiler import inter_op
+    from alpa_lite.compiler.stage_costs import GraphStageCosts
+
+    model, example = build_model("gpt3-125m", 8, device="meta", num_layers=4)
+    mesh = LogicalMesh((2, 2), cluster="a100")
+    pipe = PipelineOptions(num_layers=4, microbatch_candidates=(1, 2, 4, 8), workers=1, schedule="auto")
+    priced, prefetch = [], GraphStageCosts.prefetch
+    monkeypatch.setattr(GraphStageCosts, "prefetch", lambda self, keys, *a, **k: (priced.extend(keys),
+                                                                                  prefetch(self, keys, *a, **k)))
+    beaten = plan(model, example, mesh, pipeline=pipe)
+    pairs = len(priced)
+    with monkeypatch.context() as m:
+        m.setattr(inter_op, "_beaten", lambda *a: False)
+        on = plan(model, example, mesh, pipeline=pipe)
+    assert beaten.to_json() == on.to_json()
+    assert pairs < len(priced) - pairs
+    tried = beaten.stats["microbatch_objectives"]
+    assert all(tried[b].startswith("bounded out: no pipeline of the priced pairs and the others' bounds") for b in "248")
 
 
 def test_auto_without_gpipe_is_the_plan_with_it(monkeypatch):
     """``schedule="auto"`` runs no GPipe DP (``inter_op.dp_schedules``: 1F1B dominates it), so the
     stage options stop at the other schedules' in-flight needs (the whole model on the whole mesh:
     1 instead of B): on GPT-3 125M, 2x2, memory-tight (1.5 GiB a device: options up to B = 4 in
-    flight are re-solved), B in 1, 2, 4, fewer stage ILPs and the plan of the search with GPipe.
-    Both price every pair they keep (the lazy pricing, ``_relaxed_runs``, needed one ILP either way)."""
+    flight are re-solved), B in 1, 2, 4, fewer stage ILPs and the plan of the search with GPipe."""
     from alpa_lite.compiler import inter_op
     from alpa_lite.core.schedules import SCHEDULES
 
     model, example = build_model("gpt3-125m", 8, device="meta")
     mesh = LogicalMesh((2, 2), cluster="a100")
     pipe = PipelineOptions(num_layers=4, microbatch_candidates=(1, 2, 4), workers=1, schedule="auto")
-    monkeypatch.setattr(inter_op, "_relaxed", lambda costs, within: within)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pruned = plan(model, example, mesh, pipeline=pipe, memory_budget=1.5 * 2**30)

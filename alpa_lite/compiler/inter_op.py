@@ -159,17 +159,21 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
         if out == len(cells) and math.isfinite(bound):  # no pipeline of this B beats the plan held: no ILP, no DP
             tried[b] = f"bounded out: no pipeline can step under the {bound:.6g} s of the plan held"
             continue
-        # price lazily: the stage DPs over priced options and, for the pairs not priced, options no
-        # option of theirs beats (``_relaxed_runs``) name the unpriced pairs of their optima; those
-        # are priced, the floors raised by every priced pair's least option time, and again, until
-        # each optimum that may step under the plan held is of priced pairs only: then the DPs
-        # over the priced pairs answer as over every pair (Alpa's pruning by T*, section 5.1)
-        while True:
-            runs, need, why = _relaxed_runs(costs, within, pruned, len(layers), mesh.shape, shapes, budget, b, bound,
-                                            schedules, pipeline, cg)
-            if not need:
+        # price the pairs kept, ``workers`` submeshes at a time, those holding the least floor first;
+        # each time, the floors again with every priced pair's least option time for its bound (inf:
+        # no option), until the stage DPs over the priced options and the others' bounds say that
+        # no pipeline of this B can step under the plan held (``_beaten``)
+        beaten = False
+        while todo := [c for c in cells if any(w.kept(*c) for w in pruned.values()) and costs.priced(*c) is None]:
+            if beaten := _beaten(costs, within, len(layers), mesh.shape, shapes, budget, b, bound, schedules,
+                                 pipeline, cg):
+                say(f"stage costs (B={b}): no pipeline of the priced pairs and the others' bounds steps under "
+                    f"the {bound:.6g} s of the plan held; {len(todo)} pairs left unpriced")
+                tried[b] = (f"bounded out: no pipeline of the priced pairs and the others' bounds steps under the "
+                            f"{bound:.6g} s of the plan held")
                 break
-            costs.prefetch(sorted(need), workers, say)
+            order = sorted({c[2] for c in todo}, key=lambda q: (min(floors[c] for c in todo if c[2] == q), q))
+            costs.prefetch([c for c in todo if c[2] in order[:workers]], workers, say)
             if one_stage and costs.priced(*whole) is not None:
                 bound = min(bound, _one_stage_seconds(costs.priced(*whole), b, budget, linear))
             if linear:  # with no plan held, pairs no pipeline of priced-feasible pairs can hold still go
@@ -177,19 +181,24 @@ def plan_pipeline(capture_rows: Callable[[int], CapturedGraph], batch: int, mesh
                                           budget)
                 within, pruned = _within(costs, layers, floors, bound, devices, b, pipeline, "interleaved" in schedules)
         refined = sum(not any(w.kept(*c) for w in within.values()) for c in cells) - out
-        unpriced = sum(costs.priced(*c) is None and any(w.kept(*c) for w in within.values()) for c in cells)
-        say(f"stage DP (B={b}): {refined} more pairs bounded out by the priced pairs' times, {unpriced} kept "
-            f"pairs left unpriced")
+        if refined:
+            say(f"stage costs (B={b}): {refined} more pairs bounded out by the priced pairs' times")
         res = None
-        for schedule, cost, subs in runs:
-            found = stage_dp(len(layers), mesh.shape, _priced_only(costs, cost), budget, b,
-                             num_stages=pipeline.num_stages, schedule=schedule, submeshes=subs, chunks=pipeline.chunks,
-                             shared=_shared_layers(cg, costs, len(layers)) if schedule == "interleaved" else None)
-            if res is None or found.objective < res.objective:
-                res = found
-        if res is None:  # among the pairs kept: none under the plan held may fit
-            tried[b] = why if math.isinf(bound) else f"bounded out: {why} (of the pipelines that may step under the " \
-                                                     f"{bound:.6g} s of the plan held)"
+        if not beaten:
+            say(f"stage DP (B={b})")
+        for schedule in schedules if not beaten else ():
+            kind = "interleaved" if schedule == "interleaved" else "linear"
+            for cost in (pruned[kind], within[kind]):  # the FLOPs-balance pruning may leave no way to make num_stages
+                try:
+                    found = stage_dp(len(layers), mesh.shape, cost, budget, b, num_stages=pipeline.num_stages,
+                                     schedule=schedule, submeshes=shapes, chunks=pipeline.chunks,
+                                     shared=_shared_layers(cg, costs, len(layers)) if kind == "interleaved" else None)
+                    if res is None or found.objective < res.objective:
+                        res = found
+                    break
+                except PipelinePlanError as e:  # among the pairs kept: none under the plan held may fit
+                    tried[b] = str(e) if math.isinf(bound) else f"bounded out: {e} (of the pipelines that may " \
+                                                                  f"step under the {bound:.6g} s of the plan held)"
         costs.save_cache()
         disk_hits += costs.stats["disk_hits"]
         pricing_limits += costs.limits
@@ -289,9 +298,9 @@ def _within(costs: GraphStageCosts, layers, floors, bound: float, devices: int, 
 
 def _relaxed(costs: GraphStageCosts, within: CostFn) -> CostFn:
     """``within``'s pairs (``_kept``) with their options where priced and, where not, one option
-    no option of theirs beats (none is faster, ``GraphStageCosts.lower_bound``, or holds fewer
-    weight or activation bytes, ``least_weight_bytes`` / ``least_act_bytes``; nothing once per
-    step); no stage ILP is solved."""
+    no option of theirs beats: none is faster (``GraphStageCosts.lower_bound``) or holds fewer
+    weight or activation bytes (``least_weight_bytes``, ``least_act_bytes``), and it pays nothing
+    once per step. No stage ILP is solved."""
 
     def cost(k, i, q):
         if not within.kept(k, i, q):
@@ -306,52 +315,29 @@ def _relaxed(costs: GraphStageCosts, within: CostFn) -> CostFn:
     return cost
 
 
-def _priced_only(costs: GraphStageCosts, within: CostFn) -> CostFn:
-    """``within``'s pairs (``_kept``) with their options where priced, ``[]`` elsewhere."""
-    return lambda k, i, q: (costs.priced(k, i, q) or []) if within.kept(k, i, q) else []
-
-
-def _relaxed_runs(costs: GraphStageCosts, within: dict[str, CostFn], pruned: dict[str, CostFn], num_layers: int,
-                  cluster_shape, shapes, budget: float, b: int, bound: float, schedules, pipeline: PipelineOptions,
-                  cg) -> tuple[list[tuple], set[tuple], str]:
-    """The stage DPs the search runs for ``b`` microbatches, over ``_relaxed`` options: per schedule
-    (and, interleaved, per submesh shape) the pairs ``pruned`` keeps, or ``within`` where those make
-    no pipeline. Returns ``(runs, need, why)``: ``runs``, the ``(schedule, pairs, submeshes)`` DPs
-    whose least recursion value (``DPResult.floor``, at most the step of every pipeline each
-    considers) is at most ``bound`` (the others' pipelines, on whatever options the pairs left
-    unpriced get, cannot step under it); ``need``, the unpriced pairs of those DPs' optima; ``why``,
-    the last DP's reason for finding no pipeline. With ``need`` empty, each run over the priced
-    options alone (``_priced_only``) has the optimum it has over every pair: each other pipeline's
-    step is at least its relaxed value, at least the optimum's, whose options are its own."""
-    runs, need, why = [], set(), "no pipeline"
+def _beaten(costs: GraphStageCosts, within: dict[str, CostFn], num_layers: int, cluster_shape, shapes,
+            budget: float, b: int, bound: float, schedules, pipeline: PipelineOptions, cg) -> bool:
+    """Whether no pipeline of ``b`` microbatches of the pairs ``within`` keeps can step under
+    ``bound`` (the plan held) under any of ``schedules``, however the pairs not priced yet are
+    priced: each schedule's stage DP over ``_relaxed`` options finds no pipeline, or its least
+    recursion value (``DPResult.floor``: at most the step of every pipeline it considers; equal to
+    the least step but under interleaved 1F1B) is above ``bound``. The priced options can only be
+    slower and larger than the relaxed ones, so the DPs over them would find none under ``bound``
+    either (Alpa's bound on the step, section 5.1, before every pair is priced)."""
+    if math.isinf(bound):
+        return False
     for schedule in schedules:
         kind = "interleaved" if schedule == "interleaved" else "linear"
-        shared = _shared_layers(cg, costs, num_layers) if kind == "interleaved" else None
-
-        def dp(cost, subs):
-            return stage_dp(num_layers, cluster_shape, _relaxed(costs, cost), budget, b, num_stages=pipeline.num_stages,
-                            schedule=schedule, submeshes=subs, chunks=pipeline.chunks, shared=shared)
-
-        found_any = False
-        # interleaved: one DP per submesh shape, each answer the step of its own shape's optimum
-        for subs in ([[q] for q in shapes] if kind == "interleaved" else [list(shapes)]):
-            for cost in (pruned[kind], within[kind]):  # the FLOPs-balance pruning may leave no way to make num_stages
-                try:
-                    found = dp(cost, subs)
-                except PipelinePlanError:
-                    continue
-                found_any = True
-                if found.floor <= bound * (1 + 1e-9):  # margin: float rounding
-                    runs.append((schedule, cost, subs))
-                    need |= {(st.start, st.end, st.submesh) for st in found.stages
-                             if costs.priced(st.start, st.end, st.submesh) is None}
-                break
-        if not found_any:  # the reason over every shape
-            try:
-                dp(within[kind], list(shapes))
-            except PipelinePlanError as e:
-                why = str(e)
-    return runs, need, why
+        try:
+            found = stage_dp(num_layers, cluster_shape, _relaxed(costs, within[kind]), budget, b,
+                             num_stages=pipeline.num_stages, schedule=schedule, submeshes=shapes,
+                             chunks=pipeline.chunks,
+                             shared=_shared_layers(cg, costs, num_layers) if kind == "interleaved" else None)
+        except PipelinePlanError:
+            continue
+        if found.floor <= bound * (1 + 1e-9):  # margin: float rounding
+            return False
+    return True
 
 
 class _Priced:
