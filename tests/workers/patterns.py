@@ -2118,16 +2118,6 @@ class BufCopy(_Base):
         return F.mse_loss(out, y)
 
 
-class TwoBatches(_Base):
-    """A loss from two outputs of different batch sizes: ``x`` ``(B, T, H)`` and ``z`` ``(2 B, T, H)``
-    (extra negatives), each a mean of its own."""
-
-    def forward(self, x, y, z):
-        a = self.fc2(F.relu(self.fc1(x)))
-        b = self.fc2(F.relu(self.fc1(z)))
-        return F.mse_loss(a, y) + 0.5 * b.pow(2).mean()
-
-
 def post_hook(batch, seq=None, device="cpu", seed=0):
     return _regression(PostHook, batch, seq, seed)
 
@@ -2154,11 +2144,6 @@ def batch_weights(batch, seq=None, device="cpu", seed=0):
 
 def buf_copy(batch, seq=None, device="cpu", seed=0):
     return _regression(BufCopy, batch, seq, seed)
-
-
-def two_batches(batch, seq=None, device="cpu", seed=0):
-    model, (x, y) = _regression(TwoBatches, batch, seq, seed)
-    return model, (x, y, torch.randn(2 * batch, x.shape[1], HIDDEN, generator=_seeded(seed + 3)))
 
 
 class NonContigParam(_Base):
