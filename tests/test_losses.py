@@ -145,6 +145,17 @@ READS = {
                                     + _ce(o[:, 3:], y[:, 3:], ignore_index=0, reduction="sum")) / (y != 0).sum(),
                       "ratio", "sum_1", 0),
     "sum from 0": (lambda o, y: 0 + _ce(o, y, reduction="sum"), "sum", None, 0),
+    # the same from a zero tensor (torch.zeros, new_zeros, a torch.tensor(0.0) literal, a full of 0):
+    # read as a sum with "a term that does not depend on the batch", K microbatches K times the loss
+    "halves from zeros over numel": (lambda o, y: (torch.zeros(()) + _ce(o[:, :3], y[:, :3], reduction="sum")
+                                                   + _ce(o[:, 3:], y[:, 3:], reduction="sum")) / y.numel(),
+                                     "mean", None, 0),
+    "halves from a zero literal over numel": (lambda o, y: (torch.tensor(0.0) + _ce(o[:, :3], y[:, :3], reduction="sum")
+                                                            + _ce(o[:, 3:], y[:, 3:], reduction="sum")) / y.numel(),
+                                              "mean", None, 0),
+    "sum from new_zeros": (lambda o, y: o.new_zeros(()) + _ce(o, y, reduction="sum"), "sum", None, 0),
+    "sum from full of 0": (lambda o, y: torch.full((), 0.0) + _ce(o, y, reduction="sum"), "sum", None, 0),
+    "sum from a one literal": (lambda o, y: torch.tensor(1.0) + _ce(o, y, reduction="sum"), "sum", None, 1),
     # chunk sums added (or stacked and summed) over the number of elements of all chunks: a mean
     # (two halves were read as a sum, and K microbatches gave K times the loss, silently)
     "halves over numel": (lambda o, y: (_ce(o[:, :3], y[:, :3], reduction="sum")

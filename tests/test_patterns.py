@@ -325,6 +325,7 @@ SWEEP12 = {
     "autocast-pipe": ("autocast", PIPE, "sgd"),
     "frozen_parts-clip_pipe": ("frozen_parts", PIPE | {"max_grad_norm": 0.05}, "adamw_wd"),
     "batch_stats-megatron": ("batch_stats", MEGATRON, "momentum"), "batch_stats-z3": ("batch_stats", DP | {"zero_stage": 3}, "sgd"),
+    "zero_start-accumulate": ("zero_start", ACCUMULATE, "sgd"), "zero_start-pipe_tp": ("zero_start", PIPE_TP, "momentum"),
     "cum_split-megatron": ("cum_split", MEGATRON, "sgd"), "batch_weights-z2": ("batch_weights", DP | {"zero_stage": 2}, "momentum"),
 }
 CASES |= {name: {"model": f"patterns:{p}", "seq": 8, "options": o, "optimizer": opt, "steps": 3}

@@ -420,10 +420,10 @@ class _Reader:
         if t in (aten.stack.default, aten.cat.default):  # losses stacked to be summed or averaged:
             return [leaf for a in args[0] for leaf in self._terms(a)]  # torch.stack(chunk_losses).sum()
         if t in (aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar):
-            # a Python 0 is no term: a loss summed in a loop from ``total = 0.0`` (a chunked
+            # a zero is no term: a loss summed in a loop from ``total = 0.0`` (a chunked
             # cross-entropy, sweep 12: ``(0.0 + ce_1 + ... + ce_4) / n_valid`` read as nonlinear, a
             # pipeline and accumulate=2 averaged its microbatches' ratios under a false warning)
-            return [leaf for a in args[:2] if not (isinstance(a, (int, float)) and a == 0) for leaf in self._terms(a)]
+            return [leaf for a in args[:2] if not self._zero(a) for leaf in self._terms(a)]
         if t in (aten.mul.Tensor, aten.mul.Scalar):
             a, b = args[:2]
             if not self._depends(b):
@@ -434,6 +434,27 @@ class _Reader:
         if t in (aten.div.Tensor, aten.div.Scalar):
             return self._quotient(node, *args[:2])
         return self._nonlinear(node)
+
+    def _zero(self, a) -> bool:
+        """Whether ``a`` is a zero that no batch changes: a Python 0, ``torch.zeros`` /
+        ``new_zeros`` / ``zeros_like`` / a ``full`` of 0, or a tensor literal of zeros
+        (``torch.tensor(0.0)``, a lifted constant), through copies and casts. A chunked loss summed
+        from ``torch.zeros(())`` over ``y.numel()`` was read as a sum with "a term that does not
+        depend on the batch" (after sweep 12): 2 microbatches gave twice the loss."""
+        while isinstance(a, torch.fx.Node) and not self.depends[a.name] and (
+                a.target in _LINEAR or a.target in (aten.lift_fresh_copy.default, aten.detach.default,
+                                                    aten.detach_.default)):
+            a = a.args[0]
+        if isinstance(a, (int, float)):
+            return a == 0
+        if not isinstance(a, torch.fx.Node) or self.depends[a.name]:
+            return False
+        if a.target in (aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default):
+            return True
+        if a.target in (aten.full.default, aten.full_like.default, aten.new_full.default):
+            return bind_args(a.target, a.args, a.kwargs)["fill_value"] == 0
+        value = self.cg.constants.get(a.name)
+        return value is not None and not bool(value.any())
 
     def _leaf(self, node):
         """``(kind, denominator)`` of a node reducing a per-sample operand over the batch, or None."""
@@ -479,7 +500,7 @@ class _Reader:
             node = node.args[0]  # a scaling (0.1 * sq) or a cast of the sums
             t = _INPLACE.get(node.target, node.target)
         if t in (aten.add.Tensor, aten.add.Scalar) and node.kwargs.get("alpha", 1) == 1:
-            parts = [a for a in node.args[:2] if not (isinstance(a, (int, float)) and a == 0)]
+            parts = [a for a in node.args[:2] if not self._zero(a)]
         elif t in stacked:
             parts = list(node.args[0])
         elif t in (aten.sum.default, aten.sum.dim_IntList) and isinstance(node.args[0], torch.fx.Node) \
