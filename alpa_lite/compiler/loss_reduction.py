@@ -488,7 +488,7 @@ class _Reader:
         """How many per-sample elements the batch sums of the affine expression ``node`` add up
         together: ``_summed_elements`` of one, or of each term of a sum of them (chunks of a
         cross-entropy, ``(ce(chunk_1, "sum") + ce(chunk_2, "sum")) / y.numel()``, also added from a
-        Python 0 or stacked: ``torch.stack(chunks).sum()``), or None."""
+        zero (``_zero``) or stacked: ``torch.stack(chunks).sum()``), or None."""
         if not isinstance(node, torch.fx.Node):
             return None
         t = _INPLACE.get(node.target, node.target)
